@@ -1,0 +1,296 @@
+"""In-memory rollout trees and their columnar batch form.
+
+``Tree`` is what samplers build and what tests compare: a list of ``Node``
+records plus the tree's metadata and its environment snapshots. ``TreeBatch``
+is the columnar form the store writes (three Arrow tables with the
+``schema.*_INPUT`` schemas); converting many trees to one batch is how a
+collector commits them together. All walks are iterative (no recursion), so
+a 100,000-deep chain works.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rollout_store.schema import (
+    NODE_INPUT,
+    SNAPSHOT_INPUT,
+    TREE_INPUT,
+    NodeKind,
+    SegmentKind,
+)
+from rollout_store.validate import (
+    TreeStructure,
+    TreeValidationError,
+    check_columns,
+    validate_nodes,
+)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A span ``[start, end)`` of a node's action tokens (a tool call, a summary, ...)."""
+
+    kind: SegmentKind
+    start: int
+    end: int
+
+
+@dataclass
+class Node:
+    """One step: the agent's action and the tool feedback it got (a ``nodes`` row)."""
+
+    node_id: int
+    parent_id: int | None
+    kind: NodeKind = "decision"
+    action_text: str = ""
+    action_token_ids: list[int] = field(default_factory=list)
+    action_logprobs: list[float] = field(default_factory=list)
+    action_entropies: list[float] = field(default_factory=list)
+    observation_text: str = ""
+    observation_token_ids: list[int] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    terminal: bool = False
+    reward: float | None = None
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    snapshot_id: str | None = None
+    n_gen_tokens: int | None = None
+    tool_calls: int | None = None
+    phase: str | None = None
+    meta: dict[str, Any] | None = None
+
+
+@dataclass
+class Tree:
+    """A rollout tree: one task instance at one policy version (a ``trees`` row + nodes).
+
+    ``snapshots`` maps snapshot ids to raw environment states (bytes); the
+    store compresses them. The prompt is the root's ``observation_text``.
+    """
+
+    tree_id: str
+    nodes: list[Node]
+    run_id: str = "default"
+    task_id: str = ""
+    env: str = "none"
+    sampler: str = "none"
+    env_config: dict[str, Any] | None = None
+    policy_version: str | None = None
+    policy_ref: str | None = None
+    budget: int | None = None
+    rollouts_by_phase: dict[str, int] = field(default_factory=dict)
+    seed: int | None = None
+    critical_node_id: int | None = None
+    created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    meta: dict[str, Any] | None = None
+    snapshots: dict[str, bytes] = field(default_factory=dict)
+
+    def validate(self) -> TreeStructure:
+        """Check every rule of ``validate.py``; raise ``TreeValidationError`` naming the node."""
+        return TreeBatch.from_trees([self]).validate()
+
+    def node(self, node_id: int) -> Node:
+        for n in self.nodes:
+            if n.node_id == node_id:
+                return n
+        raise KeyError(f"tree {self.tree_id!r} has no node {node_id}")
+
+    def children(self) -> dict[int, list[int]]:
+        """Child ids of every node, ascending (leaves map to an empty list)."""
+        out: dict[int, list[int]] = {n.node_id: [] for n in self.nodes}
+        for n in self.nodes:
+            if n.parent_id is not None:
+                out.setdefault(n.parent_id, []).append(n.node_id)
+        for kids in out.values():
+            kids.sort()
+        return out
+
+    def root(self) -> Node:
+        roots = [n for n in self.nodes if n.parent_id is None]
+        if len(roots) != 1:
+            raise TreeValidationError(self.tree_id, None, "no_root" if not roots else
+                                      "several_roots", f"{len(roots)} parentless nodes")
+        return roots[0]
+
+    def preorder(self) -> Iterator[Node]:
+        """Nodes in depth-first order, children by ascending id (iterative)."""
+        by_id = {n.node_id: n for n in self.nodes}
+        kids = self.children()
+        stack = [self.root().node_id]
+        while stack:
+            nid = stack.pop()
+            yield by_id[nid]
+            stack.extend(reversed(kids[nid]))
+
+    def leaves(self) -> list[Node]:
+        kids = self.children()
+        return [n for n in self.preorder() if not kids[n.node_id]]
+
+    def path_to(self, node_id: int) -> list[Node]:
+        """Nodes from the root to ``node_id`` inclusive (a trajectory when it is a leaf)."""
+        by_id = {n.node_id: n for n in self.nodes}
+        out = []
+        cur: int | None = node_id
+        while cur is not None:
+            node = by_id[cur]
+            out.append(node)
+            cur = node.parent_id
+            if len(out) > len(by_id):
+                raise TreeValidationError(self.tree_id, node_id, "cycle", "parent ids loop")
+        return out[::-1]
+
+
+def _json(obj: dict[str, Any] | None) -> str | None:
+    return None if obj is None else json.dumps(obj, sort_keys=True)
+
+
+def _unjson(text: str | None) -> dict[str, Any] | None:
+    return None if text is None else json.loads(text)
+
+
+@dataclass(frozen=True)
+class TreeBatch:
+    """Many trees in columnar form: the unit the store validates and commits.
+
+    ``trees`` has ``schema.TREE_INPUT``, ``nodes`` ``schema.NODE_INPUT``,
+    ``snapshots`` ``schema.SNAPSHOT_INPUT`` (raw, uncompressed states).
+    """
+
+    trees: pa.Table
+    nodes: pa.Table
+    snapshots: pa.Table
+
+    @staticmethod
+    def from_trees(trees: Sequence[Tree]) -> TreeBatch:
+        tree_rows = [
+            {
+                "tree_id": t.tree_id, "run_id": t.run_id, "task_id": t.task_id, "env": t.env,
+                "env_config": _json(t.env_config), "sampler": t.sampler,
+                "policy_version": t.policy_version, "policy_ref": t.policy_ref,
+                "budget": t.budget, "rollouts_by_phase": list(t.rollouts_by_phase.items()),
+                "seed": t.seed, "critical_node_id": t.critical_node_id,
+                "created_at": t.created_at, "meta": _json(t.meta),
+            }
+            for t in trees
+        ]
+        node_rows = [
+            {
+                "tree_id": t.tree_id, "node_id": n.node_id, "parent_id": n.parent_id,
+                "kind": n.kind, "phase": n.phase, "action_text": n.action_text,
+                "action_token_ids": n.action_token_ids, "action_logprobs": n.action_logprobs,
+                "action_entropies": n.action_entropies,
+                "observation_text": n.observation_text,
+                "observation_token_ids": n.observation_token_ids,
+                "segments": [{"kind": s.kind, "start": s.start, "end": s.end}
+                             for s in n.segments],
+                "terminal": n.terminal, "reward": n.reward,
+                "reward_parts": list(n.reward_parts.items()), "snapshot_id": n.snapshot_id,
+                "n_gen_tokens": n.n_gen_tokens, "tool_calls": n.tool_calls,
+                "meta": _json(n.meta),
+            }
+            for t in trees
+            for n in t.nodes
+        ]
+        snap_rows = [
+            {"snapshot_id": sid, "tree_id": t.tree_id, "env": t.env, "state": state}
+            for t in trees
+            for sid, state in t.snapshots.items()
+        ]
+        return TreeBatch(
+            trees=pa.Table.from_pylist(tree_rows, schema=TREE_INPUT),
+            nodes=pa.Table.from_pylist(node_rows, schema=NODE_INPUT),
+            snapshots=pa.Table.from_pylist(snap_rows, schema=SNAPSHOT_INPUT),
+        )
+
+    def validate(self) -> TreeStructure:
+        """Validate every tree of the batch (see ``validate.py``); return node structure."""
+        return validate_batch(self)
+
+    def to_trees(self) -> list[Tree]:
+        """Back to in-memory trees (the inverse of ``from_trees``)."""
+        return trees_from_tables(self.trees, self.nodes, self.snapshots)
+
+
+def trees_from_tables(
+    trees: pa.Table, nodes: pa.Table, snapshots: pa.Table | None = None
+) -> list[Tree]:
+    """Build ``Tree`` objects from rows of the ``trees``/``nodes``/``snapshots`` tables.
+
+    Extra columns (the derived ``depth``, ``preorder``, ... of stored nodes) are
+    ignored. ``snapshots.state`` must hold raw (decompressed) states.
+    """
+    by_tree: dict[str, list[Node]] = {}
+    for r in nodes.select(NODE_INPUT.names).to_pylist():
+        by_tree.setdefault(r["tree_id"], []).append(Node(
+            node_id=r["node_id"], parent_id=r["parent_id"], kind=r["kind"],
+            action_text=r["action_text"] or "",
+            action_token_ids=r["action_token_ids"] or [],
+            action_logprobs=r["action_logprobs"] or [],
+            action_entropies=r["action_entropies"] or [],
+            observation_text=r["observation_text"] or "",
+            observation_token_ids=r["observation_token_ids"] or [],
+            segments=[Segment(s["kind"], s["start"], s["end"]) for s in r["segments"] or []],
+            terminal=r["terminal"], reward=r["reward"],
+            reward_parts=dict(r["reward_parts"] or []), snapshot_id=r["snapshot_id"],
+            n_gen_tokens=r["n_gen_tokens"], tool_calls=r["tool_calls"], phase=r["phase"],
+            meta=_unjson(r["meta"]),
+        ))
+    snaps: dict[str, dict[str, bytes]] = {}
+    if snapshots is not None:
+        for r in snapshots.select(["snapshot_id", "tree_id", "state"]).to_pylist():
+            snaps.setdefault(r["tree_id"], {})[r["snapshot_id"]] = r["state"]
+    out = []
+    for r in trees.select(TREE_INPUT.names).to_pylist():
+        out.append(Tree(
+            tree_id=r["tree_id"], nodes=by_tree.get(r["tree_id"], []), run_id=r["run_id"],
+            task_id=r["task_id"], env=r["env"], sampler=r["sampler"],
+            env_config=_unjson(r["env_config"]), policy_version=r["policy_version"],
+            policy_ref=r["policy_ref"], budget=r["budget"],
+            rollouts_by_phase=dict(r["rollouts_by_phase"] or []), seed=r["seed"],
+            critical_node_id=r["critical_node_id"], created_at=r["created_at"],
+            meta=_unjson(r["meta"]), snapshots=snaps.get(r["tree_id"], {}),
+        ))
+    return out
+
+
+def validate_batch(batch: TreeBatch) -> TreeStructure:
+    """All rules of ``validate.py`` over a whole batch, plus the batch-level ones:
+    trees and nodes match one to one, and every snapshot a node names is carried."""
+    check_columns(batch.trees, TREE_INPUT, "trees")
+    check_columns(batch.snapshots, SNAPSHOT_INPUT, "snapshots")
+    structure = validate_nodes(batch.nodes, NODE_INPUT)
+    tree_ids = batch.trees.column("tree_id")
+    if len(pc.unique(tree_ids)) != len(tree_ids):
+        counts = pc.value_counts(tree_ids).to_pylist()
+        dup = next(c["values"] for c in counts if c["counts"] > 1)
+        raise TreeValidationError(dup, None, "duplicate_tree_id", "two trees rows share this id")
+    node_trees = batch.nodes.column("tree_id")
+    unknown = pc.invert(pc.is_in(node_trees, value_set=tree_ids))
+    if pc.any(unknown).as_py():
+        row = pc.index(unknown, True).as_py()
+        raise TreeValidationError(str(node_trees[row]), int(batch.nodes["node_id"][row].as_py()),
+                                  "unknown_tree", "the node's tree has no trees row")
+    empty = pc.invert(pc.is_in(tree_ids, value_set=node_trees))
+    if pc.any(empty).as_py():
+        row = pc.index(empty, True).as_py()
+        raise TreeValidationError(str(tree_ids[row]), None, "empty_tree", "the tree has no nodes")
+    snap_ids = batch.nodes.column("snapshot_id").drop_null()
+    missing = pc.invert(
+        pc.is_in(snap_ids, value_set=batch.snapshots.column("snapshot_id"))
+    )
+    if len(snap_ids) and pc.any(missing).as_py():
+        sid = snap_ids[pc.index(missing, True).as_py()].as_py()
+        mask = pc.equal(batch.nodes.column("snapshot_id"), sid)
+        row = pc.index(mask, True).as_py()
+        raise TreeValidationError(
+            str(node_trees[row]), int(batch.nodes["node_id"][row].as_py()),
+            "missing_snapshot", f"snapshot {sid!r} is not in the batch",
+        )
+    return structure
