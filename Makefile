@@ -1,0 +1,37 @@
+# Two entry points (README): `make demo` runs the main job, `make test` the checks CI runs.
+# Both create the virtual environment from scratch when it is missing.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: setup test test-all lint demo bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and exactly this version: any other spec pulls a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -m "not slow" -q
+
+test-all: lint
+	$(BIN)/pytest -q
+
+demo: $(STAMP)
+	$(BIN)/rtrees demo --store store-demo
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) store-demo .pytest_cache .mypy_cache .ruff_cache

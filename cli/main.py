@@ -1,0 +1,192 @@
+"""``rtrees``: the command line. Each command parses its options and calls one library function."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Collect, archive, audit and train on rollout trees.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+store_app = typer.Typer(help="Inspect and maintain a store.", no_args_is_help=True)
+app.add_typer(store_app, name="store")
+
+console = Console()
+err = Console(stderr=True)
+
+StoreOpt = Annotated[Path, typer.Option("--store", help="Store directory.")]
+
+
+def _fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _open(path: Path, create: bool = False):  # type: ignore[no-untyped-def]
+    from rollout_store import SchemaMismatchError, Store, StoreError
+
+    try:
+        return Store(path, create=create)
+    except (StoreError, SchemaMismatchError) as exc:
+        _fail(str(exc))
+
+
+@store_app.command("info")
+def store_info(store: StoreOpt,
+               as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False
+               ) -> None:
+    """Tables, table versions, row counts, bytes and schema version."""
+    from rollout_store.maintenance import info
+    from rollout_store.store import CorruptFileError
+
+    try:
+        data = info(_open(store))
+    except CorruptFileError as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    table = Table(title=f"{data['store']}  (schema v{data['schema_version']}, "
+                        f"{data['commits']} committed appends)")
+    for col in ("table", "version", "rows", "uncommitted rows", "files", "bytes", "schema"):
+        table.add_column(col, justify="left" if col == "table" else "right")
+    for name, t in data["tables"].items():
+        table.add_row(name, str(t["version"]), f"{t['rows']:,}", f"{t['uncommitted_rows']:,}",
+                      str(t["files"]), f"{t['bytes']:,}", f"v{t['schema_version']}")
+    console.print(table)
+
+
+@store_app.command("validate")
+def store_validate(store: StoreOpt) -> None:
+    """Read every committed byte: file sizes, page checksums, and every tree rule."""
+    from rollout_store.maintenance import verify
+
+    report = verify(_open(store))
+    for problem in report.problems:
+        err.print(f"[red]problem:[/] {problem}", highlight=False)
+    if not report.ok:
+        raise typer.Exit(1)
+    console.print(f"ok: {report.files_checked} files and {report.trees_checked} trees checked")
+
+
+@store_app.command("compact")
+def store_compact(
+    store: StoreOpt,
+    vacuum: Annotated[bool, typer.Option(help="Also delete unreferenced files.")] = True,
+    retention_hours: Annotated[int, typer.Option(
+        help="Vacuum keeps unreferenced files younger than this (min 1): appends in "
+             "flight and readers pinned to older versions need them.")] = 168,
+    target_size: Annotated[int | None, typer.Option(help="Target file size in bytes.")] = None,
+) -> None:
+    """Merge small files (safe while collectors append), then vacuum old unreferenced files."""
+    from rollout_store.maintenance import compact
+    from rollout_store.maintenance import vacuum as run_vacuum
+
+    s = _open(store)
+    for name, m in compact(s, target_size).items():
+        console.print(f"{name}: {m['numFilesRemoved']} files -> {m['numFilesAdded']}")
+    if vacuum:
+        try:
+            removed = run_vacuum(s, retention_hours)
+        except ValueError as exc:
+            _fail(str(exc))
+        console.print(f"vacuum: removed {len(removed)} unreferenced files "
+                      f"older than {retention_hours} h")
+
+
+class SqlFormat(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+
+
+@app.command("sql")
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL over the views trees, nodes, snapshots, "
+                                              "credits, mc_references, metrics, paths, siblings.")],
+    store: StoreOpt,
+    fmt: Annotated[SqlFormat, typer.Option("--format", help="Output format.")] = SqlFormat.table,
+    version: Annotated[int | None, typer.Option(
+        help="Time travel: read the store as of this trees-table version.")] = None,
+) -> None:
+    """Run SQL against the store's DuckDB views."""
+    import duckdb
+
+    from rollout_store import StoreError, connect
+
+    try:
+        con = connect(_open(store), version)
+        result = con.sql(query)
+    except (duckdb.Error, StoreError) as exc:
+        _fail(str(exc))
+    if result is None:
+        return
+    data = result.to_arrow_table()
+    if fmt is SqlFormat.json:
+        print(json.dumps(data.to_pylist(), default=str))
+    elif fmt is SqlFormat.csv:
+        import pyarrow.csv as pacsv
+
+        pacsv.write_csv(data, sys.stdout.buffer)
+    else:
+        table = Table()
+        for name in data.column_names:
+            table.add_column(name)
+        for row in data.to_pylist():
+            table.add_row(*("NULL" if v is None else str(v) for v in row.values()))
+        console.print(table)
+
+
+class ImportFormat(str, Enum):
+    verl_jsonl = "verl-jsonl"
+    trl_parquet = "trl-parquet"
+
+
+@app.command("import")
+def import_dumps(
+    paths: Annotated[list[Path], typer.Argument(help="Dump files to ingest.")],
+    store: StoreOpt,
+    fmt: Annotated[ImportFormat, typer.Option("--format", help="Source format.")],
+    reward_columns: Annotated[str | None, typer.Option(
+        help="TRL: comma-separated reward columns (default: every numeric column that is "
+             "not step or advantage).")] = None,
+    run_id: Annotated[str | None, typer.Option(help="Run id for the imported trees.")] = None,
+) -> None:
+    """Ingest verl rollout_data_dir JSONL or TRL completions Parquet as one-level trees."""
+    from rollout_store.importers import DumpImportError, import_files
+
+    s = _open(store, create=True)
+    try:
+        reports = import_files(s, [str(p) for p in paths], fmt.value, run_id=run_id,
+                               reward_columns=None if reward_columns is None
+                               else [c.strip() for c in reward_columns.split(",") if c.strip()])
+    except DumpImportError as exc:
+        _fail(str(exc))
+    for r in reports:
+        console.print(r.summary())
+
+
+@app.command("demo")
+def demo(
+    store: StoreOpt = Path("store-demo"),
+    trees: Annotated[int, typer.Option(help="Synthetic BEL-shaped trees to write.")] = 2000,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """The store demo: write synthetic BEL-shaped trees, compact, query, validate."""
+    from rollout_store.demo import run_demo
+
+    run_demo(store, n_trees=trees, seed=seed, console=console)
+
+
+def main() -> None:  # pragma: no cover - console-script entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
