@@ -12,10 +12,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli.env_cmd import env_app
+
 app = typer.Typer(help="Collect, archive, audit and train on rollout trees.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 store_app = typer.Typer(help="Inspect and maintain a store.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
+app.add_typer(env_app, name="env")
 
 console = Console()
 err = Console(stderr=True)
