@@ -265,12 +265,12 @@ def validate_batch(batch: TreeBatch) -> TreeStructure:
     trees and nodes match one to one, and every snapshot a node names is carried."""
     check_columns(batch.trees, TREE_INPUT, "trees")
     check_columns(batch.snapshots, SNAPSHOT_INPUT, "snapshots")
-    structure = validate_nodes(batch.nodes, NODE_INPUT)
     tree_ids = batch.trees.column("tree_id")
     if len(pc.unique(tree_ids)) != len(tree_ids):
         counts = pc.value_counts(tree_ids).to_pylist()
         dup = next(c["values"] for c in counts if c["counts"] > 1)
         raise TreeValidationError(dup, None, "duplicate_tree_id", "two trees rows share this id")
+    structure = validate_nodes(batch.nodes, NODE_INPUT)
     node_trees = batch.nodes.column("tree_id")
     unknown = pc.invert(pc.is_in(node_trees, value_set=tree_ids))
     if pc.any(unknown).as_py():
