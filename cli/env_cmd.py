@@ -1,7 +1,201 @@
-"""``rtrees env ...``: drive an environment by hand (issue 3)."""
+"""``rtrees env ...``: drive an environment by hand (issue 3).
+
+``rtrees env play --env calc --seed 3 --action '<tool_call>...</tool_call>' --action ...``
+runs one episode of the seeded task ``generate_tasks(1, seed)[0]`` and prints one JSON
+line per step. ``--snapshot-out`` / ``--snapshot-in`` save and continue an episode.
+
+The snapshot file is JSON: ``{"format": "rtrees-env-snapshot/1", "env", "task_id",
+"step", "done", "state"}`` with ``state`` the base64 of ``Environment.snapshot()``, so
+that ``--snapshot-in`` can check the environment and continue the step numbering. A
+file holding raw ``Environment.snapshot()`` bytes is accepted too (steps then count
+from 0 and the task id is unknown).
+
+The logic lives in ``start_episode`` / ``step_episode`` / ``snapshot_file`` so that
+tests and notebooks can call it without the command line.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
 
+from train.envs import ENVIRONMENTS, Environment, make_env
+
 env_app = typer.Typer(help="Try tool environments by hand.", no_args_is_help=True)
+
+SNAPSHOT_FILE_FORMAT = "rtrees-env-snapshot/1"
+
+
+class EnvCommandError(Exception):
+    """A problem with the command's input (unknown environment, bad option, bad
+    snapshot file): reported in one line, exit code 2."""
+
+
+@dataclass
+class Episode:
+    """An environment mid-episode and what the command line knows about it."""
+
+    env: Environment
+    env_name: str
+    task_id: str | None
+    step: int
+    done: bool = False
+
+
+def load_env(name: str) -> Environment:
+    """``make_env(name)``, with unknown or unavailable environments as ``EnvCommandError``."""
+    if name not in ENVIRONMENTS:
+        raise EnvCommandError(f"unknown environment {name!r}; choose from "
+                              f"{', '.join(sorted(ENVIRONMENTS))}")
+    try:
+        return make_env(name)
+    except Exception as exc:  # a missing module or a failing constructor alike
+        raise EnvCommandError(f"environment {name!r} is not available: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+
+def parse_mix(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` options for ``generate_tasks``; VALUE is JSON, else a plain string."""
+    mix: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise EnvCommandError(f"--mix expects KEY=VALUE, got {item!r}")
+        try:
+            mix[key] = json.loads(value)
+        except json.JSONDecodeError:
+            mix[key] = value
+    return mix
+
+
+def start_episode(env_name: str, seed: int, mix: dict[str, Any] | None = None,
+                  snapshot_in: bytes | None = None) -> tuple[Episode, dict[str, Any]]:
+    """A fresh episode of ``generate_tasks(1, seed, **mix)[0]``, or one restored from a
+    snapshot file's bytes; returns it with the first output record."""
+    env = load_env(env_name)
+    try:
+        if snapshot_in is not None:
+            episode = _restore(env, env_name, snapshot_in)
+            return episode, {"step": episode.step, "task_id": episode.task_id,
+                             "restored": True, "done": episode.done}
+        try:
+            task = type(env).generate_tasks(1, seed, **(mix or {}))[0]
+        except (TypeError, ValueError) as exc:
+            raise EnvCommandError(f"cannot generate a {env_name} task: {exc}") from None
+        observation = env.reset(task)
+    except BaseException:
+        env.close()
+        raise
+    return (Episode(env, env_name, task.task_id, 0),
+            {"step": 0, "task_id": task.task_id, "observation": observation, "done": False})
+
+
+def _restore(env: Environment, env_name: str, data: bytes) -> Episode:
+    wrapper = _read_wrapper(data)
+    if wrapper is None:  # raw Environment.snapshot() bytes
+        state, task_id, step, done = data, None, 0, False
+    else:
+        if wrapper["env"] != env_name:
+            raise EnvCommandError(f"the snapshot is of environment {wrapper['env']!r}, "
+                                  f"not {env_name!r}")
+        state, task_id, step, done = (wrapper["state"], wrapper["task_id"], wrapper["step"],
+                                      wrapper["done"])
+    try:
+        env.restore(state)
+    except Exception as exc:
+        raise EnvCommandError(f"cannot restore the snapshot: {exc}") from None
+    return Episode(env, env_name, task_id, step, done)
+
+
+def _read_wrapper(data: bytes) -> dict[str, Any] | None:
+    """The fields of a snapshot file, or None when ``data`` is not one."""
+    try:
+        wrapper = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(wrapper, dict) or wrapper.get("format") != SNAPSHOT_FILE_FORMAT:
+        return None
+    try:
+        fields = {"env": str(wrapper["env"]), "task_id": wrapper.get("task_id"),
+                  "step": int(wrapper["step"]), "done": bool(wrapper.get("done", False)),
+                  "state": base64.b64decode(wrapper["state"], validate=True)}
+    except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+        raise EnvCommandError(f"malformed snapshot file: {exc}") from None
+    return fields
+
+
+def step_episode(episode: Episode, action: str) -> dict[str, Any]:
+    """Apply one action; the output record of that step."""
+    result = episode.env.step(action)
+    episode.step += 1
+    episode.done = result.done
+    return {"step": episode.step, "observation": result.observation,
+            "reward_parts": result.reward_parts, "done": result.done}
+
+
+def snapshot_file(episode: Episode) -> bytes:
+    """The snapshot file's bytes for the episode's current state."""
+    record = {"format": SNAPSHOT_FILE_FORMAT, "env": episode.env_name,
+              "task_id": episode.task_id, "step": episode.step, "done": episode.done,
+              "state": base64.b64encode(episode.env.snapshot()).decode("ascii")}
+    return (json.dumps(record, sort_keys=True) + "\n").encode()
+
+
+def _error(message: str, code: int) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@env_app.command("play")
+def play(
+    env: Annotated[str, typer.Option("--env", help=f"Environment: {', '.join(ENVIRONMENTS)}.")],
+    seed: Annotated[int, typer.Option(help="Task seed: the task is generate_tasks(1, seed)[0].")
+                    ] = 0,
+    action: Annotated[list[str] | None, typer.Option(
+        "--action", help="One action text per step, in order (repeat the option).")] = None,
+    snapshot_in: Annotated[Path | None, typer.Option(
+        help="Start from this saved state instead of the task's start (--seed, --difficulty "
+             "and --mix are then ignored).")] = None,
+    snapshot_out: Annotated[Path | None, typer.Option(
+        help="Save the state after the last action here.")] = None,
+    difficulty: Annotated[list[int] | None, typer.Option(
+        help="Task difficulty (repeat for a mix): generate_tasks(..., difficulties=[...]).")
+                          ] = None,
+    mix: Annotated[list[str] | None, typer.Option(
+        help="Other generate_tasks option as KEY=JSON, e.g. max_steps=6 (repeatable).")
+                   ] = None,
+) -> None:
+    """Run one episode with the given actions; print one JSON line per step."""
+    try:
+        options = parse_mix(mix or [])
+        if difficulty:
+            options["difficulties"] = list(difficulty)
+        state = None
+        if snapshot_in is not None:
+            try:
+                state = snapshot_in.read_bytes()
+            except OSError as exc:
+                raise EnvCommandError(f"cannot read {snapshot_in}: {exc.strerror}") from None
+        episode, first = start_episode(env, seed, options, state)
+    except EnvCommandError as exc:
+        raise _error(str(exc), 2) from None
+    try:
+        print(json.dumps(first))
+        for text in action or []:
+            print(json.dumps(step_episode(episode, text)), flush=True)
+        saved = snapshot_file(episode) if snapshot_out is not None else None
+    except Exception as exc:  # an environment bug: report it in one line, no traceback
+        raise _error(f"environment {env!r} failed: {type(exc).__name__}: {exc}", 1) from None
+    finally:
+        episode.env.close()
+    if snapshot_out is not None and saved is not None:
+        try:
+            snapshot_out.write_bytes(saved)
+        except OSError as exc:
+            raise _error(f"cannot write {snapshot_out}: {exc.strerror}", 1) from None

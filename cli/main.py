@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -21,7 +21,7 @@ app.add_typer(store_app, name="store")
 app.add_typer(env_app, name="env")
 
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # never wrap error messages: users grep them
 
 StoreOpt = Annotated[Path, typer.Option("--store", help="Store directory.")]
 
@@ -103,7 +103,7 @@ def store_compact(
                       f"older than {retention_hours} h")
 
 
-class SqlFormat(str, Enum):
+class SqlFormat(StrEnum):
     table = "table"
     csv = "csv"
     json = "json"
@@ -117,6 +117,8 @@ def sql(
     fmt: Annotated[SqlFormat, typer.Option("--format", help="Output format.")] = SqlFormat.table,
     version: Annotated[int | None, typer.Option(
         help="Time travel: read the store as of this trees-table version.")] = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Check every file's page checksums first (DuckDB does not).")] = False,
 ) -> None:
     """Run SQL against the store's DuckDB views."""
     import duckdb
@@ -124,7 +126,7 @@ def sql(
     from rollout_store import StoreError, connect
 
     try:
-        con = connect(_open(store), version)
+        con = connect(_open(store), version, verify_checksums=verify)
         result = con.sql(query)
     except (duckdb.Error, StoreError) as exc:
         _fail(str(exc))
@@ -146,7 +148,7 @@ def sql(
         console.print(table)
 
 
-class ImportFormat(str, Enum):
+class ImportFormat(StrEnum):
     verl_jsonl = "verl-jsonl"
     trl_parquet = "trl-parquet"
 

@@ -49,7 +49,7 @@ def run_demo(path: Path, n_trees: int = 2000, seed: int = 0,
     table = Table(title=f"store {store.path}")
     for col in ("table", "rows", "files", "bytes"):
         table.add_column(col, justify="left" if col == "table" else "right")
-    for name, t in summary["tables"].items():  # type: ignore[union-attr]
+    for name, t in summary["tables"].items():
         table.add_row(name, f"{t['rows']:,}", str(t["files"]), f"{t['bytes']:,}")
     console.print(table)
     query = """

@@ -12,15 +12,12 @@ before its commit references it) and every reader pinned to an older version.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from rollout_store.reader import committed_keys, iter_tree_batches, read_arrow
 from rollout_store.schema import NODES, SCHEMA_VERSION, TABLE_NAMES
-from rollout_store.store import CorruptFileError, Store
+from rollout_store.store import CorruptFileError, Store, check_data_file
 from rollout_store.validate import TreeValidationError, validate_nodes
 
 MIN_VACUUM_RETENTION_HOURS = 1
@@ -80,7 +77,7 @@ def verify(store: Store) -> VerifyReport:
         for f in store.files(name, version, check=False):
             report.files_checked += 1
             try:
-                store_file_check(f.path, f.size)
+                check_data_file(f.path, f.size)
             except CorruptFileError as exc:
                 report.problems.append(str(exc))
     if report.problems:
@@ -92,20 +89,6 @@ def verify(store: Store) -> VerifyReport:
     except TreeValidationError as exc:
         report.problems.append(f"stored tree breaks a rule: {exc}")
     return report
-
-
-def store_file_check(path: str, size: int) -> None:
-    """Raise ``CorruptFileError`` unless ``path`` has ``size`` bytes and reads cleanly."""
-    try:
-        actual = os.stat(path).st_size
-    except FileNotFoundError:
-        raise CorruptFileError(path, "committed data file is missing") from None
-    if actual != size:
-        raise CorruptFileError(path, f"{actual} bytes, the commit recorded {size} (truncated?)")
-    try:
-        pq.ParquetFile(path, page_checksum_verification=True).read()
-    except Exception as exc:  # noqa: BLE001 - any decoding failure means a damaged file
-        raise CorruptFileError(path, f"damaged Parquet data: {exc}") from exc
 
 
 def compact(store: Store, target_size: int | None = None) -> dict[str, Any]:

@@ -34,7 +34,13 @@ import pyarrow.parquet as pq
 
 from rollout_store.schema import SCHEMAS, TABLE_NAMES, TableName
 from rollout_store.snapshots import from_stored
-from rollout_store.store import CorruptFileError, Store, StoreError, StoreVersion
+from rollout_store.store import (
+    CorruptFileError,
+    Store,
+    StoreError,
+    StoreVersion,
+    check_data_file,
+)
 from rollout_store.tree import Tree, trees_from_tables
 
 StoreLike = Store | str | os.PathLike[str]
@@ -59,7 +65,7 @@ def find_corrupt_file(paths: list[str], cause: BaseException) -> CorruptFileErro
     for path in paths:
         try:
             pq.ParquetFile(path, page_checksum_verification=True).read()
-        except Exception as exc:  # noqa: BLE001 - any failure here names the file
+        except Exception as exc:  # any failure here names the file
             return CorruptFileError(path, f"cannot be read: {exc}")
     return CorruptFileError(", ".join(paths[:3]), f"reading failed: {cause}")
 
@@ -129,7 +135,7 @@ def _sql_list(paths: list[str]) -> str:
 
 
 def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
-            success_threshold: float = 1.0,
+            success_threshold: float = 1.0, verify_checksums: bool = False,
             con: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the store's views (see the module docstring).
 
@@ -137,13 +143,20 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
     int (time travel to that ``trees`` version), or None for the latest.
     ``success_threshold`` defines a successful leaf in ``siblings``.
     Every committed file is checked to exist with its recorded size first, so a
-    truncated file is reported by name here rather than mid-query.
+    truncated file is reported by name here rather than mid-query. DuckDB does
+    not check Parquet page checksums: ``verify_checksums`` reads every file once
+    with them checked first (slow on large stores), so a flipped bit is reported
+    by name instead of read silently.
     """
     s = as_store(store)
     pinned = s.resolve(version)
     con = con or duckdb.connect()
     for name in TABLE_NAMES:
-        files = [f.path for f in s.files(name, pinned)]
+        data_files = s.files(name, pinned)
+        if verify_checksums:
+            for f in data_files:
+                check_data_file(f.path, f.size)
+        files = [f.path for f in data_files]
         full = SCHEMAS[name]
         present = set(s.columns(name))
         empty = f"_empty_{name}"

@@ -377,6 +377,24 @@ class Store:
         return self._append_rows("metrics", table, key)
 
 
+def check_data_file(path: str, size: int) -> None:
+    """Raise ``CorruptFileError`` unless ``path`` has ``size`` bytes and reads back cleanly.
+
+    Reads every page with its CRC checked (our writer stores page checksums).
+    DuckDB does not check them, so this is what catches a flipped bit.
+    """
+    try:
+        actual = os.stat(path).st_size
+    except FileNotFoundError:
+        raise CorruptFileError(path, "committed data file is missing") from None
+    if actual != size:
+        raise CorruptFileError(path, f"{actual} bytes, the commit recorded {size} (truncated?)")
+    try:
+        pq.ParquetFile(path, page_checksum_verification=True).read()
+    except Exception as exc:  # any decoding failure: a damaged file
+        raise CorruptFileError(path, f"damaged Parquet data: {exc}") from exc
+
+
 def _check_finite(table: pa.Table, column: str, what: str) -> None:
     values = table.column(column).to_numpy(zero_copy_only=False).astype(float)
     if not np.isfinite(values).all():

@@ -17,12 +17,13 @@ import pyarrow as pa
 from rollout_store.schema import NODE_INPUT, SNAPSHOT_INPUT, TREE_INPUT
 from rollout_store.tree import TreeBatch
 
-_WORDS = np.array(
-    ("the of to and a in is it that for step tool call answer compute value result error "
-     "check plan first then next total sum multiply add divide number order item cart price "
-     "flight book seat date city search query return ok failed retry because so we need "
-     "let me use calc python output print x y z 0 1 2 3 4 5 6 7 8 9 10 12 15 20 25 42 100").split()
+_VOCAB = (
+    "the of to and a in is it that for step tool call answer compute value result error "
+    "check plan first then next total sum multiply add divide number order item cart price "
+    "flight book seat date city search query return ok failed retry because so we need "
+    "let me use calc python output print x y z 0 1 2 3 4 5 6 7 8 9 10 12 15 20 25 42 100"
 )
+_WORDS = np.array(_VOCAB.split())
 
 
 def _lists(lengths: np.ndarray, values: np.ndarray, type_: pa.DataType) -> pa.ListArray:
@@ -109,7 +110,7 @@ def bel_shaped_batch(
         "node_id": pa.array(node_ids),
         "parent_id": pa.array(parent, mask=is_root),
         "kind": pa.array(kinds, pa.string()),
-        "phase": pa.array(np.where(node_ids == 0, None, "explore"), pa.string()),
+        "phase": pa.array([None if r else "explore" for r in is_root], pa.string()),
         "action_text": pa.array(a_text, pa.string()),
         "action_token_ids": _lists(a_len, a_ids, pa.int32()),
         "action_logprobs": _lists(a_len, logprobs, pa.float32()),

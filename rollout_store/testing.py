@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from rollout_store.schema import NODE_KINDS, SEGMENT_KINDS
 from rollout_store.tree import Node, Segment, Tree
 
-_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
+_text = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=20)
 _f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-30.0,
                  max_value=0.0)
 _ent = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=0.0,

@@ -13,13 +13,15 @@ from rollout_store.testing import assert_trees_equal, tree_lists, trees
 from rollout_store.tree import Tree, TreeBatch
 
 _counter = itertools.count()
+# tmp_path is shared across examples; each example makes its own store inside it.
+_FIXTURE_OK = [HealthCheck.function_scoped_fixture]
 
 
 def _fresh(tmp_path: Path) -> Store:
     return Store(tmp_path / f"s{next(_counter)}", create=True)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(batch=tree_lists(max_size=4))
 def test_write_read_equal(tmp_path: Path, batch: list[Tree]) -> None:
     store = _fresh(tmp_path)
@@ -36,7 +38,7 @@ def test_batch_form_round_trip(tree: Tree) -> None:
     assert_trees_equal(tree, TreeBatch.from_trees([tree]).to_trees())
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(batch=tree_lists(min_size=2, max_size=6))
 def test_all_readers_agree(tmp_path: Path, batch: list[Tree]) -> None:
     """DuckDB, polars, arrow streaming and the Tree reader see the same nodes."""
