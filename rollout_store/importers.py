@@ -40,11 +40,13 @@ name, step, prompt), and a file is appended under the key
 ``import:<format>:<sha256 of its bytes>``, so importing a file twice stores it
 once (the second report says so). A different file of the same run and name
 (a re-dumped step) that repeats a (prompt, step) of a stored one is refused
-rather than stored twice; pass another run id to keep both. A file is read and
-validated whole before anything is appended: a bad file writes nothing, and the
-``DumpImportError`` names the file and the line (JSONL, 1-based) or row
-(Parquet, 0-based as in pyarrow/pandas). ``import_files`` imports file by file, so files before a bad one stay imported;
-rerunning after the fix skips them.
+rather than stored twice; pass another run id to keep both.
+
+A file is read and validated whole before anything is appended: a bad file
+writes nothing, and the ``DumpImportError`` names the file and the line (JSONL,
+1-based) or row (Parquet, 0-based as in pyarrow/pandas). ``import_files``
+imports file by file, so files before a bad one stay imported; rerunning after
+the fix skips them.
 """
 
 from __future__ import annotations

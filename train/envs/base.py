@@ -61,19 +61,63 @@ class ParsedAction:
     error: str | None = None
 
 
+def _find_block(text: str, open_tag: str, close_tag: str) -> tuple[int, str] | None:
+    """The first ``open_tag ... close_tag`` block: (start, inner text), as the regexes find it.
+
+    Linear time. ``TOOL_CALL_RE.search`` retries from every later open tag when no
+    close tag follows, which is quadratic: 20k unclosed ``<tool_call>`` took 21 s.
+    The leftmost match always starts at the first open tag (if no close tag follows
+    it, none follows a later one), so two ``str.find`` calls give the same block.
+    """
+    start = text.find(open_tag)
+    if start < 0:
+        return None
+    end = text.find(close_tag, start + len(open_tag))
+    if end < 0:
+        return None
+    return start, text[start + len(open_tag):end]
+
+
+MAX_JSON_DEPTH = 64
+_JSON_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_JSON_BRACKET_RE = re.compile(r"[\[\]{}]")
+
+
+def _json_too_deep(text: str) -> bool:
+    """Whether brackets outside JSON strings nest deeper than ``MAX_JSON_DEPTH``.
+
+    Checked before ``json.loads``, which recurses per level and raises RecursionError
+    at a depth that depends on the caller's stack: the outcome must not.
+    """
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return False
+    depth = 0
+    for match in _JSON_BRACKET_RE.finditer(_JSON_STRING_RE.sub("", text)):
+        depth += 1 if match.group() in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            return True
+    return False
+
+
 def parse_action(text: str) -> ParsedAction:
     """Parse one step's text: the first ``<tool_call>`` or ``<answer>`` block wins.
 
     Anything else (no block, bad JSON, a call without a string ``name`` or
     with non-object ``arguments``) is ``malformed`` with an ``error`` message.
     """
-    call = TOOL_CALL_RE.search(text)
-    answer = ANSWER_RE.search(text)
-    if call and (not answer or call.start() < answer.start()):
+    call = _find_block(text, "<tool_call>", "</tool_call>")
+    answer = _find_block(text, "<answer>", "</answer>")
+    if call and (not answer or call[0] < answer[0]):
+        if _json_too_deep(call[1]):
+            return ParsedAction("malformed", error="tool call JSON is nested more than "
+                                                   f"{MAX_JSON_DEPTH} levels deep")
         try:
-            payload = json.loads(call.group(1))
+            payload = json.loads(call[1])
         except json.JSONDecodeError as exc:
             return ParsedAction("malformed", error=f"tool call is not valid JSON: {exc.msg}")
+        except ValueError:  # an integer over sys.get_int_max_str_digits() digits
+            return ParsedAction("malformed", error="tool call JSON holds a number too large "
+                                                   "to read")
         if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
             return ParsedAction("malformed", error='tool call needs a string "name"')
         args = payload.get("arguments", {})
@@ -81,7 +125,7 @@ def parse_action(text: str) -> ParsedAction:
             return ParsedAction("malformed", error='"arguments" must be a JSON object')
         return ParsedAction("tool_call", name=payload["name"], arguments=args)
     if answer:
-        return ParsedAction("answer", answer=answer.group(1).strip())
+        return ParsedAction("answer", answer=answer[1].strip())
     return ParsedAction("malformed", error="expected <tool_call>{...}</tool_call> or "
                                            "<answer>...</answer>")
 
