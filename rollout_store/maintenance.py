@@ -1,10 +1,10 @@
 """Store upkeep: ``info``, full integrity ``verify``, ``compact`` and ``vacuum``.
 
-Compaction is delta-rs ``optimize.compact`` per table: it rewrites small files
-into larger ones in a commit that removes the old files and adds the new ones
-(``dataChange=false``), so no committed row is lost or duplicated, and it
-commits with Delta's optimistic concurrency beside running appenders (an
-append only adds files, so the two never conflict). Vacuum deletes files that
+Compaction (``compact``) is ours rather than delta-rs ``optimize``: delta-rs
+would merge the invisible rows of a dead append into a file with committed
+rows and write files without our page checksums. delta-rs also accepted (we
+measured) a commit removing files that another commit had already removed, so
+concurrent compactors are serialised by a lock file. Vacuum deletes files that
 no current version references and that are older than a retention window;
 the window must cover the longest append in flight (a writer's file exists
 before its commit references it) and every reader pinned to an older version.
@@ -12,12 +12,29 @@ before its commit references it) and every reader pinned to an older version.
 
 from __future__ import annotations
 
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from rollout_store.reader import committed_keys, iter_tree_batches, read_arrow
-from rollout_store.schema import NODES, SCHEMA_VERSION, TABLE_NAMES
-from rollout_store.store import CorruptFileError, Store, check_data_file
+import pyarrow as pa
+import pyarrow.parquet as pq
+from deltalake.transaction import AddAction, CommitProperties, RemoveAction
+
+from rollout_store.reader import committed_keys, iter_tree_batches, read_arrow, visible_files
+from rollout_store.schema import NODES, SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, TableName
+from rollout_store.store import (
+    COMPACTED_PREFIX,
+    CorruptFileError,
+    DataFile,
+    Store,
+    StoreError,
+    check_data_file,
+)
 from rollout_store.validate import TreeValidationError, validate_nodes
 
 MIN_VACUUM_RETENTION_HOURS = 1
@@ -91,17 +108,88 @@ def verify(store: Store) -> VerifyReport:
     return report
 
 
-def compact(store: Store, target_size: int | None = None) -> dict[str, Any]:
-    """Rewrite each table's small files into large ones; returns delta-rs metrics per table."""
-    out: dict[str, Any] = {}
-    for name in TABLE_NAMES:
-        dt = store.delta_table(name)
-        if len(dt.file_uris()) <= 1:
-            out[name] = {"numFilesAdded": 0, "numFilesRemoved": 0}
-            continue
-        metrics = dt.optimize.compact(target_size=target_size)
-        out[name] = {k: metrics.get(k) for k in ("numFilesAdded", "numFilesRemoved")}
+def compact(store: Store, target_size: int | None = None) -> dict[str, dict[str, int]]:
+    """Rewrite each table's small committed files into ``compact-*`` files.
+
+    Only files whose rows are all committed are merged (a single-key file whose
+    key is in ``trees``, or an earlier ``compact-*`` file): files of appends in
+    flight are left alone, so a later commit point never finds its rows gone,
+    and every compacted file holds committed rows only (readers read it without
+    a row filter). Inputs are grouped up to ``target_size`` bytes (default
+    ``TARGET_FILE_BYTES``) and streamed batch by batch, so memory stays bounded.
+    Each group commits one Delta transaction that removes the inputs and adds
+    the output (``dataChange=false``). An exclusive lock file serialises
+    compactors, and the inputs are checked to be still live just before the
+    commit; appenders never conflict with it. Returns files removed and added
+    per table.
+    """
+    target = target_size or TARGET_FILE_BYTES
+    out: dict[str, dict[str, int]] = {}
+    with _exclusive(store.path / ".compact.lock"):
+        keys = committed_keys(store, store.version())
+        for name in TABLE_NAMES:
+            out[name] = {"numFilesRemoved": 0, "numFilesAdded": 0}
+            store_version = store.version()
+            visible = visible_files(store, name, store_version, keys)
+            small = [f for f in visible.whole if f.size < target]
+            for group in _groups(small, target):
+                _merge(store, name, group)
+                out[name]["numFilesRemoved"] += len(group)
+                out[name]["numFilesAdded"] += 1
     return out
+
+
+TARGET_FILE_BYTES = 256 * 1024 * 1024
+
+
+def _groups(files: list[DataFile], target: int) -> list[list[DataFile]]:
+    """Consecutive groups of at least two files, each up to ``target`` bytes."""
+    groups: list[list[DataFile]] = []
+    current: list[DataFile] = []
+    size = 0
+    for f in files:
+        if current and size + f.size > target:
+            groups.append(current)
+            current, size = [], 0
+        current.append(f)
+        size += f.size
+    groups.append(current)
+    return [g for g in groups if len(g) >= 2]
+
+
+def _merge(store: Store, name: TableName, group: list[DataFile]) -> None:
+    def batches() -> Iterator[pa.RecordBatch]:
+        for f in group:
+            parquet = pq.ParquetFile(f.path, page_checksum_verification=True)
+            yield from parquet.iter_batches(batch_size=65_536, use_threads=False)
+
+    rel, size, stats = store.write_data_file(name, batches(), prefix=COMPACTED_PREFIX)
+    dt = store.delta_table(name)
+    live = {f.path for f in store.files(name, check=False)}
+    gone = [f.path for f in group if f.path not in live]
+    if gone:  # another process removed an input meanwhile: drop our output, keep theirs
+        (store.path / name / rel).unlink()
+        raise StoreError(f"compaction of {name!r} raced with another: {gone[0]} is gone")
+    now = int(time.time() * 1000)
+    root = str(store.path / name) + os.sep
+    actions: list[AddAction | RemoveAction] = [
+        RemoveAction(f.path.removeprefix(root), False, now, f.size, {}) for f in group]
+    actions.append(AddAction(rel, size, {}, now, False, stats))
+    dt.create_write_transaction(
+        actions, mode="append", schema=SCHEMAS[name],
+        commit_properties=CommitProperties(
+            custom_metadata={"rollout_trees.operation": "compact"}, max_commit_retries=100),
+    )
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def vacuum(store: Store, retention_hours: int = 168, dry_run: bool = False) -> list[str]:

@@ -1,9 +1,12 @@
 """Reading a store: DuckDB views, polars and pyarrow readers, streaming tree batches.
 
 Every reader resolves one ``StoreVersion`` first and reads exactly the files
-committed at that version (never a glob), keeping only ``nodes`` and
-``snapshots`` rows whose ``commit_key`` appears in ``trees`` (the commit point
-of an append; see ``store.py``).
+committed at that version (never a glob). For ``nodes`` and ``snapshots`` it
+then keeps only rows of committed appends, those whose ``commit_key`` appears
+in ``trees`` (the commit point of an append; see ``store.py``), at file
+granularity where it can (``visible_files``): a file holding one key is read
+whole when the key is committed and skipped when not; a ``compact-*`` file
+holds committed rows only; any other file is filtered row by row.
 
 DuckDB views (``connect``):
 
@@ -18,24 +21,27 @@ DuckDB views (``connect``):
   ``reward >= success_threshold``). Leaves below a child are found with the
   nested-set columns: preorder in ``[child.preorder, child.preorder +
   child.subtree_size)``.
+
+duckdb and polars are imported when first used, so that processes that only
+write or stream (collectors, the trainer) do not pay for them.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import duckdb
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from rollout_store.schema import SCHEMAS, TABLE_NAMES, TableName
 from rollout_store.snapshots import from_stored
 from rollout_store.store import (
     CorruptFileError,
+    DataFile,
     Store,
     StoreError,
     StoreVersion,
@@ -43,25 +49,71 @@ from rollout_store.store import (
 )
 from rollout_store.tree import Tree, trees_from_tables
 
+if TYPE_CHECKING:
+    import duckdb
+    import polars as pl
+
 StoreLike = Store | str | os.PathLike[str]
 _KEYED: tuple[TableName, ...] = ("nodes", "snapshots")
+_STREAM_BATCH = 16_384  # rows decoded at a time while streaming (bounds memory)
 
 
 def as_store(store: StoreLike) -> Store:
     return store if isinstance(store, Store) else Store(store)
 
 
-def _scan_format() -> ds.ParquetFileFormat:
-    # Page checksums are written by our writer; verify them on every pyarrow read.
-    return ds.ParquetFileFormat(
-        default_fragment_scan_options=ds.ParquetFragmentScanOptions(
-            page_checksum_verification=True
-        )
-    )
+@dataclass(frozen=True)
+class Visible:
+    """The files of one table version a reader must read, and how.
+
+    ``whole`` files hold committed rows only; ``filtered`` files must be read
+    keeping rows whose ``commit_key`` is in ``keys``. ``columns`` are the
+    declared columns physically present (an older schema version may lack some).
+    """
+
+    whole: list[DataFile]
+    filtered: list[DataFile]
+    keys: pa.Array
+    columns: list[str]
+
+    @property
+    def files(self) -> list[DataFile]:
+        return self.whole + self.filtered
+
+
+def committed_keys(store: Store, version: StoreVersion) -> pa.Array:
+    """The commit keys present in ``trees`` at ``version`` (the committed appends)."""
+    files = store.files("trees", version)
+    if not files:
+        return pa.array([], pa.string())
+    table = _read_files([f.path for f in files], ["commit_key"])
+    return pc.unique(table.column("commit_key").combine_chunks())
+
+
+def visible_files(store: Store, name: TableName, version: StoreVersion,
+                  keys: pa.Array | None = None) -> Visible:
+    """Classify the committed files of ``name`` at ``version`` (see the module docstring)."""
+    files = store.files(name, version)
+    present = set(store.columns(name))
+    columns = [c for c in SCHEMAS[name].names if c in present]
+    if name not in _KEYED:
+        return Visible(files, [], pa.array([], pa.string()), columns)
+    keys = committed_keys(store, version) if keys is None else keys
+    key_set = set(keys.to_pylist())
+    whole, filtered = [], []
+    for f in files:
+        if f.compacted:
+            whole.append(f)
+        elif f.min_key is not None and f.min_key == f.max_key:
+            if f.min_key in key_set:
+                whole.append(f)  # else: an append that never reached its commit point
+        else:
+            filtered.append(f)
+    return Visible(whole, filtered, keys, columns)
 
 
 def find_corrupt_file(paths: list[str], cause: BaseException) -> CorruptFileError:
-    """Read each file in turn to name the one behind ``cause`` (a failed scan)."""
+    """Read each file in turn to name the one behind ``cause`` (a failed read)."""
     for path in paths:
         try:
             pq.ParquetFile(path, page_checksum_verification=True).read()
@@ -70,33 +122,39 @@ def find_corrupt_file(paths: list[str], cause: BaseException) -> CorruptFileErro
     return CorruptFileError(", ".join(paths[:3]), f"reading failed: {cause}")
 
 
-def committed_keys(store: Store, version: StoreVersion) -> pa.Array:
-    """The commit keys present in ``trees`` at ``version`` (the committed appends)."""
-    table = _read(store, "trees", version, ["commit_key"], None)
-    return pc.unique(table.column("commit_key").combine_chunks())
-
-
-def _dataset(store: Store, name: TableName, version: StoreVersion) -> ds.Dataset | None:
-    files = [f.path for f in store.files(name, version)]
-    if not files:
-        return None
-    present = set(store.columns(name))
-    schema = pa.schema([f for f in SCHEMAS[name] if f.name in present])
-    return ds.dataset(files, schema=schema, format=_scan_format())
+def _read_files(paths: list[str], columns: list[str],
+                keys: pa.Array | None = None) -> pa.Table:
+    """Read ``columns`` of ``paths`` with page checksums verified, optionally key-filtered."""
+    parts = []
+    for path in paths:
+        try:
+            cols = columns if keys is None or "commit_key" in columns else [*columns,
+                                                                            "commit_key"]
+            table = pq.read_table(path, columns=cols, page_checksum_verification=True)
+            if keys is not None:
+                table = table.filter(pc.is_in(table.column("commit_key"), value_set=keys))
+                table = table.select(columns)
+        except (OSError, pa.ArrowException) as exc:
+            raise CorruptFileError(path, f"cannot be read: {exc}") from exc
+        parts.append(table)
+    return pa.concat_tables(parts, promote_options="permissive")
 
 
 def _read(store: Store, name: TableName, version: StoreVersion,
-          columns: list[str] | None, keys: pa.Array | None) -> pa.Table:
-    dataset = _dataset(store, name, version)
+          columns: list[str] | None) -> pa.Table:
+    visible = visible_files(store, name, version)
     wanted = columns or SCHEMAS[name].names
-    if dataset is None:
-        return SCHEMAS[name].empty_table().select(wanted)
-    filt = None if keys is None else pc.field("commit_key").isin(keys)
-    present = [c for c in wanted if c in dataset.schema.names]
-    try:
-        table = dataset.to_table(columns=present, filter=filt)
-    except (OSError, pa.ArrowException) as exc:
-        raise find_corrupt_file(list(dataset.files), exc) from exc
+    present = [c for c in wanted if c in visible.columns]
+    parts = []
+    if visible.whole:
+        parts.append(_read_files([f.path for f in visible.whole], present))
+    if visible.filtered:
+        parts.append(_read_files([f.path for f in visible.filtered], present, visible.keys))
+    if parts:
+        schema = pa.schema([SCHEMAS[name].field(c) for c in present])
+        table = pa.concat_tables([p.cast(schema) for p in parts])
+    else:
+        table = SCHEMAS[name].empty_table().select(present)
     for c in wanted:  # columns an older schema version lacks read as nulls
         if c not in present:
             f = SCHEMAS[name].field(c)
@@ -108,30 +166,32 @@ def read_arrow(store: StoreLike, table: TableName, version: StoreVersion | int |
                columns: list[str] | None = None) -> pa.Table:
     """One table as a pyarrow Table (committed rows only), optionally some columns."""
     s = as_store(store)
-    pinned = s.resolve(version)
-    keys = committed_keys(s, pinned) if table in _KEYED else None
-    return _read(s, table, pinned, columns, keys)
+    return _read(s, table, s.resolve(version), columns)
 
 
 def read_polars(store: StoreLike, table: TableName,
                 version: StoreVersion | int | None = None) -> pl.LazyFrame:
     """One table as a polars LazyFrame over the committed files (committed rows only)."""
+    import polars as pl
+
     s = as_store(store)
-    pinned = s.resolve(version)
-    files = [f.path for f in s.files(table, pinned)]
-    if not files:
-        frame = pl.from_arrow(SCHEMAS[table].empty_table())
-        assert isinstance(frame, pl.DataFrame)
-        return frame.lazy()
-    lazy = pl.scan_parquet(files)
-    if table in _KEYED:
-        keys = committed_keys(s, pinned).to_pylist()
-        lazy = lazy.filter(pl.col("commit_key").is_in(keys))
-    return lazy
+    visible = visible_files(s, table, s.resolve(version))
+    frames = []
+    if visible.whole:
+        frames.append(pl.scan_parquet([f.path for f in visible.whole]))
+    if visible.filtered:
+        keys = visible.keys.to_pylist()
+        frames.append(pl.scan_parquet([f.path for f in visible.filtered])
+                      .filter(pl.col("commit_key").is_in(keys)))
+    if not frames:
+        empty = pl.from_arrow(SCHEMAS[table].empty_table())
+        assert isinstance(empty, pl.DataFrame)
+        return empty.lazy()
+    return pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0]
 
 
-def _sql_list(paths: list[str]) -> str:
-    return "[" + ", ".join("'" + p.replace("'", "''") + "'" for p in paths) + "]"
+def _sql_list(paths: list[DataFile]) -> str:
+    return "[" + ", ".join("'" + f.path.replace("'", "''") + "'" for f in paths) + "]"
 
 
 def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
@@ -148,34 +208,34 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
     with them checked first (slow on large stores), so a flipped bit is reported
     by name instead of read silently.
     """
+    import duckdb
+
     s = as_store(store)
     pinned = s.resolve(version)
     con = con or duckdb.connect()
+    keys = committed_keys(s, pinned)
+    con.register("_committed_keys", pa.table({"commit_key": keys}))
     for name in TABLE_NAMES:
-        data_files = s.files(name, pinned)
+        visible = visible_files(s, name, pinned, keys)
         if verify_checksums:
-            for f in data_files:
+            for f in visible.files:
                 check_data_file(f.path, f.size)
-        files = [f.path for f in data_files]
         full = SCHEMAS[name]
-        present = set(s.columns(name))
         empty = f"_empty_{name}"
         con.register(empty, full.empty_table())
-        if not files:
+        parts = []
+        if visible.whole:
+            parts.append(f"SELECT * FROM read_parquet({_sql_list(visible.whole)})")
+        if visible.filtered:
+            parts.append(f"SELECT * FROM read_parquet({_sql_list(visible.filtered)}) "
+                         "WHERE commit_key IN (SELECT commit_key FROM _committed_keys)")
+        if not parts:
             source = f"SELECT * FROM {empty}"
-        elif present == set(full.names):
-            source = f"SELECT * FROM read_parquet({_sql_list(files)})"
-        else:  # an older schema version: fill the columns it lacks with nulls
-            source = (f"SELECT * FROM {empty} UNION ALL BY NAME "
-                      f"SELECT * FROM read_parquet({_sql_list(files)})")
-        raw = f"_raw_{name}"
-        con.execute(f"CREATE OR REPLACE VIEW {raw} AS {source}")
-        if name in _KEYED:
-            body = (f"SELECT * FROM {raw} WHERE commit_key IN "
-                    "(SELECT DISTINCT commit_key FROM trees)")
-        else:
-            body = f"SELECT * FROM {raw}"
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
+        elif len(visible.columns) == len(full) and len(parts) == 1:
+            source = parts[0]
+        else:  # several parts, or an older schema version: align columns by name
+            source = " UNION ALL BY NAME ".join([f"SELECT * FROM {empty}", *parts])
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {source}")
     con.execute("""
         CREATE OR REPLACE VIEW paths AS
         SELECT tree_id, node_id AS leaf_id, depth, reward
@@ -203,6 +263,24 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
     return con
 
 
+def _stream_file(f: DataFile, columns: list[str] | None,
+                 keys: pa.Array | None) -> Iterator[pa.RecordBatch]:
+    """Record batches of one file, decoded a few thousand rows at a time."""
+    try:
+        parquet = pq.ParquetFile(f.path, pre_buffer=False, page_checksum_verification=True)
+        cols = None if columns is None else (
+            columns if keys is None or "commit_key" in columns else [*columns, "commit_key"])
+        for batch in parquet.iter_batches(batch_size=_STREAM_BATCH, columns=cols,
+                                          use_threads=False):
+            if keys is not None:
+                batch = batch.filter(pc.is_in(batch.column("commit_key"), value_set=keys))
+                if columns is not None and "commit_key" not in columns:
+                    batch = batch.select(columns)
+            yield batch
+    except (OSError, pa.ArrowException) as exc:
+        raise CorruptFileError(f.path, f"cannot be read: {exc}") from exc
+
+
 def iter_tree_batches(store: StoreLike, version: StoreVersion | int | None = None, *,
                       max_rows: int = 65_536,
                       columns: list[str] | None = None) -> Iterator[pa.Table]:
@@ -210,28 +288,23 @@ def iter_tree_batches(store: StoreLike, version: StoreVersion | int | None = Non
 
     Memory stays bounded by about ``max_rows`` rows plus the rows of trees
     that straddle a file or batch boundary, however large the store: files
-    are scanned batch by batch and a tree is emitted once all its
+    are read a few thousand rows at a time and a tree is emitted once all its
     ``trees.n_nodes`` rows have arrived. ``columns`` must include ``tree_id``
     when given.
     """
-    s = as_store(store)
-    pinned = s.resolve(version)
-    trees = _read(s, "trees", pinned, ["tree_id", "n_nodes", "commit_key"], None)
     if columns is not None and "tree_id" not in columns:
         raise ValueError("columns must include 'tree_id'")
+    s = as_store(store)
+    pinned = s.resolve(version)
+    trees = _read(s, "trees", pinned, ["tree_id", "n_nodes"])
     expected = dict(zip(trees.column("tree_id").to_pylist(),
                         trees.column("n_nodes").to_pylist(), strict=True))
-    keys = pc.unique(trees.column("commit_key").combine_chunks())
-    dataset = _dataset(s, "nodes", pinned)
-    if dataset is None:
-        return
-    scanner = dataset.scanner(columns=columns, filter=pc.field("commit_key").isin(keys),
-                              batch_size=min(max_rows, 65_536), batch_readahead=1,
-                              fragment_readahead=1)
+    visible = visible_files(s, "nodes", pinned)
+    sources = [(f, None) for f in visible.whole] + [(f, visible.keys) for f in visible.filtered]
     pending: list[pa.RecordBatch] = []
     n_pending = 0
-    try:
-        for batch in scanner.to_batches():
+    for f, keys in sources:
+        for batch in _stream_file(f, columns, keys):
             if batch.num_rows == 0:
                 continue
             pending.append(batch)
@@ -241,8 +314,6 @@ def iter_tree_batches(store: StoreLike, version: StoreVersion | int | None = Non
                 pending, n_pending = rest.to_batches(), rest.num_rows
                 if ready.num_rows:
                     yield ready
-    except (OSError, pa.ArrowException) as exc:
-        raise find_corrupt_file(list(dataset.files), exc) from exc
     if pending:
         ready, rest = _split_complete(pa.Table.from_batches(pending), expected)
         if rest.num_rows:
@@ -278,4 +349,5 @@ def read_trees(store: StoreLike, tree_ids: list[str] | None = None,
     return trees_from_tables(trees, nodes, from_stored(snaps))
 
 
-__all__ = ["connect", "iter_tree_batches", "read_arrow", "read_polars", "read_trees"]
+__all__ = ["Visible", "committed_keys", "connect", "iter_tree_batches", "read_arrow",
+           "read_polars", "read_trees", "visible_files"]

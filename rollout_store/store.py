@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -55,6 +57,7 @@ from rollout_store.tree import Tree, TreeBatch, validate_batch
 from rollout_store.validate import TreeValidationError, check_columns
 
 ROW_GROUP_SIZE = 128 * 1024  # GOTCHAS.md: 1M-row single row groups read 1.3-1.8x slower
+COMPACTED_PREFIX = "compact-"  # files written by maintenance.compact: committed rows only
 
 
 class StoreError(RuntimeError):
@@ -71,11 +74,25 @@ class CorruptFileError(StoreError):
 
 @dataclass(frozen=True)
 class DataFile:
-    """One committed Parquet file of a table version."""
+    """One committed Parquet file of a table version.
+
+    ``min_key`` / ``max_key`` are the file's smallest and largest ``commit_key``
+    (from the commit's file statistics; None where the table has no key or the
+    stats lack it). A file our writer appends holds one key (min == max); a
+    file our compaction writes is named ``compact-*`` and holds committed rows
+    only. Readers use this to skip uncommitted files and to read clean files
+    without a row filter.
+    """
 
     path: str  # absolute
     size: int
     num_records: int | None
+    min_key: str | None = None
+    max_key: str | None = None
+
+    @property
+    def compacted(self) -> bool:
+        return os.path.basename(self.path).startswith(COMPACTED_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -251,9 +268,14 @@ class Store:
         actions = pa.table(dt.get_add_actions(flatten=True))
         root = self.path / name
         out = []
-        for path, size, n in zip(actions.column("path").to_pylist(),
-                                 actions.column("size_bytes").to_pylist(),
-                                 actions.column("num_records").to_pylist(), strict=True):
+        nothing = [None] * actions.num_rows
+        lo = (actions.column("min.commit_key").to_pylist()
+              if "min.commit_key" in actions.column_names else nothing)
+        hi = (actions.column("max.commit_key").to_pylist()
+              if "max.commit_key" in actions.column_names else nothing)
+        for path, size, n, kmin, kmax in zip(
+                actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist(),
+                actions.column("num_records").to_pylist(), lo, hi, strict=True):
             full = str(root / path)
             if check:
                 try:
@@ -264,10 +286,44 @@ class Store:
                 if actual != size:
                     raise CorruptFileError(full, f"data file is {actual} bytes but its commit "
                                            f"recorded {size} (truncated or overwritten)")
-            out.append(DataFile(full, int(size), None if n is None else int(n)))
+            out.append(DataFile(full, int(size), None if n is None else int(n), kmin, kmax))
         return out
 
     # ------------------------------------------------------------------ writes
+    def write_data_file(self, name: TableName, batches: Iterable[pa.RecordBatch | pa.Table],
+                        prefix: str = "part-") -> tuple[str, int, str]:
+        """Write Parquet data for table ``name`` (not yet committed).
+
+        Exact declared schema, zstd, ``ROW_GROUP_SIZE`` row groups, page
+        checksums, the schema fingerprint in the footer, fsync'd so that a commit
+        never references a file that a crash could lose. Returns the path
+        relative to the table, the size in bytes, and the Delta stats JSON
+        (row count, and min/max ``commit_key`` where the table has one).
+        """
+        schema = SCHEMAS[name].with_metadata({PARQUET_METADATA_KEY: json.dumps(
+            {"table": name, "version": SCHEMA_VERSION, "fingerprint": fingerprint(SCHEMAS[name])}
+        )})
+        rel = f"{prefix}{uuid.uuid4().hex}.parquet"
+        full = self.path / name / rel
+        rows = 0
+        keys: list[str] = []
+        with pq.ParquetWriter(full, schema, compression="zstd",
+                              write_page_checksum=True) as writer:
+            for part in batches:
+                table = part if isinstance(part, pa.Table) else pa.Table.from_batches([part])
+                writer.write_table(table.cast(schema), row_group_size=ROW_GROUP_SIZE)
+                rows += table.num_rows
+                if "commit_key" in table.column_names and table.num_rows:
+                    bounds = pc.min_max(table.column("commit_key"))
+                    keys += [bounds["min"].as_py(), bounds["max"].as_py()]
+        with open(full, "rb") as fh:  # durable before a commit references it
+            os.fsync(fh.fileno())
+        stats: dict[str, Any] = {"numRecords": rows}
+        if keys:
+            stats.update(minValues={"commit_key": min(keys)}, maxValues={"commit_key": max(keys)},
+                         nullCount={"commit_key": 0})
+        return rel, full.stat().st_size, json.dumps(stats)
+
     def _commit_table(self, name: TableName, table: pa.Table, key: str,
                       report: CommitReport) -> None:
         """Write ``table`` as one Parquet file and commit it under application id ``key``."""
@@ -278,19 +334,9 @@ class Store:
             return
         if table.num_rows == 0:
             return
-        table = table.replace_schema_metadata({PARQUET_METADATA_KEY: json.dumps(
-            {"table": name, "version": SCHEMA_VERSION, "fingerprint": fingerprint(SCHEMAS[name])}
-        )})
-        rel = f"part-{uuid.uuid4().hex}.parquet"
-        full = self.path / name / rel
-        pq.write_table(table, full, compression="zstd", row_group_size=ROW_GROUP_SIZE,
-                       write_page_checksum=True)
-        with open(full, "rb") as fh:  # durable before it is referenced by a commit
-            os.fsync(fh.fileno())
-        size = full.stat().st_size
-        stats = json.dumps({"numRecords": table.num_rows})
+        rel, size, stats = self.write_data_file(name, [table])
         dt.create_write_transaction(
-            [AddAction(rel, size, {}, int(full.stat().st_mtime * 1000), True, stats)],
+            [AddAction(rel, size, {}, int(time.time() * 1000), True, stats)],
             mode="append", schema=SCHEMAS[name],
             commit_properties=CommitProperties(
                 app_transactions=[Transaction(key, 1)],
