@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: setup test test-all lint demo bench clean
 
 $(STAMP): pyproject.toml Makefile
+	# bubblewrap sandboxes the python tool (train/envs/sandbox.py); needs root (CI runs as root).
+	command -v bwrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bubblewrap; } \
+		|| echo "warning: bubblewrap not installed; the python environment will refuse to run"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and exactly this version: any other spec pulls a multi-GB CUDA build.

@@ -1,0 +1,881 @@
+"""Run model-written Python in a bubblewrap sandbox, one persistent worker per sandbox.
+
+A ``Sandbox`` is one long-lived interpreter: ``bwrap`` starts the system Python
+(``SandboxConfig.python``, default ``/usr/bin/python3``) running ``WORKER_SOURCE``,
+which executes successive code cells in one namespace and answers each over a
+private pipe. The ``python`` environment (``train.envs.python_env``) builds its
+tool on it; nothing here knows about episodes.
+
+Isolation (``sandbox_argv`` builds the exact command line)::
+
+    setpriv --reuid 65534 --regid 65534 --clear-groups --     # when the caller is root
+    bwrap --ro-bind /usr /usr --symlink usr/bin /bin ...       # /bin /lib* /sbin as on the host
+          --proc /proc --dev /dev
+          --size 64MiB --tmpfs /tmp --size 64MiB --tmpfs /sandbox
+          --remount-ro /  --chdir /sandbox
+          --unshare-all --unshare-user --disable-userns --uid 65534 --gid 65534
+          --hostname sandbox --cap-drop ALL --die-with-parent --new-session
+          --clearenv --setenv PATH ... --info-fd N
+          -- /usr/bin/python3 -s -B -c WORKER_SOURCE CONFIG_JSON
+
+* Read-only system directories, nothing else of the host: no ``/etc``, ``/home``,
+  ``/root``, no project checkout. Writable: a private, size-capped tmpfs work
+  directory ``/sandbox`` (also ``HOME``) and ``/tmp``; both vanish with the sandbox.
+* All namespaces unshared (user, pid, net, ipc, uts, cgroup, mount): no network
+  (a new network namespace holding only its own loopback, no route out, no DNS),
+  and the sandbox sees only its own processes. No capabilities; nested user
+  namespaces disabled (``--disable-userns``, used when bwrap has it: >= 0.8).
+* An unprivileged uid on the host. ``RLIMIT_NPROC`` does not bind host root (the
+  kernel exempts it, even inside a user namespace that maps root to another
+  uid), so when the caller is root the sandbox is started as ``uid``/``gid``
+  (65534, *nobody*) through ``setpriv``. The interpreter must therefore be one
+  that uid can read: the system Python, not a venv or pyenv under ``/root``.
+* The worker sets rlimits on itself before it reads any code: ``RLIMIT_AS``
+  (``memory_bytes``), ``RLIMIT_FSIZE`` (``file_bytes``; ``SIGXFSZ`` ignored, so
+  an oversized write fails with ``OSError`` instead of killing the worker),
+  ``RLIMIT_NOFILE`` (``open_files``), ``RLIMIT_NPROC`` (``processes``, counted
+  per user namespace, so per sandbox), ``RLIMIT_CORE`` 0 and ``RLIMIT_CPU``
+  (soft limit reset before every cell to the CPU already used plus ``cpu_s``;
+  hard limit ``cpu_total_s`` for the sandbox's life).
+* A wall-clock limit (``timeout_s``) per cell, enforced here: past it the whole
+  sandbox is killed. ``close`` kills the sandbox's pid-namespace init, which makes
+  the kernel kill every process in the namespace, then reaps bwrap; nothing
+  outlives a closed sandbox. ``--die-with-parent`` does the same if this process
+  dies (note: if the *thread* that started the sandbox exits, Linux treats that
+  as the parent dying too).
+* After every cell the worker kills and counts processes the cell left running
+  (every process of the namespace but init and itself) and counts threads it
+  left running; the caller decides what that means (the env rolls the cell back).
+* stdout and stderr of a cell (fds 1 and 2, so child processes are captured too)
+  go to anonymous memory files; only the first ``output_bytes`` of each come
+  back, with the full size.
+
+Where bwrap is missing or cannot create namespaces, ``sandbox_mode`` raises
+``SandboxUnavailable`` explaining why and how to install it, unless the config
+says ``allow_unsafe=True``: then the worker runs as a plain subprocess (rlimits,
+its own session, a temporary work directory, the uid drop when root) with no
+filesystem, network or pid isolation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, NamedTuple
+
+WORK_DIR = "/sandbox"
+"""The work directory (and ``HOME``) inside the sandbox: a private, size-capped tmpfs."""
+
+INSTALL_HINT = ("Install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; "
+                "Fedora: `dnf install bubblewrap`; Arch: `pacman -S bubblewrap`), or pass "
+                "allow_unsafe=True to run model-written code WITHOUT isolation (only on a "
+                "throwaway machine).")
+
+_SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_FRAME = struct.Struct(">I")
+
+
+class SandboxUnavailable(RuntimeError):
+    """bwrap is missing or cannot start a sandbox, and unsafe execution was not allowed."""
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Where the sandbox's tools are and what one sandbox may use."""
+
+    bwrap: str = "bwrap"
+    """The bubblewrap executable: a name looked up on PATH, or a path."""
+    setpriv: str = "setpriv"
+    """util-linux ``setpriv``, used to drop to ``uid``/``gid`` when the caller is root
+    (without it, ``subprocess`` drops privileges itself, a slower fork)."""
+    python: str = "/usr/bin/python3"
+    """The interpreter inside the sandbox; it must live under a mounted system
+    directory (``/usr``, ``/bin``, ...) or ``ro_binds``, and ``uid`` must be able to read it."""
+    timeout_s: float = 5.0
+    """Wall-clock limit of one cell; past it the whole sandbox is killed."""
+    startup_timeout_s: float = 10.0
+    """Wall-clock limit for a new sandbox to come up (a loaded machine is slow)."""
+    cpu_s: int = 6
+    """CPU seconds one cell may use (soft ``RLIMIT_CPU``, reset before every cell). Above
+    ``timeout_s`` so that the wall clock, which gives the clearer error, normally fires first."""
+    cpu_total_s: int = 3600
+    """CPU seconds the worker may use over its whole life (hard ``RLIMIT_CPU``)."""
+    memory_bytes: int = 1 << 30
+    """``RLIMIT_AS`` of every process in the sandbox; a larger allocation raises MemoryError."""
+    file_bytes: int = 16 << 20
+    """``RLIMIT_FSIZE``: the largest file (and captured stdout/stderr) a cell can write."""
+    tmpfs_bytes: int = 64 << 20
+    """Size of each of the two tmpfs mounts (``/sandbox`` and ``/tmp``)."""
+    open_files: int = 64
+    """``RLIMIT_NOFILE`` of every process in the sandbox."""
+    processes: int = 16
+    """``RLIMIT_NPROC``: processes and threads of the sandbox uid, counting bwrap's init
+    and the worker."""
+    output_bytes: int = 4096
+    """How much of a cell's stdout, and of its stderr, comes back (the rest is counted)."""
+    uid: int | None = 65534
+    """Host uid (and uid inside) the sandbox runs as when the caller is root; None keeps root
+    (then RLIMIT_NPROC does not bind). Non-root callers always run as themselves."""
+    gid: int = 65534
+    """Host gid that goes with ``uid``."""
+    ro_binds: tuple[str, ...] = ()
+    """Extra host paths mounted read-only at the same place (e.g. a venv readable by ``uid``)."""
+    allow_unsafe: bool = False
+    """Run without bwrap when it is unavailable (no filesystem, network or pid isolation)."""
+
+    def __post_init__(self) -> None:
+        positive = ("timeout_s", "startup_timeout_s", "cpu_s", "cpu_total_s", "memory_bytes",
+                    "file_bytes", "tmpfs_bytes", "open_files", "processes", "output_bytes")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxConfig.{name} must be positive, got "
+                                 f"{getattr(self, name)!r}")
+        if self.cpu_total_s < self.cpu_s:
+            raise ValueError("SandboxConfig.cpu_total_s must be at least cpu_s (the hard CPU "
+                             "limit bounds every cell's soft limit)")
+        if self.processes < 3:
+            raise ValueError("SandboxConfig.processes must be at least 3: bwrap's init and the "
+                             "worker count against RLIMIT_NPROC")
+        if self.open_files < 16:
+            raise ValueError("SandboxConfig.open_files must be at least 16: the worker keeps "
+                             "its pipes and capture files open")
+        if not os.path.isabs(self.python):
+            raise ValueError(f"SandboxConfig.python must be an absolute path, got {self.python!r}")
+
+
+class CellRequest(NamedTuple):
+    """One code cell to run: its source, the seed ``random`` gets before it, and whether
+    its output should come back (replayed cells only report their status)."""
+
+    code: str
+    seed: str
+    output: bool = True
+
+
+class CellResult(NamedTuple):
+    """What one cell did. ``error`` is the last line of its exception (``"ZeroDivisionError:
+    division by zero"``) or None; ``strays``/``threads`` count processes (killed) and
+    threads the cell left running. Output fields are empty when not requested."""
+
+    error: str | None
+    strays: int
+    threads: int
+    stdout: str = ""
+    stderr: str = ""
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+
+
+RunStatus = Literal["ok", "timeout", "died", "protocol"]
+
+
+class RunOutcome(NamedTuple):
+    """The result of ``Sandbox.run``: ``results`` holds one entry per cell that finished.
+
+    ``status`` is ``ok`` when every cell finished; otherwise the sandbox was killed
+    during cell ``len(results)``: ``timeout`` (past ``timeout_s``, or startup past
+    ``startup_timeout_s``), ``died`` (the worker exited: ``os._exit``, a signal, the
+    CPU limit) or ``protocol`` (the worker's answer was unreadable). ``detail`` is for
+    logs: bwrap's stderr and the exit status (not deterministic, keep it out of
+    observations)."""
+
+    status: RunStatus
+    results: list[CellResult]
+    detail: str = ""
+
+
+# ---------------------------------------------------------------------------
+# The worker: runs inside the sandbox under the system Python (keep it 3.8-compatible).
+
+WORKER_SOURCE = r'''
+import ast, builtins, io, json, os, random, resource, signal, struct, sys, time, traceback
+import zlib
+
+CFG = json.loads(sys.argv[1])
+PID = os.getpid()
+IN_PID_NS = CFG["pid_namespace"]
+FRAME = struct.Struct(">I")
+
+CTL_IN = os.dup(0)   # dup() gives non-inheritable fds: child processes never see the pipes
+CTL_OUT = os.dup(1)
+_null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_null, 0)
+os.close(_null)
+
+
+def _close_ctl():
+    for fd in (CTL_IN, CTL_OUT):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_close_ctl)
+
+
+def _capture_file(name):
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        import tempfile
+        fd, path = tempfile.mkstemp()
+        os.unlink(path)
+        os.set_inheritable(fd, False)
+        return fd
+
+
+OUT = _capture_file("stdout")
+ERR = _capture_file("stderr")
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+R = resource
+for res, value in ((R.RLIMIT_CORE, 0), (R.RLIMIT_AS, CFG["memory_bytes"]),
+                   (R.RLIMIT_FSIZE, CFG["file_bytes"]), (R.RLIMIT_NOFILE, CFG["open_files"]),
+                   (R.RLIMIT_NPROC, CFG["processes"])):
+    R.setrlimit(res, (value, value))
+R.setrlimit(R.RLIMIT_CPU, (CFG["cpu_s"], CFG["cpu_total_s"]))
+CAP = CFG["output_bytes"]
+NS = {"__name__": "__main__", "__builtins__": builtins}
+
+
+def _read_exact(n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(CTL_IN, n - len(buf))
+        if not chunk:
+            os._exit(0)  # the parent went away
+        buf += chunk
+    return buf
+
+
+def _send(obj):
+    data = json.dumps(obj).encode("ascii")
+    data = FRAME.pack(len(data)) + data
+    while data:
+        data = data[os.write(CTL_OUT, data):]
+
+
+def _start_cell(seed):
+    used = R.getrusage(R.RUSAGE_SELF)
+    soft = int(used.ru_utime + used.ru_stime) + 1 + CFG["cpu_s"]
+    try:
+        R.setrlimit(R.RLIMIT_CPU, (soft, R.getrlimit(R.RLIMIT_CPU)[1]))
+    except (ValueError, OSError):
+        pass  # the cell lowered its own hard limit: it keeps what it asked for
+    for fd, target in ((OUT, 1), (ERR, 2)):
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.dup2(fd, target)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", write_through=True)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        try:
+            np.random.seed(zlib.crc32(seed.encode()))
+        except Exception:
+            pass
+
+
+def _last_line(exc):
+    try:
+        if isinstance(exc, SyntaxError):
+            line = "%s: %s (line %s)" % (type(exc).__name__, exc.msg, exc.lineno)
+        else:
+            lines = traceback.format_exception_only(type(exc), exc)
+            line = lines[-1].strip() if lines else type(exc).__name__
+    except BaseException:
+        line = type(exc).__name__
+    return line if len(line) <= CAP else line[:CAP] + "...(cut)"
+
+
+def _exec(code):
+    """Run one cell; a last bare expression is echoed (repr), as in a notebook."""
+    error = None
+    try:
+        tree = ast.parse(code, filename="<cell>", mode="exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, "<cell>", "exec"), NS)
+        if last is not None:
+            value = eval(compile(last, "<cell>", "eval"), NS)
+            if value is not None:
+                print(repr(value))
+    except BaseException as exc:
+        if os.getpid() != PID:
+            os._exit(1)  # a child forked by the cell never returns into the worker loop
+        error = _last_line(exc)
+    if os.getpid() != PID:
+        os._exit(0)
+    return error
+
+
+def _end_cell():
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+    signal.setitimer(signal.ITIMER_PROF, 0)
+
+
+def _reap():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _others():
+    """Live processes of this sandbox other than init and the worker."""
+    found = []
+    pgrp = os.getpgrp()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, PID):
+            continue
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] in "ZX":
+            continue
+        if not IN_PID_NS and int(fields[2]) != pgrp:
+            continue  # without a pid namespace only the worker's process group is ours
+        found.append(int(name))
+    return found
+
+
+def _threads():
+    try:
+        return len(os.listdir("/proc/self/task")) - 1
+    except OSError:
+        return 0
+
+
+def _settle(check, grace_s=0.05):
+    """Give what a cell just ended a moment to finish, then report what is still there."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        _reap()
+        left = check()
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.002)
+
+
+def _kill_strays():
+    left = _settle(_others)
+    if not left:
+        return 0
+    for _ in range(1000):
+        if IN_PID_NS:
+            try:
+                os.kill(-1, signal.SIGKILL)  # every process of the namespace but init and us
+            except OSError:
+                pass
+        else:
+            for pid in _others():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        _reap()
+        if not _others():
+            break
+        time.sleep(0.001)
+    return len(left)
+
+
+def _count_threads():
+    left = _settle(_threads)
+    return left
+
+
+_send({"ready": True})
+while True:
+    request = json.loads(_read_exact(FRAME.unpack(_read_exact(FRAME.size))[0]))
+    for cell in request["cells"]:
+        _start_cell(cell["seed"])
+        error = _exec(cell["code"])
+        _end_cell()
+        result = {"error": error, "strays": _kill_strays(), "threads": _count_threads()}
+        if cell["output"]:
+            for key, fd in (("stdout", OUT), ("stderr", ERR)):
+                size = os.fstat(fd).st_size
+                result[key] = os.pread(fd, min(size, CAP), 0).decode("utf-8", "replace")
+                result[key + "_bytes"] = size
+        _send(result)
+'''
+
+
+# ---------------------------------------------------------------------------
+# Availability
+
+
+def _which(program: str) -> str | None:
+    if os.sep in program:
+        return program if os.path.isfile(program) and os.access(program, os.X_OK) else None
+    return shutil.which(program)
+
+
+def _drop_to(config: SandboxConfig) -> tuple[int, int] | None:
+    """The (uid, gid) to switch to: only when running as root and a uid is configured."""
+    if os.geteuid() != 0 or config.uid is None:
+        return None
+    return config.uid, config.gid
+
+
+_help_cache: dict[str, str] = {}
+
+
+def _bwrap_help(bwrap: str) -> str:
+    if bwrap not in _help_cache:
+        try:
+            done = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10,
+                                  check=False)
+            _help_cache[bwrap] = done.stdout + done.stderr
+        except (OSError, subprocess.SubprocessError):
+            _help_cache[bwrap] = ""
+    return _help_cache[bwrap]
+
+
+def _mounted_dirs(config: SandboxConfig) -> list[str]:
+    dirs = ["/usr", *(f"/{d}" for d in _SYSTEM_DIRS if os.path.lexists(f"/{d}"))]
+    return dirs + list(config.ro_binds)
+
+
+def sandbox_env(home: str) -> dict[str, str]:
+    """The whole environment of the worker (nothing is inherited from the caller).
+
+    ``PYTHONHASHSEED=0`` makes set and dict-of-str iteration orders repeat from one
+    sandbox to the next (needed for byte-identical replays); one BLAS/OpenMP thread
+    keeps ``RLIMIT_NPROC`` for processes.
+    """
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+
+
+def _worker_config(config: SandboxConfig, pid_namespace: bool) -> str:
+    keys = ("cpu_s", "cpu_total_s", "memory_bytes", "file_bytes", "open_files", "processes",
+            "output_bytes")
+    cfg: dict[str, Any] = {k: v for k, v in asdict(config).items() if k in keys}
+    cfg["pid_namespace"] = pid_namespace
+    return json.dumps(cfg, sort_keys=True)
+
+
+def sandbox_argv(config: SandboxConfig, *, unsafe: bool = False,
+                 info_fd: int | None = None) -> list[str]:
+    """The exact command line of one sandbox (see the module docstring).
+
+    ``unsafe`` gives the no-bwrap fallback: the worker started directly (still behind
+    ``setpriv`` when the caller is root). ``info_fd`` is passed to ``bwrap --info-fd``.
+    """
+    python = [config.python, "-s", "-B", "-c", WORKER_SOURCE,
+              _worker_config(config, pid_namespace=not unsafe)]
+    prefix: list[str] = []
+    drop = _drop_to(config)
+    setpriv = _which(config.setpriv)
+    if drop is not None and setpriv is not None:
+        prefix = [setpriv, f"--reuid={drop[0]}", f"--regid={drop[1]}", "--clear-groups", "--"]
+    if unsafe:
+        return prefix + python
+    bwrap = _which(config.bwrap) or config.bwrap
+    features = _bwrap_help(bwrap)
+    args = [bwrap, "--ro-bind", "/usr", "/usr"]
+    for name in _SYSTEM_DIRS:
+        path = f"/{name}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for path in config.ro_binds:
+        args += ["--ro-bind", path, path]
+    size = ["--size", str(config.tmpfs_bytes)] if "--size" in features else []
+    args += ["--proc", "/proc", "--dev", "/dev",
+             *size, "--tmpfs", "/tmp", *size, "--tmpfs", WORK_DIR,
+             "--remount-ro", "/", "--chdir", WORK_DIR,
+             "--unshare-all", "--unshare-user"]
+    if "--disable-userns" in features:
+        args += ["--disable-userns"]
+    inner_uid = config.uid if config.uid is not None else os.geteuid()
+    inner_gid = config.gid if config.uid is not None else os.getegid()
+    args += ["--uid", str(inner_uid), "--gid", str(inner_gid), "--hostname", "sandbox",
+             "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv"]
+    for key, value in sandbox_env(WORK_DIR).items():
+        args += ["--setenv", key, value]
+    if info_fd is not None:
+        args += ["--info-fd", str(info_fd)]
+    return prefix + args + ["--", *python]
+
+
+_probe_lock = threading.Lock()
+_probe_cache: dict[tuple[Any, ...], str | None] = {}
+
+
+def _probe(config: SandboxConfig) -> str | None:
+    """Why a bwrap sandbox cannot run here, or None when a real one ran a cell."""
+    bwrap = _which(config.bwrap)
+    if bwrap is None:
+        return f"bubblewrap not found (bwrap={config.bwrap!r} is not an executable on PATH)"
+    python = config.python
+    if not os.path.isfile(python):
+        return f"the sandbox interpreter {python!r} does not exist"
+    real = os.path.realpath(python)
+    if not any(real == d or real.startswith(d.rstrip("/") + "/")
+               for d in map(os.path.realpath, _mounted_dirs(config))):
+        return (f"the sandbox interpreter {python!r} ({real}) is not under a directory "
+                f"mounted in the sandbox ({', '.join(_mounted_dirs(config))}); use the system "
+                f"Python /usr/bin/python3 or add its prefix to ro_binds")
+    quick = dataclasses.replace(config, allow_unsafe=False, timeout_s=30.0,
+                                startup_timeout_s=30.0, cpu_s=30, cpu_total_s=30)
+    with Sandbox(quick, unsafe=False) as sandbox:
+        outcome = sandbox.run([CellRequest("print(6 * 7)", "0")])
+    if outcome.status == "ok" and outcome.results[0].stdout == "42\n":
+        return None
+    detail = outcome.detail.strip() or f"status {outcome.status}"
+    hint = ""
+    if "namespace" in detail or "uid map" in detail or "Operation not permitted" in detail:
+        hint = (" (user namespaces look disabled: check sysctl kernel.unprivileged_userns_clone=1,"
+                " user.max_user_namespaces > 0 and, on Ubuntu >= 23.10, "
+                "kernel.apparmor_restrict_unprivileged_userns=0)")
+    return f"bwrap could not start a sandbox: {detail[-600:]}{hint}"
+
+
+def sandbox_mode(config: SandboxConfig) -> Literal["bwrap", "unsafe"]:
+    """``bwrap`` when a real sandbox works here (checked once per configuration, by
+    running one), ``unsafe`` when it does not and ``config.allow_unsafe`` is set;
+    otherwise ``SandboxUnavailable`` with the reason and how to fix it."""
+    key = (config.bwrap, config.setpriv, config.python, config.uid, config.gid,
+           config.ro_binds, config.tmpfs_bytes)
+    with _probe_lock:
+        if key not in _probe_cache:
+            _probe_cache[key] = _probe(config)
+        problem = _probe_cache[key]
+    if problem is None:
+        return "bwrap"
+    if not config.allow_unsafe:
+        raise SandboxUnavailable(f"cannot sandbox model-written Python: {problem}. "
+                                 f"{INSTALL_HINT}")
+    warnings.warn(f"running model-written Python WITHOUT a sandbox ({problem}); "
+                  f"allow_unsafe=True was given", RuntimeWarning, stacklevel=2)
+    return "unsafe"
+
+
+# ---------------------------------------------------------------------------
+# One sandbox
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Died(Exception):
+    pass
+
+
+class _Protocol(Exception):
+    pass
+
+
+class _Handle:
+    """The OS resources of one sandbox: ``terminate`` signals, ``reap`` waits and releases.
+
+    With bwrap, killing the pid-namespace init (bwrap's child, whose pid bwrap wrote
+    to ``info_r``) makes the kernel kill and reap every process of the namespace;
+    bwrap then reaps init and exits, so nothing is left for anyone else to reap.
+    Tearing a namespace down takes milliseconds, hence the split: a caller that
+    discards a sandbox on a hot path signals it now and reaps it later.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], info_r: int, workdir: str | None,
+                 unsafe: bool) -> None:
+        self.proc, self.info_r, self.workdir, self.unsafe = proc, info_r, workdir, unsafe
+        self.signalled = False
+        self.reaped = False
+
+    def terminate(self) -> None:
+        if self.signalled:
+            return
+        self.signalled = True
+        inner: int | None = None
+        if not self.unsafe and self.info_r >= 0 and self.proc.poll() is None:
+            ready, _, _ = select.select([self.info_r], [], [], 0.5)
+            if ready:
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    inner = int(json.loads(os.read(self.info_r, 4096) or b"{}")["child-pid"])
+        if inner is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(inner, signal.SIGKILL)
+        else:
+            self._kill_outer()
+
+    def _kill_outer(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    def reap(self, block: bool = True) -> bool:
+        """Release everything once bwrap has exited; False if it has not and ``block`` is
+        False."""
+        if self.reaped:
+            return True
+        self.terminate()
+        if self.proc.poll() is None:
+            if not block:
+                return False
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._kill_outer()
+                self.proc.wait()
+        if self.unsafe:
+            # the worker's process group; children that left it were killed by the worker
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        if self.info_r >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.info_r)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        self.reaped = True
+        return True
+
+
+class Sandbox:
+    """One sandboxed interpreter process, started at construction (asynchronously: the
+    first ``run`` waits for it to come up).
+
+        >>> with Sandbox(SandboxConfig()) as sb:                       # doctest: +SKIP
+        ...     outcome = sb.run([CellRequest("x = 2", "0"), CellRequest("x + 3", "1")])
+        >>> outcome.status, outcome.results[-1].stdout                 # doctest: +SKIP
+        ('ok', '5\\n')
+
+    Every failure kills the sandbox (``alive`` turns False); a dead sandbox answers
+    ``run`` with status ``died``. ``unsafe`` runs without bwrap (see ``sandbox_mode``).
+    """
+
+    def __init__(self, config: SandboxConfig, *, unsafe: bool = False) -> None:
+        self.config = config
+        self.unsafe = unsafe
+        self._ready = False
+        self._dead = False
+        workdir: str | None = None
+        info_r, info_w = -1, -1
+        drop = _drop_to(config)
+        use_setpriv = drop is not None and _which(config.setpriv) is not None
+        kwargs: dict[str, Any] = {}
+        if drop is not None and not use_setpriv:
+            kwargs = {"user": drop[0], "group": drop[1], "extra_groups": []}
+        if unsafe:
+            workdir = tempfile.mkdtemp(prefix="rtrees-python-")
+            if drop is not None:
+                os.chown(workdir, drop[0], drop[1])
+            argv, cwd, env = sandbox_argv(config, unsafe=True), workdir, sandbox_env(workdir)
+        else:
+            info_r, info_w = os.pipe()
+            argv = sandbox_argv(config, info_fd=info_w)
+            cwd, env = "/", {"PATH": "/usr/bin:/bin"}
+        try:
+            self._proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=cwd, env=env, start_new_session=True, close_fds=True,
+                pass_fds=(info_w,) if info_w >= 0 else (), **kwargs)
+        except BaseException:
+            for fd in (info_r, info_w):
+                if fd >= 0:
+                    os.close(fd)
+            if workdir is not None:
+                shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        if info_w >= 0:
+            os.close(info_w)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._w = self._proc.stdin.fileno()
+        self._r = self._proc.stdout.fileno()
+        os.set_blocking(self._w, False)
+        os.set_blocking(self._r, False)
+        self._handle = _Handle(self._proc, info_r, workdir, unsafe)
+        self._finalizer = weakref.finalize(self, self._handle.reap)
+
+    @property
+    def pid(self) -> int:
+        """Host pid of the outermost process (setpriv/bwrap, or the worker when unsafe)."""
+        return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and self._proc.poll() is None
+
+    def wait_ready(self) -> bool:
+        """Block until the worker is up (True) or the sandbox failed to start (False)."""
+        if self._ready:
+            return self.alive
+        try:
+            self._await_ready()
+        except (_Timeout, _Died, _Protocol):
+            self.close()
+            return False
+        return True
+
+    def run(self, cells: Sequence[CellRequest]) -> RunOutcome:
+        """Run ``cells`` in order in this interpreter; each gets ``timeout_s`` of wall clock
+        from the end of the previous one (the first also waits for startup)."""
+        results: list[CellResult] = []
+        if not self.alive:
+            self._dead = True
+            return RunOutcome("died", results, "the sandbox is not running")
+        try:
+            if not self._ready:
+                self._await_ready()
+            payload = {"cells": [{"code": c.code, "seed": c.seed, "output": c.output}
+                                 for c in cells]}
+            self._send(json.dumps(payload, ensure_ascii=True).encode("ascii"),
+                       time.monotonic() + self.config.timeout_s)
+            for cell in cells:
+                frame = self._recv(time.monotonic() + self.config.timeout_s)
+                results.append(_cell_result(frame, cell.output))
+        except _Timeout:
+            return self._fail("timeout", results, "wall-clock limit")
+        except _Died:
+            return self._fail("died", results, "the worker exited")
+        except _Protocol as exc:
+            return self._fail("protocol", results, str(exc))
+        return RunOutcome("ok", results)
+
+    def close(self, wait: bool = True) -> None:
+        """Kill the sandbox and everything in it (idempotent). With ``wait=False`` only
+        send the signals; ``reap`` (or garbage collection) finishes the job."""
+        self._dead = True
+        if wait:
+            self._finalizer()
+        else:
+            self._handle.terminate()
+
+    def reap(self, block: bool = True) -> bool:
+        """After ``close(wait=False)``: wait for the sandbox to be gone and release its
+        resources; returns False if it is not gone yet and ``block`` is False."""
+        self._dead = True
+        return self._handle.reap(block)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------
+
+    def _await_ready(self) -> None:
+        frame = self._recv(time.monotonic() + self.config.startup_timeout_s)
+        if frame.get("ready") is not True:
+            raise _Protocol("the worker did not announce itself")
+        self._ready = True
+
+    def _fail(self, status: RunStatus, results: list[CellResult], why: str) -> RunOutcome:
+        stderr = b""
+        if self._proc.stderr is not None:
+            with contextlib.suppress(OSError, ValueError):
+                os.set_blocking(self._proc.stderr.fileno(), False)
+                stderr = self._proc.stderr.read(65536) or b""
+        code = self._proc.poll()
+        self.close(wait=False)
+        detail = f"{why}; exit status {code}; stderr: {stderr.decode('utf-8', 'replace')}"
+        return RunOutcome(status, results, detail)
+
+    def _send(self, data: bytes, deadline: float) -> None:
+        view = memoryview(_FRAME.pack(len(data)) + data)
+        while view:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _Timeout
+            _, writable, _ = select.select([], [self._w], [], remaining)
+            if not writable:
+                raise _Timeout
+            try:
+                sent = os.write(self._w, view)
+            except BlockingIOError:
+                continue
+            except (BrokenPipeError, OSError) as exc:
+                raise _Died from exc
+            view = view[sent:]
+
+    def _read_exact(self, n: int, deadline: float) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _Timeout
+            readable, _, _ = select.select([self._r], [], [], remaining)
+            if not readable:
+                raise _Timeout
+            try:
+                chunk = os.read(self._r, n - len(buf))
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise _Died from exc
+            if not chunk:
+                raise _Died
+            buf += chunk
+        return bytes(buf)
+
+    def _recv(self, deadline: float) -> dict[str, Any]:
+        (size,) = _FRAME.unpack(self._read_exact(_FRAME.size, deadline))
+        # an answer holds two capped outputs, JSON-escaped (at most 12 bytes a character)
+        if size > 24 * self.config.output_bytes + 65536:
+            raise _Protocol(f"oversized answer ({size} bytes)")
+        try:
+            frame = json.loads(self._read_exact(size, deadline))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _Protocol(f"unreadable answer: {exc}") from None
+        if not isinstance(frame, dict):
+            raise _Protocol("unreadable answer: not an object")
+        return frame
+
+
+def _cell_result(frame: dict[str, Any], output: bool) -> CellResult:
+    try:
+        error = frame["error"]
+        strays, threads = int(frame["strays"]), int(frame["threads"])
+        if error is not None and not isinstance(error, str):
+            raise TypeError("error")
+        if not output:
+            return CellResult(error, strays, threads)
+        out, err = frame["stdout"], frame["stderr"]
+        if not isinstance(out, str) or not isinstance(err, str):
+            raise TypeError("output")
+        return CellResult(error, strays, threads, out, err, int(frame["stdout_bytes"]),
+                          int(frame["stderr_bytes"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _Protocol(f"malformed answer: {exc}") from None
