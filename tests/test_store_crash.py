@@ -120,3 +120,40 @@ def test_compaction_beside_appenders_loses_and_duplicates_nothing(tmp_path: Path
     check_consistent(store)
     assert len(store.files("nodes")) == 1
     assert verify(store).ok
+
+
+def test_two_compactors_and_an_orphan_beside_appenders(tmp_path: Path) -> None:
+    """Concurrent compactors never duplicate rows, and an uncommitted append's file
+    is never merged (its rows must not resurface or vanish)."""
+    path = tmp_path / "store"
+    store = Store(path, create=True)
+    orphan_batch = bel_shaped_batch(2, seed=7, tree_prefix="orphan")
+
+    def no_trees(self: Store, table: str, rows: object, key: str, rep: object) -> None:
+        if table != "trees":
+            Store._commit_table(self, table, rows, key, rep)  # type: ignore[arg-type]
+
+    store._commit_table = no_trees.__get__(store)  # type: ignore[method-assign]
+    store.append_trees(orphan_batch, key="orphan")
+    del store._commit_table
+    appender = start_worker(path, "a", 10, per_batch=5)
+    compactors = [subprocess.Popen([sys.executable, "-m", "tests.helpers.compact_worker",
+                                    str(path), "4"], cwd=ROOT, stdout=subprocess.PIPE,
+                                   text=True) for _ in range(2)]
+    out, _ = appender.communicate(timeout=300)
+    for c in compactors:
+        assert c.communicate(timeout=300)[0].split()[-1] == "DONE"
+    compact(store)
+    con = connect(store)
+    per_key = dict(con.sql("SELECT commit_key, count(*) FROM trees GROUP BY ALL").fetchall())
+    assert sorted(per_key) == sorted(acks(out)) and set(per_key.values()) == {5}
+    assert con.sql("SELECT count(*) FROM (SELECT tree_id, node_id FROM nodes GROUP BY ALL "
+                   "HAVING count(*) > 1)").fetchall() == [(0,)]
+    check_consistent(store)
+    orphan_files = [f for f in store.files("nodes") if f.min_key == "orphan"]
+    assert len(orphan_files) == 1 and not orphan_files[0].compacted
+    # The dead append can still complete with its key: its rows appear exactly once.
+    store.append_trees(orphan_batch, key="orphan")
+    assert connect(store).sql("SELECT count(*) FROM nodes WHERE tree_id LIKE 'orphan%'"
+                              ).fetchall() == [(orphan_batch.nodes.num_rows,)]
+    assert verify(store).ok
