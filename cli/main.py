@@ -177,6 +177,31 @@ def import_dumps(
         console.print(r.summary())
 
 
+@app.command("credit")
+def credit(
+    store: StoreOpt,
+    method: Annotated[str, typer.Option(help="Estimator name (grpo, tree_grpo, elpo, caliper, "
+                                              "slca, trace, dsc).")],
+    param: Annotated[list[str] | None, typer.Option(
+        "--param", help="Hyperparameter KEY=VALUE (repeatable).")] = None,
+    run_id: Annotated[str | None, typer.Option(help="Run id recorded with the credit.")] = None,
+) -> None:
+    """Compute credit for every stored tree that lacks it (keyed by method and params hash)."""
+    from train.credit.store_io import CreditError, compute_credits
+
+    pairs: dict[str, str] = {}
+    for item in param or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            _fail(f"--param {item!r}: expected KEY=VALUE")
+        pairs[key.strip()] = value.strip()
+    try:
+        report = compute_credits(_open(store), method, pairs, run_id=run_id)
+    except CreditError as exc:
+        _fail(str(exc))
+    console.print(report.summary())
+
+
 @app.command("demo")
 def demo(
     store: StoreOpt = Path("store-demo"),

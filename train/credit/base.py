@@ -22,7 +22,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, Literal, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +35,24 @@ from rollout_store.tree import Tree, TreeBatch
 KIND_CODE: Final[dict[str, int]] = {k: i for i, k in enumerate(NODE_KINDS)}
 SEGMENT_NONE: Final[int] = 0  # a token outside every segment (or an observation token)
 SEGMENT_CODE: Final[dict[str, int]] = {k: i + 1 for i, k in enumerate(SEGMENT_KINDS)}
+
+# String options of estimator params, collected in one place (STYLE.md rule 14).
+# F_norm of a group z-score (METHODS G1): unbiased std (verl, TRL), population
+# std (TRACE), or none (Dr.GRPO: no division at all).
+StdNorm = Literal["unbiased", "population", "none"]
+# What a group with a single member gets: 0, or its raw score (verl: mean 0, std 1).
+SingleGroup = Literal["zero", "raw"]
+# Which trajectories form one normalisation group: those of a tree, or of every
+# tree of the same task (prompt).
+GroupBy = Literal["tree", "task"]
+# Framework parity presets of the ``grpo`` estimator.
+GrpoPreset = Literal["verl", "trl"]
+# ELPO E7 for a node that is not a child of a branching node: A_hier = mean
+# trajectory credit ("trajectory"), or A_b := 0 so A_hier = (1 - lambda_tree) * it ("scaled").
+OffBranch = Literal["trajectory", "scaled"]
+# CALIPER C8 negative-evidence strengthening on y_0's changed region: scale its
+# local credit by (1 + gamma), relax its clip-low by eps_neg, both, or neither.
+NegativeEvidence = Literal["scale", "clip", "both", "none"]
 
 
 @dataclass(frozen=True)
@@ -241,6 +259,33 @@ def segment_stats(values: np.ndarray, groups: np.ndarray, n_groups: int,
         sq = np.bincount(groups, weights=(values - mean[groups]) ** 2, minlength=n_groups)
         std = np.sqrt(sq / (count - ddof))
     return count, mean, std
+
+
+def path_sum(batch: TreeArrays, values: np.ndarray) -> np.ndarray:
+    """(N,) sum of ``values`` (N,) over each node's root path (its ancestors and itself).
+
+    The dual of ``subtree_sum``: ``u`` is an ancestor-or-self of ``w`` exactly when
+    ``u <= w < u + subtree_size[u]`` (preorder), so adding ``values[u]`` on that
+    row range with a difference array and one cumsum gives every path sum.
+    """
+    n = batch.n_nodes
+    diff = np.zeros(n + 1, np.float64)
+    vals = np.asarray(values, np.float64)
+    np.add.at(diff, np.arange(n), vals)
+    np.add.at(diff, np.arange(n) + batch.subtree_size, -vals)
+    return np.cumsum(diff[:n])
+
+
+def depth_levels(batch: TreeArrays) -> list[np.ndarray]:
+    """Rows of each depth, shallowest first (``levels[d]``: the rows at depth ``d``).
+
+    A loop over levels (never over nodes) walks paths top-down or bottom-up for
+    the whole batch at once: the parents of ``levels[d]`` all lie in ``levels[d - 1]``.
+    """
+    order = np.argsort(batch.depth, kind="stable")
+    bounds = np.searchsorted(batch.depth[order],
+                             np.arange(int(batch.depth.max(initial=-1)) + 2))
+    return [order[bounds[d]:bounds[d + 1]] for d in range(bounds.size - 1)]
 
 
 # ----------------------------------------------------------------- building batches

@@ -1,0 +1,220 @@
+"""DSC-Gate: first-order anchored transport of historical action credit (D3-D5).
+
+METHODS.md section 5, arXiv:2609.29007 ("When Does Action Credit Need
+Updating?"). The gate that chooses reuse / transport / refresh (D7-D10) is in
+``train.credit.dsc_gate``.
+
+Tree reading:
+
+* The root is the fixed context. Its children are the forced root actions
+  (a, b, ...). Each leaf below a root action is one old trajectory, sampled
+  under the behaviour (old) policy mu after that forced action, with return R
+  (in {0, 1} in the paper; any finite float works).
+* The downstream steps t of trajectory i are the nodes of depth >= 2 on its
+  path: the forced root action is excluded (D3).
+* ``extras["dsc_ratio"]`` (N,) = pi(A_t | S_t, h_t) / mu(A_t | S_t, h_t) for the
+  action each depth >= 2 node took (target over behaviour policy); ignored at
+  depths 0 and 1 (may be NaN there).
+* ``extras["dsc_state"]`` (N,) integer id of (S_t, h_t) at each depth >= 2 node
+  (the state the action was taken in, with its remaining horizon); ids are
+  scoped to the tree (two trees never share a baseline). Ignored at depths 0-1.
+
+Cross-fitted baseline b_t (D4) [R]: the trajectories of a tree are split by
+the *preorder rank of their leaf within the tree* (children by ascending node
+id), rank 0, 2, 4, ... into fold 0 and 1, 3, 5, ... into fold 1. For a
+trajectory of fold f, b_t = b^{1-f}(S_t, h_t): the mean return over the visits
+of fold 1-f trajectories to that state, counting a visit once per
+(trajectory, step) (a shared prefix node is a visit of every trajectory
+through it), pooled over the tree's root actions (b is a function of the
+state, not of the root action). Under mu the old trajectories are already
+old-policy weighted, so it is a plain mean. Where fold 1-f never visits the
+state, b falls back to fold 1-f's mean return in the tree, and to 0 when
+fold 1-f is empty (a tree with one trajectory). Since E_mu[z_t | S_t, h_t] = 0
+and b_t never uses trajectory i itself, the z_t * b_t term has mean zero: the
+baseline changes the variance of T_i, not its expectation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from train.credit.base import (
+    Credit,
+    Params,
+    TreeArrays,
+    node_to_tokens,
+    path_sum,
+    register,
+    segment_stats,
+    subtree_sum,
+)
+
+DSCMode = Literal["transport", "reuse"]
+"""Which historical credit: the first-order transported means (D4-D5) or plain means (c_R)."""
+
+RATIO: str = "dsc_ratio"
+"""(N,) extras input: pi/mu ratio of the action taken at each depth >= 2 node (D3)."""
+STATE: str = "dsc_state"
+"""(N,) extras input: integer id of the state (S_t, h_t) of each depth >= 2 node (D4)."""
+
+
+@dataclass(frozen=True)
+class DSCParams(Params):
+    """Hyperparameters of DSC credit (D4-D5)."""
+
+    mode: DSCMode = "transport"
+    """"transport": Q_T(a) = mean_i T_i(a) (D5); "reuse": Q_R(a) = mean_i R_i (c_R)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("transport", "reuse"):
+            raise ValueError(f"mode must be 'transport' or 'reuse', got {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class Transported:
+    """Per-trajectory returns of a batch, L = trajectories (leaves of depth >= 1).
+
+    ``leaf`` (L,) row of the leaf; ``action`` (L,) row of its forced root action;
+    ``tree`` (L,) tree index; ``fold`` (L,) cross-fitting fold (0 / 1);
+    ``reward`` (L,) R_i; ``transported`` (L,) T_i of D4.
+    """
+
+    leaf: np.ndarray
+    action: np.ndarray
+    tree: np.ndarray
+    fold: np.ndarray
+    reward: np.ndarray
+    transported: np.ndarray
+
+
+# ----------------------------------------------------------------- tree helpers
+def root_action(batch: TreeArrays) -> np.ndarray:
+    """(N,) row of each node's depth-1 ancestor (itself at depth 1); -1 at roots.
+
+    In preorder the last row of depth <= 1 at or before a node of depth >= 1
+    is its depth-1 ancestor, so a running maximum finds it.
+    """
+    n = batch.n_nodes
+    marker = np.where(batch.depth <= 1, np.arange(n), -1)
+    last = np.maximum.accumulate(marker) if n else marker
+    return np.where(batch.depth >= 1, last, -1)
+
+
+def leaf_folds(batch: TreeArrays, leaves: np.ndarray) -> np.ndarray:
+    """(L,) cross-fitting fold of ``leaves`` (sorted rows): preorder rank in its tree mod 2."""
+    tree = batch.node_tree[leaves]
+    first = np.searchsorted(tree, tree, side="left")  # rows are sorted by tree
+    return (np.arange(leaves.size) - first) % 2
+
+
+def _node_extra(batch: TreeArrays, name: str, meaning: str) -> np.ndarray:
+    if name not in batch.extras:
+        raise KeyError(f"dsc needs extras[{name!r}] (N,): {meaning}")
+    values = np.asarray(batch.extras[name])
+    if values.shape != (batch.n_nodes,):
+        raise ValueError(f"extras[{name!r}] must be shaped (N,) = ({batch.n_nodes},), "
+                         f"got {values.shape}")
+    return values
+
+
+def _where(batch: TreeArrays, row: int) -> str:
+    return f"tree {batch.tree_ids[batch.node_tree[row]]!r}, node {batch.node_ids[row]}"
+
+
+# ----------------------------------------------------------------- D3-D4
+def transport_returns(batch: TreeArrays) -> Transported:
+    """D3-D4: T_i(a) = R_i + sum_t z_it [R_i - b_t(S_it, h_it)] for every old trajectory.
+
+    z_t = ratio_t - 1 (D3) over the depth >= 2 nodes of the path, first order:
+    no products of ratios. b_t is the cross-fitted state-time baseline (module
+    docstring). With pi = mu every z is 0 and T_i = R_i exactly.
+    Shapes: reads extras (N,); returns ``Transported`` with (L,) arrays.
+    """
+    n = batch.n_nodes
+    depth = batch.depth
+    ratio = _node_extra(batch, RATIO, "pi/mu ratio of each depth >= 2 node's action (D3)")
+    state = _node_extra(batch, STATE, "integer state id (S_t, h_t) of each depth >= 2 node")
+    steps = np.flatnonzero(depth >= 2)  # (S,) downstream steps
+    ratio_s = np.asarray(ratio[steps], np.float64)
+    bad = ~(np.isfinite(ratio_s) & (ratio_s >= 0))
+    if bad.any():
+        row = int(steps[bad][0])
+        raise ValueError(f"{_where(batch, row)}: {RATIO} must be finite and >= 0, "
+                         f"got {ratio[row]!r}")
+    z = np.zeros(n)
+    z[steps] = ratio_s - 1.0  # D3
+
+    leaves = np.flatnonzero(batch.is_leaf & (depth >= 1))  # (L,) trajectories
+    reward = batch.reward[leaves]
+    if not np.isfinite(reward).all():
+        row = int(leaves[~np.isfinite(reward)][0])
+        raise ValueError(f"{_where(batch, row)}: leaf reward must be finite")
+    fold = leaf_folds(batch, leaves)
+    tree = batch.node_tree[leaves]
+
+    # b^f(tree, state): mean return over fold-f visits; visits of a node = its fold-f leaves.
+    keys = np.stack([batch.node_tree[steps], np.asarray(state[steps]).astype(np.int64)], 1)
+    _, key = np.unique(keys.reshape(-1, 2), axis=0, return_inverse=True)
+    key = key.ravel()
+    n_keys = int(key.max(initial=-1)) + 1
+    baseline = []  # baseline[f] (N,): b^f at the step nodes, 0 elsewhere
+    for f in (0, 1):
+        in_fold = (fold == f).astype(np.float64)
+        r_f = np.zeros(n)
+        c_f = np.zeros(n)
+        r_f[leaves] = reward * in_fold
+        c_f[leaves] = in_fold
+        visits = np.bincount(key, weights=subtree_sum(batch, c_f)[steps], minlength=n_keys)
+        total = np.bincount(key, weights=subtree_sum(batch, r_f)[steps], minlength=n_keys)
+        cnt_t = np.bincount(tree, weights=in_fold, minlength=batch.n_trees)
+        sum_t = np.bincount(tree, weights=reward * in_fold, minlength=batch.n_trees)
+        fallback = np.divide(sum_t, cnt_t, out=np.zeros(batch.n_trees), where=cnt_t > 0)
+        b = np.zeros(n)
+        b[steps] = np.where(visits[key] > 0, total[key] / np.maximum(visits[key], 1.0),
+                            fallback[batch.node_tree[steps]])
+        baseline.append(b)
+
+    z_sum = path_sum(batch, z)[leaves]  # sum_t z_it
+    zb = [path_sum(batch, z * b)[leaves] for b in baseline]  # sum_t z_it b^f_t
+    zb_other = np.where(fold == 0, zb[1], zb[0])  # cross-fitting: the opposite fold's b
+    transported = reward + reward * z_sum - zb_other  # D4
+    return Transported(leaf=leaves, action=root_action(batch)[leaves], tree=tree, fold=fold,
+                       reward=reward, transported=transported)
+
+
+# ----------------------------------------------------------------- D5 credit
+@register("dsc", DSCParams)
+def dsc(batch: TreeArrays, params: DSCParams) -> Credit:
+    """DSC credit of every node and agent token (D4-D5).
+
+    ``Credit.node`` (N,): at a leaf its T_i (R_i when ``mode="reuse"``); at a
+    forced root action a, Q_T(a) = mean_i T_i(a) (D5; Q_R(a) for reuse); at a
+    deeper inner node the mean over the trajectories below it [R]; at the
+    root the unweighted mean over its root actions of Q (the advantages'
+    baseline) [R], NaN for a tree without root actions.
+    ``Credit.token`` (T,) [R]: every agent token of a node below root action a
+    gets Q(a) - mean_{a'} Q(a'), the mean taken over the tree's root actions,
+    each counted once; root and observation tokens get 0.
+    """
+    tr = transport_returns(batch)
+    n = batch.n_nodes
+    value = np.zeros(n)
+    count = np.zeros(n)
+    value[tr.leaf] = tr.transported if params.mode == "transport" else tr.reward
+    count[tr.leaf] = 1.0
+    total = subtree_sum(batch, value)
+    trajs = subtree_sum(batch, count)
+    node = np.divide(total, trajs, out=np.full(n, np.nan), where=trajs > 0)
+
+    actions = np.flatnonzero(batch.depth == 1)
+    _, q_mean, _ = segment_stats(node[actions], batch.node_tree[actions], batch.n_trees)
+    roots = batch.roots()
+    node[roots] = q_mean[batch.node_tree[roots]]  # NaN where a tree has no root action
+    act = root_action(batch)
+    has = act >= 0
+    adv = np.zeros(n)
+    adv[has] = node[act[has]] - q_mean[batch.node_tree[has]]
+    return Credit(node=node, token=node_to_tokens(batch, adv))
