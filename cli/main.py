@@ -12,13 +12,19 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli.audit_cmd import audit_app
+from cli.collect_cmd import register as register_collect
 from cli.env_cmd import env_app
+from cli.policy_cmd import policy_app
 
 app = typer.Typer(help="Collect, archive, audit and train on rollout trees.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 store_app = typer.Typer(help="Inspect and maintain a store.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
 app.add_typer(env_app, name="env")
+app.add_typer(policy_app, name="policy")
+app.add_typer(audit_app, name="audit")
+register_collect(app)
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)  # never wrap error messages: users grep them
