@@ -156,8 +156,11 @@ def transport_returns(batch: TreeArrays) -> Transported:
     tree = batch.node_tree[leaves]
 
     # b^f(tree, state): mean return over fold-f visits; visits of a node = its fold-f leaves.
-    keys = np.stack([batch.node_tree[steps], np.asarray(state[steps]).astype(np.int64)], 1)
-    _, key = np.unique(keys.reshape(-1, 2), axis=0, return_inverse=True)
+    # One int64 key per (tree, state): a 1-d unique is far faster than unique(axis=0).
+    state_s = np.asarray(state[steps]).astype(np.int64)
+    low = int(state_s.min(initial=0))
+    span = int(state_s.max(initial=0)) - low + 1
+    _, key = np.unique(batch.node_tree[steps] * span + (state_s - low), return_inverse=True)
     key = key.ravel()
     n_keys = int(key.max(initial=-1)) + 1
     baseline = []  # baseline[f] (N,): b^f at the step nodes, 0 elsewhere

@@ -1,0 +1,152 @@
+"""Credit throughput: every estimator vectorised over a batch vs a per-tree Python loop.
+
+Issue 4's target: at least 20x more trees per second for the vectorised path
+than a plain-Python per-tree loop of the same estimator, for 100,000 stored
+trees of 16 rollouts each.
+
+* vectorised: the estimator called on batches of ``--batch-trees`` trees (the
+  way ``rtrees credit`` calls it);
+* per-tree loop (the baseline): the same estimator called once per tree in a
+  Python loop (``TreeArrays.tree_slice``), timed on a ``--loop-trees`` subsample
+  and reported as trees per second (the loop's cost is linear in trees);
+* end to end: ``rtrees credit``'s ``compute_credits`` on a store of all the
+  trees (DuckDB read ordered by task, batching, the estimator, the commit).
+
+Trees are BEL-shaped (``bel_shaped_batch``: 16 rollouts, depth ``--depth``) with
+short token lists so 100k trees fit in memory. ``trace`` and ``dsc`` get random
+inputs of the right shape in ``extras``. Run:
+``.venv/bin/python benchmarks/bench_credit.py [--trees 100000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rollout_store import Store
+from rollout_store.synthetic import bel_shaped_batch
+from train.credit import ESTIMATORS
+from train.credit.base import TreeArrays, from_tables
+from train.credit.store_io import compute_credits
+
+
+def with_extras(batch: TreeArrays, rng: np.random.Generator) -> TreeArrays:
+    n = batch.n_nodes
+    extras = {
+        "trace_ref_logprob": -rng.uniform(0.5, 8.0, size=n),
+        "dsc_ratio": rng.uniform(0.5, 1.5, size=n),
+        "dsc_state": rng.integers(0, 20, size=n),
+    }
+    return TreeArrays(**{**batch.__dict__, "extras": extras})
+
+
+def build(n_trees: int, depth: int, seed: int) -> tuple[Any, TreeArrays]:
+    tb = bel_shaped_batch(n_trees, rollouts=16, depth=depth, action_tokens=(2, 8),
+                          observation_tokens=(2, 8), seed=seed)
+    structure = tb.validate()
+    nodes = tb.nodes
+    import pyarrow as pa
+
+    for name, values in (("depth", structure.depth), ("preorder", structure.preorder),
+                         ("subtree_size", structure.subtree_size)):
+        nodes = nodes.append_column(name, pa.array(values, pa.int32()))
+    return tb, from_tables(tb.trees, nodes)
+
+
+def split(batch: TreeArrays, size: int) -> list[TreeArrays]:
+    """Consecutive sub-batches of ``size`` trees (numpy slicing, not timed)."""
+    out = []
+    for lo in range(0, batch.n_trees, size):
+        hi = min(lo + size, batch.n_trees)
+        rows = np.flatnonzero((batch.node_tree >= lo) & (batch.node_tree < hi))
+        r0, r1 = int(rows[0]), int(rows[-1]) + 1
+        t0, t1 = int(batch.token_offsets[r0]), int(batch.token_offsets[r1])
+        sub = TreeArrays(
+            tree_ids=batch.tree_ids[lo:hi], node_tree=batch.node_tree[r0:r1] - lo,
+            node_ids=batch.node_ids[r0:r1],
+            parent=np.where(batch.parent[r0:r1] >= 0, batch.parent[r0:r1] - r0, -1),
+            depth=batch.depth[r0:r1], subtree_size=batch.subtree_size[r0:r1],
+            is_leaf=batch.is_leaf[r0:r1], kind=batch.kind[r0:r1], phase=batch.phase[r0:r1],
+            reward=batch.reward[r0:r1],
+            reward_parts={k: v[r0:r1] for k, v in batch.reward_parts.items()},
+            token_offsets=batch.token_offsets[r0:r1 + 1] - t0,
+            token_ids=batch.token_ids[t0:t1], agent_mask=batch.agent_mask[t0:t1],
+            segment=batch.segment[t0:t1], behaviour_logprobs=batch.behaviour_logprobs[t0:t1],
+            critical_node=np.where(batch.critical_node[lo:hi] >= 0,
+                                   batch.critical_node[lo:hi] - r0, -1),
+            task=batch.task[lo:hi] - batch.task[lo:hi].min(),
+            extras={k: v[r0:r1] for k, v in batch.extras.items()},
+        )
+        out.append(sub)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trees", type=int, default=100_000)
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--batch-trees", type=int, default=10_000)
+    ap.add_argument("--loop-trees", type=int, default=1_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--end-to-end", default="grpo,elpo",
+                    help="methods also timed through compute_credits on a store ('' to skip)")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    _, full = build(args.trees, args.depth, seed=0)
+    full = with_extras(full, rng)
+    batches = split(full, args.batch_trees)
+    loop_batch = with_extras(build(args.loop_trees, args.depth, seed=1)[1], rng)
+    singles = [loop_batch.tree_slice(b) for b in range(loop_batch.n_trees)]
+    print(f"{full.n_trees:,} trees, {full.n_nodes:,} nodes, {full.n_tokens:,} tokens "
+          f"(built in {time.perf_counter() - t0:.1f} s, not timed); per-tree loop on "
+          f"{len(singles):,} trees")
+    header = f"{'method':<10} {'vectorised trees/s':>19} {'per-tree loop trees/s':>22} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    ratios = {}
+    for name, est in sorted(ESTIMATORS.items()):
+        params = est.params_type()
+        vec_times, loop_times = [], []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            for b in batches:
+                est(b, params)
+            vec_times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for s in singles:
+                est(s, params)
+            loop_times.append(time.perf_counter() - start)
+        vec = full.n_trees / min(vec_times)
+        loop = len(singles) / min(loop_times)
+        ratios[name] = vec / loop
+        print(f"{name:<10} {vec:>19,.0f} {loop:>22,.0f} {vec / loop:>6.1f}x"
+              f"   (median {full.n_trees / statistics.median(vec_times):,.0f} vs "
+              f"{len(singles) / statistics.median(loop_times):,.0f})")
+    methods = [m for m in args.end_to_end.split(",") if m]
+    if methods:
+        with tempfile.TemporaryDirectory() as tmp:
+            tb, _ = build(args.trees, args.depth, seed=0)
+            store = Store(Path(tmp) / "store", create=True)
+            store.append_trees(tb, key="bench")
+            for m in methods:
+                start = time.perf_counter()
+                report = compute_credits(store, m, progress=False)
+                took = time.perf_counter() - start
+                print(f"end to end `rtrees credit --method {m}`: {report.trees_done:,} trees "
+                      f"in {took:.1f} s = {report.trees_done / took:,.0f} trees/s "
+                      f"({report.commits} commits)")
+    worst = min(ratios, key=lambda k: ratios[k])
+    verdict = "PASS" if ratios[worst] >= 20 else "FAIL"
+    print(f"RESULT credit vectorised / per-tree loop, worst method {worst}: ratio "
+          f"{ratios[worst]:.1f} (target >= 20x) {verdict}")
+
+
+if __name__ == "__main__":
+    main()
