@@ -290,7 +290,13 @@ def depth_levels(batch: TreeArrays) -> list[np.ndarray]:
 
 # ----------------------------------------------------------------- building batches
 def from_trees(trees: list[Tree], extras: dict[str, np.ndarray] | None = None) -> TreeArrays:
-    """A batch from in-memory trees (validated). ``extras`` rows follow the batch order."""
+    """A batch from in-memory trees (validated).
+
+    ``extras`` are per-node arrays (N, ...) whose rows follow the nodes of
+    ``trees`` in order (tree by tree, each tree's ``nodes`` list in order); they
+    are reordered with the nodes into preorder. Per-token extras are not
+    accepted here (token order depends on that reordering).
+    """
     batch = TreeBatch.from_trees(trees)
     structure = batch.validate()
     nodes = batch.nodes
@@ -371,8 +377,16 @@ def from_tables(trees: pa.Table, nodes: pa.Table,
         reward_parts=parts, token_offsets=offsets, token_ids=token_ids, agent_mask=agent,
         segment=segment, behaviour_logprobs=logprobs, critical_node=critical,
         task=np.array([task_code[t] for t in task_names], np.int64),
-        extras={k: np.asarray(v)[order] for k, v in (extras or {}).items()},
+        extras={k: _node_extra(k, v, order) for k, v in (extras or {}).items()},
     )
+
+
+def _node_extra(name: str, values: np.ndarray, order: np.ndarray) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.shape[:1] != order.shape:
+        raise ValueError(f"extras[{name!r}] must be per node, shaped ({order.size}, ...); "
+                         f"got {arr.shape}")
+    return arr[order]
 
 
 def _np(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
