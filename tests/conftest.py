@@ -5,8 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from rollout_store import Store
+
+# Generation-speed health checks are noise on a shared 2-core machine (GOTCHAS.md),
+# not failures of the code under test; deadlines likewise. Tests that set their
+# own suppress list must include these (see GENERATION_CHECKS).
+GENERATION_CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("rollout-trees", deadline=None,
+                          suppress_health_check=GENERATION_CHECKS)
+settings.load_profile("rollout-trees")
 
 
 @pytest.fixture

@@ -335,7 +335,8 @@ def test_snapshot_is_compact_canonical_json() -> None:
         other.restore(b'{"v": 99}')
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(task_index=st.integers(0, len(TASKS) - 1),
        prefix=st.lists(st.sampled_from([FAST, CAREFUL, REPAIR, SKIP, BAD]), max_size=8),
        suffix=st.lists(st.sampled_from([FAST, CAREFUL, REPAIR, SKIP, BAD, "<answer>1</answer>"]),

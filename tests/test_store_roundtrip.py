@@ -14,7 +14,8 @@ from rollout_store.tree import Tree, TreeBatch
 
 _counter = itertools.count()
 # tmp_path is shared across examples; each example makes its own store inside it.
-_FIXTURE_OK = [HealthCheck.function_scoped_fixture]
+_FIXTURE_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+               HealthCheck.data_too_large]
 
 
 def _fresh(tmp_path: Path) -> Store:

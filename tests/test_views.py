@@ -35,7 +35,8 @@ def brute_siblings(trees: list[Tree], threshold: float) -> set[tuple[str, int, i
 
 
 @settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
 @given(batch=tree_lists(max_size=4, max_nodes=25))
 def test_views_match_brute_force(tmp_path: Path, batch: list[Tree]) -> None:
     store = Store(tmp_path / f"s{next(_n)}", create=True)

@@ -91,6 +91,18 @@ def _with_trees(todo: pa.Table, nodes: pa.Table) -> tuple[pa.Table, pa.Table]:
     return trees, nodes.drop_columns(["_task"])
 
 
+def stored_extras(nodes: pa.Table) -> dict[str, np.ndarray]:
+    """Estimator inputs that samplers record in node ``meta`` (rows follow ``nodes``).
+
+    ``caliper_y0``: the CALIPER sampler marks the original failed suffix y_0 of
+    each local group (``{"caliper_y0": true}``); without it the estimator
+    falls back to guessing y_0 by shared prefix.
+    """
+    meta = pc.fill_null(nodes.column("meta"), "")
+    y0 = pc.match_substring(meta, '"caliper_y0": true')
+    return {"caliper_y0": np.asarray(y0.to_numpy(zero_copy_only=False), dtype=bool)}
+
+
 def credit_rows(batch: TreeArrays, credit: Credit, trees: pa.Table, method: str,
                 params_json: str, params_hash: str, run_id: str) -> pa.Table:
     """One ``credits`` row per node: ``value`` = node credit, ``token_values`` = the
@@ -145,7 +157,7 @@ def compute_credits(store: Store, method: str, params: dict[str, str] | None = N
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"credit {method}", total=max(total - done_before, 0))
         for trees, nodes in _batches(store, method, params_hash, max_nodes):
-            batch = from_tables(trees, nodes)
+            batch = from_tables(trees, nodes, stored_extras(nodes))
             try:
                 credit = estimator(batch, p)
             except KeyError as exc:
