@@ -2,6 +2,67 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+from typing import Annotated
 
-def register(app: object) -> None:
-    """Add the ``collect`` command to the ``rtrees`` app (filled in by the samplers work)."""
+import typer
+from rich.console import Console
+
+console = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+
+def default_run_id(env: str, sampler: str, policy: str, n_total: int) -> str:
+    """The run id when none is given: the same options give the same id, so a rerun
+    resumes (skips the trees already stored) instead of starting over."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", policy).strip("-") or "policy"
+    return f"{env}-{sampler}-{slug}-n{n_total}"
+
+
+def collect_command(
+    store: Annotated[Path, typer.Option("--store", help="Store directory (created if missing).")],
+    env: Annotated[str, typer.Option(help="Environment: calc, python, workflow, sgls.")],
+    policy: Annotated[str, typer.Option(help="Policy spec for train.policies.load_policy "
+                                             "(tiny, hf:PATH, vllm:PATH, tabular).")],
+    sampler: Annotated[str, typer.Option(help="group, random, entropy, bel or caliper.")],
+    tasks: Annotated[int, typer.Option("--tasks", help="Number of generated tasks.")] = 64,
+    n_total: Annotated[int, typer.Option("--n-total", help="Rollouts per tree.")] = 16,
+    seed: Annotated[int, typer.Option(help="Seed of the tasks and of the sampling.")] = 0,
+    run_id: Annotated[str | None, typer.Option(
+        help="Run id (default: ENV-SAMPLER-POLICY-nN_TOTAL). A rerun with the same run id "
+             "and seed skips the trees already stored.")] = None,
+    workers: Annotated[int, typer.Option(help="Worker processes (each loads the policy).")] = 1,
+    commit_trees: Annotated[int, typer.Option(help="Trees per commit.")] = 16,
+    param: Annotated[list[str] | None, typer.Option(
+        "--param", help="Sampler option KEY=VALUE (repeatable), e.g. b_max=4.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Sample one rollout tree per task with a sampler and a policy, commit them to a store."""
+    from rollout_store import SchemaMismatchError, Store, StoreError
+    from train.envs import env_class
+    from train.sampling.collect import collect
+
+    params: dict[str, str] = {}
+    for item in param or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            err.print(f"[bold red]error:[/] --param {item!r}: expected KEY=VALUE", highlight=False)
+            raise typer.Exit(1)
+        params[key.strip()] = value.strip()
+    try:
+        generated = env_class(env).generate_tasks(tasks, seed)
+        s = Store(store, create=True)
+        report = collect(s, env, policy, sampler, generated, n_total, seed,
+                         run_id or default_run_id(env, sampler, policy, n_total),
+                         workers=workers, commit_trees=commit_trees, progress=progress,
+                         sampler_params=params)
+    except (ValueError, RuntimeError, StoreError, SchemaMismatchError) as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from exc
+    console.print(report.summary(), highlight=False, markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``collect`` command to the ``rtrees`` app."""
+    app.command("collect")(collect_command)

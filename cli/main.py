@@ -180,7 +180,7 @@ def import_dumps(
     except DumpImportError as exc:
         _fail(str(exc))
     for r in reports:
-        console.print(r.summary())
+        console.print(r.summary(), markup=False)
 
 
 @app.command("credit")
@@ -205,7 +205,26 @@ def credit(
         report = compute_credits(_open(store), method, pairs, run_id=run_id)
     except CreditError as exc:
         _fail(str(exc))
-    console.print(report.summary())
+    console.print(report.summary(), markup=False)
+
+
+@app.command("pipeline")
+def pipeline(
+    store: StoreOpt = Path("store-demo"),
+    out: Annotated[Path, typer.Option(help="Directory of the ranking report.")] = Path(
+        "out/demo"),
+    env: Annotated[str, typer.Option(help="Environment.")] = "calc",
+    policy: Annotated[str, typer.Option(help="Policy spec.")] = "tiny",
+    tasks: Annotated[int, typer.Option(help="Tasks per sampler.")] = 12,
+    n_total: Annotated[int, typer.Option(help="Rollout budget per tree.")] = 16,
+    k: Annotated[int, typer.Option(help="Rollouts per Mean@k reference.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+) -> None:
+    """The main job: tiny policy (cached), collect with group and bel, credit, ranking audit."""
+    from train.pipeline import PipelineConfig, run_pipeline
+
+    run_pipeline(PipelineConfig(store=store, out=out, env=env, policy=policy, tasks=tasks,
+                                n_total=n_total, k=k, seed=seed), console=console)
 
 
 @app.command("demo")

@@ -1,0 +1,135 @@
+"""Policy backends behind one protocol (``train.policies.base``; DESIGN.md section 4).
+
+``load_policy(spec, env, **kw)`` builds one by spec:
+
+============  ==============================================================
+``tiny``      the embedded ~0.8M-parameter Llama trained for ``env`` (calc or
+              workflow) by ``rtrees policy init``; kw ``seed`` (0),
+              ``checkpoint`` (a directory), ``random_init=True`` (fresh random
+              weights, nothing loaded: for tests and benchmarks)
+``hf:PATH``   any local transformers checkpoint with a chat template
+              (``train.policies.hf``); kw ``device``, ``dtype``,
+              ``observation_role``, ``system``, ``tools`` (default: the
+              environment's tool schemas), ``max_batch``
+``vllm:PATH`` the same through vLLM with prefix caching, on a GPU
+              (``train.policies.vllm_backend``; needs ``pip install
+              'rollout-trees[gpu]'``)
+``tabular``   the exact softmax policy of the workflow environment
+              (``train.policies.tabular``); kw ``policies``
+============  ==============================================================
+
+Heavy modules (torch, transformers, vllm) are imported only by the backend asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from train.policies.base import Policy
+
+INSTALL_HINT = "pip install 'rollout-trees[gpu]'"
+SPECS = ("tiny", "hf:PATH", "vllm:PATH", "tabular")
+
+
+class PolicyUnavailableError(RuntimeError):
+    """A backend whose optional dependency (vLLM) or checkpoint is missing; the message
+    says what to install or run."""
+
+
+def env_tools(env: str) -> list[dict[str, Any]] | None:
+    """The environment's tools in the OpenAI function format that chat templates take
+    (None where tools differ per task)."""
+    if env == "calc":
+        from train.envs.calc import TOOL_SCHEMA
+
+        return [{"type": "function", "function": TOOL_SCHEMA}]
+    if env == "workflow":
+        from train.envs.workflow_model import TOOLS
+
+        descriptions = {
+            "fast": "Run the current stage quickly; on failure the stage breaks (or the "
+                    "workflow crashes).",
+            "careful": "Run the current stage carefully; on failure nothing changes.",
+            "repair": "Fix a broken stage.",
+            "skip": "Move on without running the current stage.",
+        }
+        return [{"type": "function", "function": {
+            "name": tool, "description": descriptions[tool],
+            "parameters": {"type": "object", "properties": {}}}} for tool in TOOLS]
+    return None
+
+
+def load_policy(spec: str, env: str, **kw: Any) -> Policy:
+    """A policy backend by spec (table in the module docstring).
+
+    Raises ``ValueError`` for an unknown spec or environment, ``FileNotFoundError``
+    for a PATH that is not a checkpoint, and ``PolicyUnavailableError`` when vLLM is
+    not installed or no tiny checkpoint exists yet (the message gives the command).
+    """
+    from train.envs import ENVIRONMENTS
+
+    if env not in ENVIRONMENTS:
+        raise ValueError(f"unknown environment {env!r}; choose from {sorted(ENVIRONMENTS)}")
+    kind, sep, path = spec.partition(":")
+    if kind in ("hf", "vllm") and (not sep or not path):
+        raise ValueError(f"policy spec {spec!r} needs a checkpoint path: {kind}:PATH")
+    if kind in ("hf", "vllm"):
+        kw.setdefault("tools", env_tools(env))
+    if spec == "tiny":
+        from train.policies.tiny import load_tiny_policy, random_tiny_policy
+
+        if kw.pop("random_init", False):
+            return random_tiny_policy(seed=kw.pop("seed", 0), **kw)
+        return load_tiny_policy(env, **kw)
+    if kind == "hf" and sep:
+        from train.policies.hf import HFPolicy
+
+        return HFPolicy.from_pretrained(Path(path), **kw)
+    if kind == "vllm" and sep:
+        from train.policies.vllm_backend import VLLMPolicy
+
+        return VLLMPolicy(Path(path), **kw)
+    if spec == "tabular":
+        if env != "workflow":
+            raise ValueError(f"the tabular policy exists for the workflow environment only, "
+                             f"not {env!r}")
+        from train.policies.tabular import TabularBackend
+
+        return TabularBackend(**kw)
+    raise ValueError(f"unknown policy spec {spec!r}; expected one of {', '.join(SPECS)}")
+
+
+def describe_policy(spec: str, env: str, **kw: Any) -> dict[str, Any]:
+    """What ``rtrees policy info`` prints: the loaded policy's version and reference,
+    its size, and for a tiny checkpoint the training record saved beside it."""
+    policy = load_policy(spec, env, **kw)
+    info: dict[str, Any] = {"spec": spec, "env": env, "backend": type(policy).__name__,
+                            "policy_version": policy.policy_version,
+                            "policy_ref": policy.policy_ref}
+    model = getattr(policy, "model", None)
+    tokenizer = getattr(policy, "tokenizer", None)
+    if model is not None and hasattr(model, "parameters"):
+        info["parameters"] = sum(p.numel() for p in model.parameters())
+        config = model.config
+        info["model"] = {key: getattr(config, key, None) for key in (
+            "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+            "intermediate_size", "vocab_size")}
+    if tokenizer is not None:
+        info["vocab_size"] = len(tokenizer)
+    actions = getattr(policy, "action_vocab", None)
+    if actions is not None:
+        info["action_vocab"] = list(actions)
+    if policy.policy_ref is not None:
+        from train.policies.tiny import read_meta
+
+        meta = read_meta(Path(policy.policy_ref))
+        if meta is not None:
+            info["training"] = {key: meta.get(key) for key in (
+                "seed", "steps", "train_seconds", "stop_reason", "test", "command")}
+    return info
+
+
+__all__ = ["INSTALL_HINT", "SPECS", "PolicyUnavailableError", "describe_policy", "env_tools",
+           "load_policy"]

@@ -1,0 +1,84 @@
+"""Samplers: one task and a rollout budget ``n_total`` in, one rollout ``Tree`` out (issue 6).
+
+``make_sampler(name, **params)`` builds one by name (``SAMPLERS``); each
+sampler's budget rules are in its module docstring, the shared rollout engine
+and node model in ``train.sampling.base``, the collection job in
+``train.sampling.collect``.
+
+>>> from train.envs import make_env
+>>> from train.sampling import make_sampler
+>>> sampler = make_sampler("bel", b_max=3)                           # doctest: +SKIP
+>>> tree = sampler.sample_tree(env, policy, task, n_total=16, seed=0)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from train.sampling.base import (
+    SAMPLER_NAMES,
+    Budget,
+    BudgetError,
+    Sampler,
+    SamplerConfig,
+    SamplerName,
+    TreeBuilder,
+    action_segments,
+    head_entropy,
+)
+from train.sampling.bel import BelConfig, BelSampler, entropy_gap
+from train.sampling.caliper import CaliperConfig, CaliperSampler, CaliperState, caliper_extras
+from train.sampling.entropy import EntropyConfig, EntropySampler
+from train.sampling.group import GroupSampler
+from train.sampling.random_branch import RandomBranchConfig, RandomBranchSampler
+
+SAMPLERS: dict[str, type[Sampler]] = {
+    "group": GroupSampler,
+    "random": RandomBranchSampler,
+    "entropy": EntropySampler,
+    "bel": BelSampler,
+    "caliper": CaliperSampler,
+}
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    """A string option (``--param key=value``) as the field's type (int, float, None)."""
+    if not isinstance(value, str):
+        return value
+    hints = typing.get_args(annotation) if isinstance(annotation, types.UnionType) \
+        else (annotation,)
+    if type(None) in hints and value.lower() in ("none", "null", ""):
+        return None
+    for hint in hints:
+        if hint in (int, float):
+            try:
+                return hint(value)
+            except ValueError:
+                continue
+    raise ValueError(f"sampler option {name}={value!r}: expected {annotation}")
+
+
+def make_sampler(name: str, **params: Any) -> Sampler:
+    """A sampler by name with config fields from ``params`` (strings are converted)."""
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}; choose from {list(SAMPLERS)}")
+    cls = SAMPLERS[name]
+    fields = {f.name: f for f in dataclasses.fields(cls.config_class)}
+    hints = typing.get_type_hints(cls.config_class)
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        raise ValueError(f"sampler {name!r} has no options {unknown}; it takes {sorted(fields)}")
+    config = cls.config_class(**{k: _coerce(v, hints[k], k) for k, v in params.items()})
+    return cls(config)
+
+
+__all__ = [
+    "SAMPLERS", "SAMPLER_NAMES", "BelConfig", "BelSampler", "Budget", "BudgetError",
+    "CaliperConfig", "CaliperSampler", "CaliperState", "EntropyConfig", "EntropySampler",
+    "GroupSampler", "RandomBranchConfig", "RandomBranchSampler", "Sampler", "SamplerConfig",
+    "SamplerName", "TreeBuilder", "action_segments", "caliper_extras", "entropy_gap",
+    "head_entropy", "make_sampler",
+]

@@ -1,0 +1,153 @@
+"""Collection throughput: trees per minute of ``group``, ``bel`` and ``caliper`` at equal n_total.
+
+Each side is one ``train.sampling.collect.collect`` call (sampling, environment
+steps and snapshots, validation and store commits) of ``--tasks`` tasks into a
+fresh temporary store, with ``--n-total`` rollouts per tree and one worker.
+Samplers are timed alternately, ``--repeat`` times; the ratios are trees/min of
+each sampler over ``group``'s, from the minima (medians beside them).
+
+Policy: ``load_policy("tiny", "calc")`` (the embedded tiny model on ``calc``)
+when it loads (it needs a trained checkpoint: ``rtrees policy init --env calc``;
+``--random-init`` takes fresh weights instead); otherwise, and with
+``--fallback``, a uniform tabular policy on ``workflow`` (the script says which
+it ran, and why). BEL explores in lockstep batches but probes one anchor at a time;
+CALIPER resamples one position per chunk of K, so both make more, smaller
+policy calls than ``group``'s single batch of n_total; the table shows the
+policy calls per tree.
+
+Target [ours; issue 6 sets none]: bel and caliper keep at least 0.5x of
+group's trees per minute.
+
+    .venv/bin/python benchmarks/bench_collect.py [--tasks 16 --n-total 16 --repeat 3]
+        [--env calc --policy tiny] [--random-init --max-new-tokens 32] [--fallback]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import Timings, print_table, verdict
+
+from rollout_store import Store, read_trees
+from train.envs import env_class
+from train.envs.workflow import ACTION_TEXTS, TOOLS
+from train.policies.base import Continuation, SampleConfig, Transcript
+from train.sampling.collect import collect
+
+TARGET = 0.5
+_VALID_RE = re.compile(r"Valid tools: ([a-z, ]+)\.")
+
+
+class UniformWorkflowPolicy:
+    """Uniform over the valid tools of the last state line: the uniform tabular policy."""
+
+    policy_version = "uniform-tabular"
+    policy_ref = None
+
+    def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
+               ) -> list[list[Continuation]]:
+        rng = np.random.default_rng(config.seed)
+        out = []
+        for tr in transcripts:
+            tools = [t.strip() for t in _VALID_RE.findall(tr[-1][1])[-1].split(",")]
+            h = math.log(len(tools))
+            picks = rng.integers(0, len(tools), config.n)
+            out.append([Continuation(ACTION_TEXTS[tools[int(i)]],
+                                     [TOOLS.index(tools[int(i)])], [-h], [h]) for i in picks])
+        return out
+
+    def score(self, transcripts: Sequence[Transcript], actions: Sequence[str]) -> list[Any]:
+        raise NotImplementedError
+
+
+def load(env: str, spec: str, fallback: bool, random_init: bool) -> tuple[str, Any, str]:
+    """(env, policy, description): ``load_policy(spec, env)``, else the tabular fallback."""
+    why = "--fallback"
+    if not fallback:
+        try:
+            from train.policies import load_policy  # type: ignore[attr-defined,unused-ignore]
+
+            kw = {"random_init": True} if random_init else {}
+            return env, load_policy(spec, env, **kw), \
+                f"{spec}{' (random init)' if random_init else ''} on {env}"
+        except ImportError:
+            why = "train.policies.load_policy does not exist"
+        except (RuntimeError, FileNotFoundError, ValueError) as exc:  # e.g. no checkpoint
+            why = f"load_policy({spec!r}, {env!r}) failed: {str(exc).splitlines()[0]}"
+    return "workflow", UniformWorkflowPolicy(), \
+        f"uniform tabular policy on workflow (FALLBACK: {why})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--env", default="calc")
+    ap.add_argument("--policy", default="tiny")
+    ap.add_argument("--tasks", type=int, default=16)
+    ap.add_argument("--n-total", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--samplers", nargs="+", default=["group", "bel", "caliper"])
+    ap.add_argument("--fallback", action="store_true", help="Use the tabular workflow policy.")
+    ap.add_argument("--random-init", action="store_true",
+                    help="tiny with fresh random weights (no checkpoint needed; its steps run "
+                         "to --max-new-tokens, so this measures compute, not a real mix)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    if "group" not in args.samplers:
+        args.samplers.insert(0, "group")
+
+    env, policy, what = load(args.env, args.policy, args.fallback, args.random_init)
+    label = what.split(" (FALLBACK")[0]
+    tasks = env_class(env).generate_tasks(args.tasks, seed=0)
+    print(f"collect throughput: {what}; {args.tasks} tasks x n_total {args.n_total}, "
+          f"{args.repeat} repeats")
+    timings = {name: Timings(name) for name in args.samplers}
+    stats: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeat):
+            for name in args.samplers:
+                store = Store(Path(tmp) / f"{name}-{rep}", create=True)
+                start = time.perf_counter()
+                report = collect(store, env, policy, name, tasks, args.n_total, seed=rep,
+                                 run_id=f"bench-{name}", progress=False,
+                                 sampler_params={"max_new_tokens": args.max_new_tokens})
+                timings[name].seconds.append(time.perf_counter() - start)
+                if rep == 0:
+                    trees = read_trees(store)
+                    metas = [t.meta or {} for t in trees]
+                    stats[name] = {
+                        "nodes": report.nodes / len(trees),
+                        "calls": statistics.mean(m.get("policy_calls", 0) for m in metas),
+                        "success": statistics.mean(
+                            statistics.mean(float(leaf.reward or 0.0) for leaf in t.leaves())
+                            for t in trees),
+                    }
+    base = timings["group"]
+    rows = []
+    for name in args.samplers:
+        t = timings[name]
+        tpm_min, tpm_med = 60 * args.tasks / t.min, 60 * args.tasks / t.median
+        rows.append([name, f"{t.min:.2f}", f"{tpm_min:.1f}", f"{tpm_med:.1f}",
+                     f"{base.min / t.min:.2f}", f"{base.median / t.median:.2f}",
+                     f"{stats[name]['nodes']:.1f}", f"{stats[name]['calls']:.1f}",
+                     f"{stats[name]['success']:.2f}"])
+    print_table(["sampler", "min s", "trees/min (min)", "trees/min (median)", "x group (min)",
+                 "x group (median)", "nodes/tree", "policy calls/tree", "leaf success"], rows)
+    for name in args.samplers:
+        if name == "group":
+            continue
+        ratio = base.min / timings[name].min
+        verdict(f"collect {name}/group trees per minute ({label})", ratio,
+                ratio >= TARGET, f">= {TARGET}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,466 @@
+"""Policy backends (issue 6): tiny tokenizer and model, HF sampling with shared-prefix
+branching, scoring, stop strings, ``hf:PATH``, the tabular policy, ``load_policy``
+errors, and the ``rtrees policy`` commands.
+
+Real models and tokenizers throughout, no mocks. Where training is not the point the
+tiny model has fresh random weights (fast); tests of trained behaviour use the
+committed checkpoints (``train/policies/checkpoints/<env>``) and skip without them;
+the test that trains is ``slow``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import random
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+from train.envs.calc import CalcEnv
+from train.envs.workflow import WorkflowEnv
+from train.envs.workflow_model import ACTION_TEXTS, ObsKey, WorkflowModel
+from train.envs.workflow_policy import TabularPolicy
+from train.policies import PolicyUnavailableError, load_policy
+from train.policies.base import STOP_STRINGS, Policy, SampleConfig, Transcript
+from train.policies.hf import HFPolicy
+from train.policies.tabular import ACTION_VOCAB, TabularBackend, model_from_prompt
+from train.policies.tiny import (
+    CALC_CALL_PREFIX,
+    CALC_CALL_SUFFIX,
+    COMMITTED_DIR,
+    PHRASE_TOKENS,
+    WORKFLOW_ACTION_TOKENS,
+    build_tokenizer,
+    committed_checkpoint,
+    init_model,
+    random_tiny_policy,
+    render,
+    render_segments,
+    save_checkpoint,
+)
+from train.policies.tiny_train import (
+    encode_episode,
+    expert_episode,
+    make_tasks,
+    rollout_rewards,
+    success_report,
+)
+
+GREEDY = 1e-9  # top_p this small keeps only the most likely token: greedy decoding
+CALC_CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "(5-10)*19"}}</tool_call>'
+
+
+@pytest.fixture(autouse=True)
+def _two_threads() -> None:
+    torch.set_num_threads(2)  # the machine has 2 shared cores (GOTCHAS.md)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def policy() -> HFPolicy:
+    return random_tiny_policy(seed=0)
+
+
+def calc_transcripts() -> list[Transcript]:
+    """Three transcripts of different lengths (left padding is exercised)."""
+    tasks = CalcEnv.generate_tasks(3, seed=0)
+    return [
+        [("prompt", tasks[0].prompt)],
+        [("prompt", tasks[1].prompt), ("action", CALC_CALL),
+         ("observation", "<tool_response>-95</tool_response>")],
+        [("prompt", tasks[2].prompt), ("action", "<answer>7</answer"),
+         ("observation", "<tool_response>error: expected <tool_call>{...}</tool_call> or "
+                         "<answer>...</answer></tool_response>")],
+    ]
+
+
+def episode_texts() -> list[str]:
+    """Rendered episodes of both environments with many mistakes (every phrase shows)."""
+    rng = random.Random(0)
+    texts = []
+    for task in CalcEnv.generate_tasks(40, seed=1):
+        texts.append(render(expert_episode("calc", task, rng, p_error=0.5).turns, False))
+    for task in WorkflowEnv.generate_tasks(150, seed=1):
+        env = WorkflowEnv()
+        turns: list[tuple[str, str]] = [("prompt", env.reset(task))]
+        done = False
+        while not done:
+            action = (rng.choice(env.valid_actions()) if rng.random() < 0.9
+                      else rng.choice(["<answer>1</answer>", "fast"]))
+            result = env.step(action)
+            turns += [("action", action), ("observation", result.observation)]
+            done = result.done
+        texts.append(render(turns, False))  # type: ignore[arg-type]
+    return texts
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer and model
+
+
+def test_tokenizer_round_trip_on_episodes(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    texts = episode_texts()
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+        assert tokenizer.unk_token_id not in ids
+    joined = "".join(texts)
+    missing = [p for p in PHRASE_TOKENS if p not in joined]
+    assert not missing, f"phrases that no longer occur in environment text: {missing}"
+
+
+def test_boilerplate_is_single_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    for phrase in (CALC_CALL_PREFIX, CALC_CALL_SUFFIX, "<tool_response>", "</tool_response>",
+                   "<answer>", "</answer>", *WORKFLOW_ACTION_TOKENS):
+        assert len(tokenizer(phrase, add_special_tokens=False)["input_ids"]) == 1, phrase
+    ids = tokenizer(CALC_CALL, add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == [CALC_CALL_PREFIX, "(", "5", "-", "1", "0",
+                                                    ")", "*", "1", "9", CALC_CALL_SUFFIX]
+    assert tokenizer(ACTION_TEXTS["careful"], add_special_tokens=False)["input_ids"] == [
+        tokenizer.convert_tokens_to_ids(ACTION_TEXTS["careful"])]
+    # outside printable ASCII: <unk>, one per character
+    assert tokenizer.decode(tokenizer("é€", add_special_tokens=False)["input_ids"]) == \
+        "<unk><unk>"
+
+
+def test_segments_tokenize_like_the_whole(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(3)
+    for task in CalcEnv.generate_tasks(20, seed=3):
+        episode = expert_episode("calc", task, rng, p_error=0.5)
+        turns = episode.turns
+        ids, is_action = encode_episode(tokenizer, turns)
+        assert ids == tokenizer(render(turns, False), add_special_tokens=False)["input_ids"]
+        actions = [text for role, text in turns if role == "action"]
+        action_ids = [i for i, a in zip(ids, is_action, strict=True) if a]
+        assert tokenizer.decode(action_ids) == "".join(actions)
+
+
+def test_mistakes_can_be_left_out_of_the_loss(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(4)
+    n_mistakes = 0
+    for task in WorkflowEnv.generate_tasks(10, seed=4):
+        episode = expert_episode("workflow", task, rng, p_error=0.5)
+        actions = [text for role, text in episode.turns if role == "action"]
+        assert len(actions) == len(episode.mistakes)
+        n_mistakes += sum(episode.mistakes)
+        ids, has_loss = encode_episode(tokenizer, episode.turns,
+                                       [not m for m in episode.mistakes])
+        trained = [i for i, loss in zip(ids, has_loss, strict=True) if loss]
+        expected = [a for a, m in zip(actions, episode.mistakes, strict=True) if not m]
+        assert tokenizer.decode(trained) == "".join(expected)  # one token per action
+    assert n_mistakes > 5
+
+
+def test_chat_template_renders_like_tiny(tokenizer, policy) -> None:  # type: ignore[no-untyped-def]
+    for transcript in calc_transcripts():
+        assert policy.render(transcript) == render(transcript)
+        assert policy.render(transcript, add_generation_prompt=False) == render(transcript, False)
+        assert "".join(p for p, _ in render_segments(transcript)) == render(transcript, False)
+
+
+def test_save_pretrained_round_trip(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = init_model(tokenizer, seed=1)
+    path = save_checkpoint(model, tokenizer, tmp_path / "ckpt", {"env": "calc", "seed": 1})
+    model2 = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tokenizer2 = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    assert type(model2).__name__ == "LlamaForCausalLM"
+    assert 0.7e6 < sum(p.numel() for p in model2.parameters()) < 1.0e6
+    text = render(calc_transcripts()[1])
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer2(text, add_special_tokens=False)["input_ids"] == ids
+    assert tokenizer2.decode(ids) == text
+    with torch.no_grad():
+        a = model(input_ids=torch.tensor([ids])).logits
+        b = model2(input_ids=torch.tensor([ids])).logits
+    assert torch.equal(a, b)
+    assert json.loads((path / "rtrees_policy.json").read_text())["seed"] == 1
+
+
+# ---------------------------------------------------------------------------
+# Sampling and scoring
+
+
+def _greedy_by_recomputation(policy: HFPolicy, transcript: Transcript, steps: int) -> list[int]:
+    """Greedy tokens with no cache at all: the whole prefix is recomputed every step."""
+    ids = policy.prompt_ids(transcript)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = policy.model(input_ids=torch.tensor([ids + out])).logits[0, -1]
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_shared_prefix_greedy_equals_recomputation(policy) -> None:  # type: ignore[no-untyped-def]
+    transcripts = calc_transcripts()
+    config = SampleConfig(n=4, max_new_tokens=12, top_p=GREEDY, seed=0)
+    shared = policy.sample(transcripts, config)
+    # every branch its own row, prefix and all, in one batch
+    separate = policy.sample([t for t in transcripts for _ in range(4)],
+                             SampleConfig(n=1, max_new_tokens=12, top_p=GREEDY, seed=0))
+    for i, transcript in enumerate(transcripts):
+        prompt_len = len(policy.prompt_ids(transcript))
+        assert [c.prefill_tokens for c in shared[i]] == [prompt_len, 0, 0, 0]
+        reference = _greedy_by_recomputation(policy, transcript, 12)
+        for k in range(4):
+            branch = shared[i][k]
+            assert branch.token_ids == reference[:len(branch.token_ids)]
+            assert branch.token_ids == separate[i * 4 + k][0].token_ids
+            np.testing.assert_allclose(branch.logprobs, separate[i * 4 + k][0].logprobs,
+                                       atol=1e-5)
+            assert separate[i * 4 + k][0].prefill_tokens == prompt_len
+
+
+def test_sample_logprobs_equal_score(policy) -> None:  # type: ignore[no-untyped-def]
+    transcripts = calc_transcripts()
+    samples = policy.sample(transcripts, SampleConfig(n=6, max_new_tokens=24, seed=5))
+    pairs = [(t, c) for t, conts in zip(transcripts, samples, strict=True) for c in conts]
+    scores = policy.score([t for t, _ in pairs], [c.text for _, c in pairs])
+    canonical = 0
+    log_vocab = math.log(len(policy.tokenizer))
+    for (_, cont), score in zip(pairs, scores, strict=True):
+        assert len(cont.token_ids) == len(cont.logprobs) == len(cont.entropies)
+        assert all(0.0 <= e <= log_vocab + 1e-5 for e in cont.entropies)
+        if policy.encode(cont.text) == cont.token_ids:  # canonical tokenization
+            canonical += 1
+            assert score.dtype == np.float64
+            np.testing.assert_allclose(score, cont.logprobs, atol=1e-4)
+    assert canonical >= len(pairs) // 2
+    # a given action scores the same alone and in a batch
+    alone = policy.score([transcripts[1]], [CALC_CALL])[0]
+    batch = policy.score(transcripts, [CALC_CALL] * 3)[1]
+    np.testing.assert_allclose(alone, batch, atol=1e-5)
+    assert policy.score([transcripts[0]], [""])[0].shape == (0,)
+
+
+def test_stop_strings_end_generation(policy) -> None:  # type: ignore[no-untyped-def]
+    # random weights put ~5% of the mass on tokens that hold a stop string (or <eos>):
+    # of 64 branches of up to 24 tokens, many stop and many run to the cap
+    conts = policy.sample(calc_transcripts()[:1], SampleConfig(n=64, max_new_tokens=24,
+                                                                seed=2))[0]
+    stopped = [c for c in conts if c.finished]
+    assert 5 <= len(stopped) <= 59
+    for c in conts:
+        hits = [s for s in STOP_STRINGS if s in c.text]
+        if c.finished and c.token_ids[-1] == policy.tokenizer.eos_token_id:
+            assert not hits and c.text == policy.tokenizer.decode(c.token_ids[:-1])
+        elif c.finished:
+            # the stop string is complete in the last token and nowhere earlier
+            assert hits
+            prefix = policy.tokenizer.decode(c.token_ids[:-1])
+            assert not any(s in prefix for s in STOP_STRINGS)
+        else:
+            assert not hits and len(c.token_ids) == 24
+
+
+def test_sampling_is_seeded(policy) -> None:  # type: ignore[no-untyped-def]
+    config = SampleConfig(n=3, max_new_tokens=10, seed=11)
+    a = policy.sample(calc_transcripts(), config)
+    b = policy.sample(calc_transcripts(), config)
+    assert [[c.token_ids for c in conts] for conts in a] == \
+        [[c.token_ids for c in conts] for conts in b]
+    assert isinstance(policy, Policy)
+
+
+def test_hf_backend_on_saved_tiny_model(tmp_path: Path, policy) -> None:  # type: ignore[no-untyped-def]
+    path = save_checkpoint(policy.model, policy.tokenizer, tmp_path / "tiny",
+                           {"env": "calc", "seed": 0})
+    hf = load_policy(f"hf:{path}", "calc", device="cpu")
+    assert isinstance(hf, HFPolicy)
+    digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:12]
+    assert hf.policy_version == digest
+    assert hf.policy_ref == str(path.resolve())
+    transcripts = calc_transcripts()
+    config = SampleConfig(n=2, max_new_tokens=10, top_p=GREEDY, seed=0)
+    a, b = policy.sample(transcripts, config), hf.sample(transcripts, config)
+    for ca, cb in zip(a, b, strict=True):
+        assert [c.token_ids for c in ca] == [c.token_ids for c in cb]
+        np.testing.assert_allclose(ca[0].logprobs, cb[0].logprobs, atol=1e-5)
+    np.testing.assert_allclose(hf.score(transcripts, [CALC_CALL] * 3)[2],
+                               policy.score(transcripts, [CALC_CALL] * 3)[2], atol=1e-5)
+    # observations as tool messages: the env's wrapper is removed, the template adds none
+    as_tool = load_policy(f"hf:{path}", "calc", device="cpu", observation_role="tool")
+    assert "<|tool|>-95<|assistant|>" in as_tool.render(transcripts[1])  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------
+# Trained checkpoints (committed)
+
+
+def _committed(env: str) -> Path:
+    path = committed_checkpoint(env, 0)
+    if path is None:
+        pytest.skip(f"no committed {env} checkpoint under {COMMITTED_DIR}")
+    return path
+
+
+def test_trained_calc_policy_calls_the_tool_and_stops() -> None:
+    path = _committed("calc")
+    trained = load_policy("tiny", "calc", checkpoint=path)
+    task = make_tasks("calc", 1, seed=2_000_001)[0]
+    cont = trained.sample([[("prompt", task.prompt)]],
+                          SampleConfig(n=1, max_new_tokens=48, top_p=GREEDY))[0][0]
+    assert cont.finished and cont.text.startswith(CALC_CALL_PREFIX)
+    assert cont.text.endswith("</tool_call>") and len(cont.token_ids) < 48
+
+
+@pytest.mark.parametrize("env", ["calc", "workflow"])
+def test_trained_policy_success_in_band(env: str) -> None:
+    path = _committed(env)
+    trained = load_policy("tiny", env, checkpoint=path)
+    tasks = make_tasks(env, 90, seed=3_000_000)
+    report = success_report(trained, env, tasks, seed=0, max_new_tokens=48)
+    assert 0.2 <= report.overall <= 0.8, report.lines()
+
+
+# ---------------------------------------------------------------------------
+# Tabular
+
+
+def _skewed_policy(task_seed: int = 0) -> TabularPolicy:
+    task = WorkflowEnv.generate_tasks(1, seed=task_seed)[0]
+    policy = TabularPolicy(WorkflowModel.from_config(task.config))
+    policy.set_logits(ObsKey(0, 0, False), {"fast": 1.5, "careful": -0.5, "skip": 0.2})
+    policy.set_logits(ObsKey(0, 1, True), {"repair": 2.0, "skip": -1.0})
+    return policy
+
+
+def test_tabular_probabilities_are_exact() -> None:
+    table = _skewed_policy()
+    backend = TabularBackend([table])
+    model = table.model
+    prompt = model.prompt()
+    transcripts: list[Transcript] = [[("prompt", prompt)]]
+    broken = ("<tool_response>fast on 'x': failure. The stage is broken.\n"
+              + model.state_text(ObsKey(0, 1, True)) + "</tool_response>")
+    transcripts.append([("prompt", prompt), ("action", ACTION_TEXTS["fast"]),
+                        ("observation", broken)])
+    for transcript, key in zip(transcripts, [ObsKey(0, 0, False), ObsKey(0, 1, True)],
+                               strict=True):
+        actions = model.valid_actions(key)
+        scores = backend.score([transcript] * len(actions), actions)
+        for action, score in zip(actions, scores, strict=True):
+            assert score.tolist() == [table.log_prob(key, action)]
+        conts = backend.sample([transcript], SampleConfig(n=4000, seed=1))[0]
+        assert all(c.entropies == [table.entropy(key)] for c in conts)
+        assert all(c.token_ids == [ACTION_VOCAB.index(c.text)] for c in conts)
+        assert all(c.logprobs == [table.log_prob(key, c.text)] for c in conts)
+        counts = Counter(c.text for c in conts)
+        for action, p in zip(actions, table.probs(key), strict=True):
+            assert abs(counts[action] / 4000 - p) < 0.03, (action, counts[action], p)
+    invalid = backend.score(transcripts[1:], [ACTION_TEXTS["fast"]])[0]
+    assert invalid.tolist() == [-math.inf]
+    assert backend.policy_version.startswith("tabular-")
+    assert backend.policy_version != TabularBackend().policy_version
+
+
+def test_tabular_uniform_rollouts_match_exact_values() -> None:
+    """End to end through ``rollout_rewards``: the uniform tabular policy's success
+    over 400 tasks matches the mean of its exact values V(s0)."""
+    tasks = WorkflowEnv.generate_tasks(400, seed=7, horizons=(6,))
+    exact = np.mean([TabularPolicy(WorkflowModel.from_config(t.config)).values()
+                     .v(WorkflowModel.from_config(t.config).initial_state()) for t in tasks])
+    rewards = rollout_rewards(load_policy("tabular", "workflow"), "workflow", tasks, seed=3)
+    assert abs(np.mean(rewards) - exact) < 4 * math.sqrt(exact * (1 - exact) / len(tasks))
+
+
+def test_model_from_prompt_matches_the_task() -> None:
+    for task in WorkflowEnv.generate_tasks(20, seed=4):
+        model = WorkflowModel.from_config(task.config)
+        parsed = model_from_prompt(task.prompt)
+        assert parsed.prompt() == task.prompt
+        assert parsed.required == model.required
+    with pytest.raises(ValueError, match="not a workflow prompt"):
+        model_from_prompt("Compute 1+2.")
+
+
+def test_tabular_rejects_finished_episodes() -> None:
+    backend = TabularBackend()
+    prompt = WorkflowEnv.generate_tasks(1, seed=0)[0].prompt
+    done = [("prompt", prompt), ("action", ACTION_TEXTS["fast"]),
+            ("observation", "<tool_response>x\nWorkflow complete. Reward 1.</tool_response>")]
+    with pytest.raises(ValueError, match="no workflow state"):
+        backend.sample([done], SampleConfig())  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------------------
+# load_policy and the command line
+
+
+def test_load_policy_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="unknown policy spec"):
+        load_policy("gpt", "calc")
+    with pytest.raises(ValueError, match="needs a checkpoint path"):
+        load_policy("hf:", "calc")
+    with pytest.raises(ValueError, match="unknown environment"):
+        load_policy("tiny", "chess")
+    with pytest.raises(ValueError, match="workflow environment only"):
+        load_policy("tabular", "calc")
+    with pytest.raises(FileNotFoundError):
+        load_policy(f"hf:{tmp_path}", "calc")
+    monkeypatch.setenv("RTREES_CACHE_DIR", str(tmp_path))
+    with pytest.raises(PolicyUnavailableError, match="rtrees policy init --env calc --seed 9"):
+        load_policy("tiny", "calc", seed=9)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_vllm_missing_is_a_clear_error(tmp_path: Path) -> None:
+    import train.policies.vllm_backend  # noqa: F401  (imports without vllm)
+
+    with pytest.raises(PolicyUnavailableError, match=r"pip install 'rollout-trees\[gpu\]'"):
+        load_policy(f"vllm:{tmp_path}", "calc")
+
+
+def test_cli_policy_info_tabular() -> None:
+    result = CliRunner().invoke(app, ["policy", "info", "--env", "workflow",
+                                      "--policy", "tabular", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["backend"] == "TabularBackend" and data["action_vocab"] == list(ACTION_VOCAB)
+
+
+def test_cli_policy_info_missing_checkpoint(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RTREES_CACHE_DIR", str(tmp_path))
+    result = CliRunner().invoke(app, ["policy", "info", "--env", "calc", "--seed", "5"])
+    assert result.exit_code == 1
+    assert "rtrees policy init --env calc --seed 5" in result.output
+
+
+def test_cli_policy_init_reuses_a_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "calc"
+    shutil.copytree(_committed("calc"), out)
+    result = CliRunner().invoke(app, ["policy", "init", "--env", "calc", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "reusing the checkpoint" in result.output
+    assert "difficulty 1:" in result.output and "difficulty 2:" in result.output
+    assert "(in the 20%-80% target band)" in result.output
+    info = CliRunner().invoke(app, ["policy", "info", "--env", "calc", "--policy", f"hf:{out}"])
+    assert info.exit_code == 0 and "policy_version" in info.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env", ["calc", "workflow"])
+def test_cli_policy_init_trains_into_band(tmp_path: Path, env: str) -> None:
+    """The real thing: SFT from scratch (a few minutes on 2 cores)."""
+    result = CliRunner().invoke(app, ["policy", "init", "--env", env, "--seed", "1",
+                                      "--out", str(tmp_path / env), "--minutes", "10"])
+    assert result.exit_code == 0, result.output
+    assert "(in the 20%-80% target band)" in result.output, result.output
+    trained = load_policy("tiny", env, checkpoint=tmp_path / env)
+    assert trained.policy_ref == str((tmp_path / env).resolve())

@@ -1,0 +1,390 @@
+"""``hf:PATH``: any local transformers causal LM with a chat template (and the ``tiny`` one).
+
+Rendering (``transcript_messages``). A transcript becomes chat messages:
+``prompt`` -> ``user``, ``action`` -> ``assistant``, ``observation`` -> ``user``
+(default) or ``tool`` (``observation_role="tool"``: the environment's own
+``<tool_response>...</tool_response>`` wrapper is removed first, because templates
+with a tool role, Qwen2.5's among them, add their own). An optional ``system`` text
+and ``tools`` list (OpenAI function format) go to ``apply_chat_template``. The
+prompt of one step is the template's rendering with ``add_generation_prompt=True``,
+tokenized without extra special tokens; an action's tokens follow it directly.
+
+Sampling (``HFPolicy.sample``), one agent step per transcript:
+  1. transcripts are sorted by prompt length and cut into chunks of at most
+     ``max_batch`` rows (``len(chunk) * n``);
+  2. a chunk's prompts are left-padded into one batch (position ids count real tokens
+     only) and prefilled ONCE into a ``DynamicCache``;
+  3. for ``n > 1`` the cache and the last logits are expanded to the ``n`` branches
+     (``DynamicCache.batch_repeat_interleave``): branch 0 reports the prompt's
+     ``prefill_tokens``, branches 1..n-1 report 0, and no branch recomputes its prefix;
+  4. decoding runs one token per forward for every unfinished row; a row finishes when
+     its text so far contains a stop string (``</tool_call>``, ``</answer>``) or it
+     emits an end-of-sequence token, and finished rows are dropped from the cache
+     (``batch_select_indices``).
+
+Per-token values. ``logprobs[i]`` and ``entropies[i]`` are those of the model's
+untempered next-token distribution softmax(z), the policy that ``score`` evaluates,
+whatever ``temperature`` / ``top_p`` the tokens were drawn with (those two are kept
+in ``Continuation.meta``). ``top_p`` always keeps the most likely token, so a tiny
+``top_p`` (e.g. 1e-9) is greedy decoding. The text of a continuation is the decoding
+of its tokens (a trailing end-of-sequence token is kept in ``token_ids`` but not in
+``text``). ``score`` tokenizes the action text: it equals ``sample``'s logprobs for
+every continuation whose tokens are the canonical tokenization of its text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from train.policies.base import STOP_STRINGS, Continuation, SampleConfig, Transcript
+
+ObservationRole = Literal["user", "tool"]
+_RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+
+
+def transcript_messages(transcript: Transcript, observation_role: ObservationRole = "user",
+                        system: str | None = None) -> list[dict[str, str]]:
+    """Chat messages of a transcript (mapping in the module docstring)."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    for role, text in transcript:
+        if role == "prompt":
+            messages.append({"role": "user", "content": text})
+        elif role == "action":
+            messages.append({"role": "assistant", "content": text})
+        elif role == "observation":
+            if observation_role == "tool":
+                if text.startswith(_RESPONSE_OPEN) and text.endswith(_RESPONSE_CLOSE):
+                    text = text[len(_RESPONSE_OPEN):-len(_RESPONSE_CLOSE)]
+                messages.append({"role": "tool", "content": text})
+            else:
+                messages.append({"role": "user", "content": text})
+        else:
+            raise ValueError(f"unknown turn role {role!r}")
+    return messages
+
+
+@dataclass(frozen=True)
+class ChatRenderer:
+    """Transcripts to prompt token ids through a tokenizer's chat template (shared by
+    the HF and vLLM backends)."""
+
+    tokenizer: Any
+    observation_role: ObservationRole = "user"
+    system: str | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; hf:PATH and vllm:PATH "
+                             "need a chat model")
+        if self.observation_role not in ("user", "tool"):
+            raise ValueError(f"observation_role must be 'user' or 'tool', "
+                             f"got {self.observation_role!r}")
+
+    def render(self, transcript: Transcript, add_generation_prompt: bool = True) -> str:
+        """The chat-template text of a transcript (generation prompt appended)."""
+        messages = transcript_messages(transcript, self.observation_role, self.system)
+        kwargs: dict[str, Any] = {"tools": self.tools} if self.tools else {}
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens added."""
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def prompt_ids(self, transcript: Transcript) -> list[int]:
+        """Token ids of the prompt that one step continues."""
+        if not transcript:
+            raise ValueError("empty transcript: it needs at least the prompt")
+        if transcript[-1][0] == "action":
+            raise ValueError("the transcript ends with an action; a step continues a "
+                             "prompt or an observation")
+        return self.encode(self.render(transcript))
+
+
+def weights_version(path: str | Path) -> str:
+    """First 12 hex digits of the sha256 of a checkpoint's safetensors file (of the
+    per-file digests, in name order, when the checkpoint is sharded)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path}")
+    digests = []
+    for file in files:
+        h = hashlib.sha256()
+        with file.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        digests.append(h.hexdigest())
+    if len(digests) == 1:
+        return digests[0][:12]
+    return hashlib.sha256("".join(digests).encode()).hexdigest()[:12]
+
+
+def state_dict_version(model: torch.nn.Module) -> str:
+    """A hash of in-memory weights (names, shapes, dtypes, bytes), for unsaved models."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "mem-" + h.hexdigest()[:12]
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail outside the nucleus: keep the smallest set of most likely tokens
+    whose mass reaches ``top_p`` (the most likely token always stays). Shapes (B, V)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ranked above
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # rank 0 has before = 0: kept
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+class HFPolicy:
+    """A transformers causal LM behind the ``Policy`` protocol (module docstring).
+
+    ``model`` and ``tokenizer`` are loaded objects (``from_pretrained`` loads a
+    directory). ``ref`` is the checkpoint path recorded as ``policy_ref``;
+    ``version`` overrides the weight hash. ``max_batch`` bounds the rows (branches) of
+    one decoding batch. ``stop_strings`` end a step (the protocol's by default;
+    benchmarks pass none, and clear ``eos_ids``, to generate a fixed length).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, ref: str | None = None,
+                 version: str | None = None, observation_role: ObservationRole = "user",
+                 system: str | None = None, tools: list[dict[str, Any]] | None = None,
+                 max_batch: int = 128, stop_strings: Sequence[str] = STOP_STRINGS) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(tokenizer, observation_role, system, tools)
+        self.max_batch = max_batch
+        self._ref = ref
+        self._version = version
+        self._token_texts: list[str] | None = None
+        self.device = next(model.parameters()).device
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                          else tokenizer.eos_token_id if tokenizer.eos_token_id is not None
+                          else 0)
+        eos: set[int] = set()
+        generation_config = getattr(model, "generation_config", None)
+        for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id",
+                                                       None)):
+            if isinstance(source, int):
+                eos.add(source)
+            elif isinstance(source, list | tuple):
+                eos.update(int(x) for x in source)
+        self.eos_ids = frozenset(eos)
+        self.stop_strings = tuple(stop_strings)
+        self._stop_window = max((len(s) for s in self.stop_strings), default=0)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str | None = None,
+                        dtype: str | torch.dtype | None = None, **kw: Any) -> HFPolicy:
+        """Load a local checkpoint directory (model and tokenizer); no downloads."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a transformers checkpoint "
+                                    "(no config.json)")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                     dtype=dtype or "auto")
+        model = model.to(device)  # type: ignore[arg-type]  # (transformers' .to stub)
+        return cls(model, tokenizer, ref=str(path.resolve()), **kw)
+
+    # ----- identity -------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> str:
+        if self._version is None:
+            self._version = (weights_version(self._ref) if self._ref is not None
+                             else state_dict_version(self.model))
+        return self._version
+
+    @property
+    def policy_ref(self) -> str | None:
+        return self._ref
+
+    # ----- rendering ------------------------------------------------------------------
+
+    def render(self, transcript: Transcript, add_generation_prompt: bool = True) -> str:
+        """The chat-template text of a transcript (generation prompt appended)."""
+        return self.renderer.render(transcript, add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.renderer.encode(text)
+
+    def prompt_ids(self, transcript: Transcript) -> list[int]:
+        """Token ids of the prompt that one step continues."""
+        return self.renderer.prompt_ids(transcript)
+
+    def token_texts(self) -> list[str]:
+        """Each token id decoded alone (stop strings are detected on their concatenation;
+        exact for ASCII stop strings without spaces, which ours are)."""
+        if self._token_texts is None:
+            self._token_texts = list(self.tokenizer.batch_decode(
+                [[i] for i in range(len(self.tokenizer))], skip_special_tokens=False,
+                clean_up_tokenization_spaces=False))
+        return self._token_texts
+
+    # ----- sampling -------------------------------------------------------------------
+
+    def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
+               ) -> list[list[Continuation]]:
+        """``config.n`` continuations of each transcript, sharing each prefix's KV cache."""
+        prompts = [self.prompt_ids(t) for t in transcripts]
+        generator = torch.Generator(device=self.device)
+        if config.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(config.seed)
+        results: list[list[Continuation]] = [[] for _ in prompts]
+        for chunk in self._chunks(prompts, config.n):
+            for i, conts in zip(chunk, self._sample_chunk([prompts[i] for i in chunk],
+                                                          config, generator), strict=True):
+                results[i] = conts
+        return results
+
+    def _chunks(self, prompts: list[list[int]], n: int) -> Iterator[list[int]]:
+        """Indices of ``prompts`` sorted by length, cut into chunks of <= max_batch rows."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        per_chunk = max(1, self.max_batch // n)
+        for start in range(0, len(order), per_chunk):
+            yield order[start:start + per_chunk]
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor]:
+        """(ids, attention mask, position ids), each (B, T), real tokens right-aligned."""
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            if row:
+                ids[b, width - len(row):] = torch.tensor(row, dtype=torch.long)
+                mask[b, width - len(row):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return ids.to(self.device), mask.to(self.device), positions.to(self.device)
+
+    @torch.inference_mode()
+    def _sample_chunk(self, prompts: list[list[int]], config: SampleConfig,
+                      generator: torch.Generator) -> list[list[Continuation]]:
+        n = config.n
+        if any(not p for p in prompts):
+            raise ValueError("a transcript rendered to zero tokens")
+        ids, mask, positions = self._left_pad(prompts)
+        # Without padding the causal mask alone is right: passing no attention mask
+        # lets attention skip building one at every step (a large part of a tiny
+        # model's per-token cost).
+        padded = bool((mask == 0).any())
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask if padded else None,
+                         position_ids=positions, cache=cache, use_cache=True,
+                         logits_to_keep=1)
+        logits = out.logits[:, -1, :].float()  # (m, V)
+        next_pos = mask.sum(-1)  # (m,) position of each row's next token
+        if n > 1:  # one prefix computation, expanded to the n branches
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            mask = mask.repeat_interleave(n, dim=0)
+            next_pos = next_pos.repeat_interleave(n, dim=0)
+        n_rows = len(prompts) * n
+        rows = list(range(n_rows))  # active row j -> branch index rows[j]
+        tokens: list[list[int]] = [[] for _ in range(n_rows)]
+        logprobs: list[list[float]] = [[] for _ in range(n_rows)]
+        entropies: list[list[float]] = [[] for _ in range(n_rows)]
+        tails = [""] * n_rows  # recent decoded text of each branch, for stop strings
+        finished = [False] * n_rows
+        token_texts = self.token_texts()
+        window = self._stop_window
+        for step in range(config.max_new_tokens):
+            logp = torch.log_softmax(logits, dim=-1)  # (R, V) untempered policy
+            entropy = torch.special.entr(logp.exp()).sum(-1)  # (R,), 0 log 0 = 0
+            probs = (torch.softmax(logits / config.temperature, dim=-1)
+                     if config.temperature != 1.0 else logp.exp())
+            if config.top_p < 1.0:
+                probs = _top_p_filter(probs, config.top_p)
+            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (R,)
+            chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1)
+            keep: list[int] = []
+            for j, (b, tok, lp, ent) in enumerate(zip(rows, chosen.tolist(), chosen_lp.tolist(),
+                                                      entropy.tolist(), strict=True)):
+                tokens[b].append(tok)
+                logprobs[b].append(lp)
+                entropies[b].append(ent)
+                # ids past the tokenizer (padded embedding rows of some models) decode to ""
+                piece = token_texts[tok] if tok < len(token_texts) else ""
+                tail = (tails[b] + piece)[-(window + len(piece)):]
+                tails[b] = tail
+                if tok in self.eos_ids or any(s in tail for s in self.stop_strings):
+                    finished[b] = True
+                else:
+                    keep.append(j)
+            if not keep or step == config.max_new_tokens - 1:
+                break
+            if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                mask, next_pos, chosen = mask[index], next_pos[index], chosen[index]
+                rows = [rows[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
+            out = self.model(input_ids=chosen[:, None], attention_mask=mask if padded else None,
+                             position_ids=next_pos[:, None], cache=cache, use_cache=True)
+            next_pos = next_pos + 1
+            logits = out.logits[:, -1, :].float()
+        meta = {"temperature": config.temperature, "top_p": config.top_p}
+        results: list[list[Continuation]] = []
+        for t, prompt in enumerate(prompts):
+            conts = []
+            for k in range(n):
+                b = t * n + k
+                ids_b = tokens[b]
+                text_ids = ids_b[:-1] if ids_b and ids_b[-1] in self.eos_ids else ids_b
+                conts.append(Continuation(
+                    text=self.tokenizer.decode(text_ids, skip_special_tokens=False,
+                                               clean_up_tokenization_spaces=False),
+                    token_ids=ids_b, logprobs=logprobs[b], entropies=entropies[b],
+                    finished=finished[b], prefill_tokens=len(prompt) if k == 0 else 0,
+                    meta=dict(meta)))
+            results.append(conts)
+        return results
+
+    # ----- scoring --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, transcripts: Sequence[Transcript], actions: Sequence[str]
+              ) -> list[np.ndarray]:
+        """log pi(action tokens | transcript), float64, one array per pair."""
+        if len(transcripts) != len(actions):
+            raise ValueError(f"{len(transcripts)} transcripts but {len(actions)} actions")
+        pairs = [(self.prompt_ids(t), self.encode(a)) for t, a in zip(transcripts, actions,
+                                                                     strict=True)]
+        results: list[np.ndarray] = [np.zeros(0, dtype=np.float64) for _ in pairs]
+        order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+        for start in range(0, len(order), self.max_batch):
+            chunk = [i for i in order[start:start + self.max_batch] if pairs[i][1]]
+            if not chunk:
+                continue
+            ids, mask, positions = self._left_pad([pairs[i][0] + pairs[i][1] for i in chunk])
+            keep = max(len(pairs[i][1]) for i in chunk) + 1
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                logits_to_keep=keep).logits.float()  # (B, keep, V)
+            logp = torch.log_softmax(logits, dim=-1)
+            for b, i in enumerate(chunk):
+                action = pairs[i][1]
+                # action token k sits at column T - a + k; its logits at index keep - a + k - 1
+                start_col = keep - len(action) - 1
+                rows = logp[b, start_col:start_col + len(action)]
+                target = torch.tensor(action, device=self.device)[:, None]
+                results[i] = rows.gather(1, target).squeeze(1).double().cpu().numpy()
+        return results

@@ -1,0 +1,465 @@
+"""SFT cold start of the ``tiny`` policy on an environment's noisy expert traces.
+
+``rtrees policy init --env calc|workflow [--seed S] [--out DIR] [--minutes M]`` calls
+``init_policy``. The recipe (``SFTConfig``; defaults chosen from measurements on the
+2-core machine, GOTCHAS.md and this module's history in the README):
+
+1. Data. Held-out tasks are drawn first: ``eval_tasks`` for the stopping checks
+   (seed ``1_000_000 + seed``) and ``test_tasks`` for the final report (seed
+   ``2_000_000 + seed``). Training tasks come from ``generate_tasks(n, seed)`` with
+   every prompt that occurs among the held-out tasks removed, so the reported success
+   is on unseen tasks. Each training task gives one episode of the noisy expert: calc
+   uses ``CalcEnv.noisy_expert_action(rng, p_error)`` (wrong operands, skipped tool,
+   broken JSON, wrong answers, each followed by the expert's recovery); workflow
+   replaces the optimal action (``WorkflowEnv.expert_action``, which knows the hidden
+   tool probabilities) with a uniformly random valid action with probability
+   ``p_error``. The default task mix of the environment is used (calc: 1-2
+   operations; workflow: horizons 6, 9, 12).
+2. Loss. Episodes are rendered with ``tiny.render_segments`` and tokenized; the loss
+   is the mean next-token cross-entropy over ACTION tokens only: prompt,
+   observations (tool responses) and role markers are masked out. Mistakes are
+   trained on too: imitating the noisy expert keeps the policy's own error rate, and
+   its traces show recoveries.
+3. Optimisation. AdamW (lr ``lr``, betas (0.9, 0.95), weight decay 0.01), linear
+   warmup then cosine decay to 10% over ``max_steps``, gradient clipping at 1.0,
+   batches of about ``batch_tokens`` padded tokens drawn from length buckets,
+   fp32, ``torch.set_num_threads(threads)``.
+4. Stopping. Every ``eval_every`` optimizer steps the SAMPLED success rate
+   (temperature 1, one rollout per task) on the ``eval_tasks`` is measured; training
+   stops at the first check inside ``stop_band``, at ``max_steps``, or when the
+   ``minutes`` budget (data, optimisation and checks together) would be exceeded.
+   Because the checks count steps, a seeded run is reproducible unless the time cap
+   cuts it short.
+5. Report. The final weights are evaluated on ``test_tasks`` (sampled, temperature 1),
+   per difficulty (calc: number of operations) or per horizon (workflow), and saved
+   with ``tiny.save_checkpoint`` together with the config and these numbers.
+
+The target is a policy that succeeds sometimes, not always (20-80%): a group of
+rollouts that all succeed or all fail carries no learning signal for GRPO-style
+credit.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+
+from train.envs import Task, make_env
+from train.envs.calc import CalcEnv
+from train.envs.workflow import WorkflowEnv
+from train.policies.base import Policy, SampleConfig, Transcript, Turn
+from train.policies.hf import HFPolicy
+from train.policies.tiny import (
+    build_tokenizer,
+    default_cache_dir,
+    init_model,
+    n_parameters,
+    render_segments,
+    save_checkpoint,
+    shape_dict,
+)
+
+TinyEnv = Literal["calc", "workflow"]
+Log = Callable[[str], None]
+
+EVAL_SEED_OFFSET = 1_000_000
+TEST_SEED_OFFSET = 2_000_000
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """One ``policy init`` run. Defaults per environment come from ``default_config``."""
+
+    env: TinyEnv
+    """Environment whose default task mix is trained and evaluated."""
+    seed: int = 0
+    """Seeds the model initialisation, the training tasks, the noise and batch order."""
+    minutes: float = 10.0
+    """Wall-clock budget for data, optimisation and the stopping checks."""
+    max_steps: int = 4000
+    """Optimizer steps at most (also the length of the cosine schedule)."""
+    train_tasks: int = 40_000
+    """Training episodes generated (one noisy-expert episode per task)."""
+    batch_tokens: int = 2048
+    """Padded tokens per batch (GOTCHAS: ~2k tokens per batch learned on 2 cores)."""
+    lr: float = 3e-3
+    """Peak learning rate (GOTCHAS: 3e-3 for the 0.8M model)."""
+    warmup_steps: int = 100
+    p_error: float = 0.1
+    """Probability that the expert's action is replaced by a mistake."""
+    train_on_mistakes: bool = True
+    """Whether the mistakes carry a loss too. True imitates the noisy expert, mistakes
+    and recoveries alike; False trains on the expert's own actions only, the noise
+    serving to show the states that mistakes lead to (DART-style noise injection)."""
+    eval_every: int = 250
+    """Optimizer steps between stopping checks."""
+    eval_tasks: int = 200
+    """Held-out tasks of each stopping check."""
+    test_tasks: int = 600
+    """Held-out tasks of the final report."""
+    stop_band: tuple[float, float] = (0.35, 0.75)
+    """Training stops at the first check whose success lies in this band (inside the
+    20-80% target, with a margin for the check's sampling error)."""
+    max_new_tokens: int = 48
+    """Token cap of one sampled step during evaluation."""
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.env not in ("calc", "workflow"):
+            raise ValueError(f"tiny policies exist for calc and workflow, not {self.env!r}")
+        if self.minutes <= 0:
+            raise ValueError(f"minutes must be > 0, got {self.minutes}")
+        if not 0.0 <= self.p_error < 1.0:
+            raise ValueError(f"p_error must lie in [0, 1), got {self.p_error}")
+        low, high = self.stop_band
+        if not 0.0 <= low <= high <= 1.0:
+            raise ValueError(f"stop_band must be 0 <= low <= high <= 1, got {self.stop_band}")
+        for name in ("max_steps", "train_tasks", "batch_tokens", "eval_every", "eval_tasks",
+                     "test_tasks", "max_new_tokens", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def default_config(env: str, seed: int = 0, minutes: float = 10.0, **overrides: Any
+                   ) -> SFTConfig:
+    """The measured defaults for ``env`` (see the module docstring and README)."""
+    per_env: dict[str, dict[str, Any]] = {
+        "calc": {},
+        # ~205 tokens per episode but one action token per step (3% of the tokens carry
+        # a loss); sampled success climbs slowly from ~25% (format learned, ~100 steps)
+        # to ~35% (1,500 steps): the hard part is telling optional stages (always
+        # skipped by the expert) from required ones, which needs the whole DAG.
+        "workflow": {"train_tasks": 12_000, "max_steps": 2000, "max_new_tokens": 16},
+    }
+    if env not in per_env:
+        raise ValueError(f"tiny policies exist for {sorted(per_env)}, not {env!r}")
+    options = {**per_env[env], **overrides}
+    return SFTConfig(env=cast(TinyEnv, env), seed=seed, minutes=minutes, **options)
+
+
+# ---------------------------------------------------------------------------
+# Data
+
+
+def task_group(task: Task) -> int:
+    """The reporting group of a task: calc difficulty or workflow horizon."""
+    key = "difficulty" if task.env == "calc" else "horizon"
+    return int(task.config[key])
+
+
+def make_tasks(env: str, n: int, seed: int) -> list[Task]:
+    """``n`` tasks of the default mix of ``env``, seeded."""
+    cls = CalcEnv if env == "calc" else WorkflowEnv
+    return cls.generate_tasks(n, seed)
+
+
+@dataclass(frozen=True)
+class Episode:
+    """A noisy-expert episode: its turns, and for each action whether it was a mistake
+    (the noise) rather than the expert's own action."""
+
+    turns: list[Turn]
+    mistakes: list[bool]
+
+
+def expert_episode(env_name: str, task: Task, rng: random.Random, p_error: float
+                   ) -> Episode:
+    """One episode of the noisy expert (prompt, action, observation, ...)."""
+    env: CalcEnv | WorkflowEnv = CalcEnv() if env_name == "calc" else WorkflowEnv()
+    turns: list[Turn] = [("prompt", env.reset(task))]
+    mistakes: list[bool] = []
+    while True:
+        expert = env.expert_action()
+        if isinstance(env, CalcEnv):
+            action = env.noisy_expert_action(rng, p_error)
+        else:
+            action = rng.choice(env.valid_actions()) if rng.random() < p_error else expert
+        result = env.step(action)
+        turns += [("action", action), ("observation", result.observation)]
+        mistakes.append(action != expert)
+        if result.done:
+            return Episode(turns, mistakes)
+
+
+def encode_episode(tokenizer: Any, turns: Transcript,
+                   trained: Sequence[bool] | None = None) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered episode and, per token, whether it carries a loss: the
+    tokens of the actions (of those with ``trained[k]`` True, when given)."""
+    ids: list[int] = []
+    has_loss: list[bool] = []
+    k = 0
+    for text, is_action in render_segments(turns):
+        piece: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        loss = is_action and (trained is None or trained[k])
+        has_loss += [loss] * len(piece)
+        k += is_action
+    return ids, has_loss
+
+
+@dataclass
+class Dataset:
+    """Tokenized episodes and a seeded bucketed batch sampler."""
+
+    ids: list[list[int]]
+    targets: list[list[bool]]
+    batch_tokens: int
+    rng: random.Random
+    _queue: list[list[int]] = field(default_factory=list)
+
+    def _refill(self) -> None:
+        """One pass over the data: shuffle, sort windows of ~100 batches by length,
+        cut into batches of <= batch_tokens padded tokens, shuffle the batches."""
+        order = list(range(len(self.ids)))
+        self.rng.shuffle(order)
+        mean_len = sum(len(x) for x in self.ids) / len(self.ids)
+        window = max(1, int(100 * self.batch_tokens / mean_len))
+        batches: list[list[int]] = []
+        for start in range(0, len(order), window):
+            chunk = sorted(order[start:start + window], key=lambda i: len(self.ids[i]))
+            batch: list[int] = []
+            for i in chunk:
+                if batch and (len(batch) + 1) * len(self.ids[i]) > self.batch_tokens:
+                    batches.append(batch)
+                    batch = []
+                batch.append(i)
+            if batch:
+                batches.append(batch)
+        self.rng.shuffle(batches)
+        self._queue = batches
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, attention mask, loss mask), each (B, T), right-padded."""
+        if not self._queue:
+            self._refill()
+        batch = self._queue.pop()
+        width = max(len(self.ids[i]) for i in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        loss_mask = torch.zeros((len(batch), width), dtype=torch.bool)
+        for b, i in enumerate(batch):
+            n = len(self.ids[i])
+            ids[b, :n] = torch.tensor(self.ids[i])
+            attention[b, :n] = 1
+            loss_mask[b, :n] = torch.tensor(self.targets[i])
+        return ids, attention, loss_mask
+
+
+def build_dataset(config: SFTConfig, tokenizer: Any, exclude_prompts: set[str]) -> Dataset:
+    tasks = [t for t in make_tasks(config.env, config.train_tasks, config.seed)
+             if t.prompt not in exclude_prompts]
+    rng = random.Random(config.seed)
+    ids, targets = [], []
+    for task in tasks:
+        episode = expert_episode(config.env, task, rng, config.p_error)
+        trained = None if config.train_on_mistakes else [not m for m in episode.mistakes]
+        episode_ids, has_loss = encode_episode(tokenizer, episode.turns, trained)
+        ids.append(episode_ids)
+        targets.append(has_loss)
+    return Dataset(ids, targets, config.batch_tokens, random.Random(config.seed + 1))
+
+
+# ---------------------------------------------------------------------------
+# Evaluation
+
+
+@dataclass(frozen=True)
+class SuccessReport:
+    """Sampled success on a task set: per group (difficulty / horizon) and overall."""
+
+    per_group: dict[int, tuple[int, int]]  # group -> (successes, tasks)
+    group_name: str
+
+    @property
+    def overall(self) -> float:
+        wins = sum(s for s, _ in self.per_group.values())
+        total = sum(n for _, n in self.per_group.values())
+        return wins / total if total else 0.0
+
+    def rate(self, group: int) -> float:
+        wins, total = self.per_group[group]
+        return wins / total if total else 0.0
+
+    def lines(self) -> list[str]:
+        out = [f"  {self.group_name} {g}: {self.rate(g):6.1%}  ({s}/{n})"
+               for g, (s, n) in sorted(self.per_group.items())]
+        total = sum(n for _, n in self.per_group.values())
+        return [*out, f"  overall: {self.overall:6.1%}  ({total} tasks)"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group_name, "overall": self.overall,
+                "per_group": {str(g): {"successes": s, "tasks": n, "rate": s / n if n else 0.0}
+                              for g, (s, n) in sorted(self.per_group.items())}}
+
+
+def rollout_rewards(policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
+                    max_new_tokens: int = 48, temperature: float = 1.0) -> list[float]:
+    """One sampled episode per task (all episodes advance together, one batched
+    ``policy.sample`` call per step); returns each episode's final reward."""
+    envs = [make_env(env_name) for _ in tasks]
+    transcripts: list[list[Turn]] = [[("prompt", env.reset(task))]
+                                     for env, task in zip(envs, tasks, strict=True)]
+    rewards = [0.0] * len(tasks)
+    active = list(range(len(tasks)))
+    step = 0
+    try:
+        while active:
+            conts = policy.sample([transcripts[i] for i in active],
+                                  SampleConfig(n=1, max_new_tokens=max_new_tokens,
+                                               temperature=temperature, seed=seed + step))
+            still = []
+            for i, (cont,) in zip(active, conts, strict=True):
+                result = envs[i].step(cont.text)
+                transcripts[i] += [("action", cont.text), ("observation", result.observation)]
+                if result.done:
+                    rewards[i] = result.reward_parts["reward"]
+                else:
+                    still.append(i)
+            active = still
+            step += 1
+    finally:
+        for env in envs:
+            env.close()
+    return rewards
+
+
+def success_report(policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
+                   max_new_tokens: int = 48) -> SuccessReport:
+    """Sampled (temperature 1) success rate per difficulty / horizon."""
+    rewards = rollout_rewards(policy, env_name, tasks, seed, max_new_tokens)
+    groups: dict[int, tuple[int, int]] = {}
+    for task, reward in zip(tasks, rewards, strict=True):
+        wins, total = groups.get(task_group(task), (0, 0))
+        groups[task_group(task)] = (wins + (reward == 1.0), total + 1)
+    return SuccessReport(groups, "difficulty" if env_name == "calc" else "horizon")
+
+
+# ---------------------------------------------------------------------------
+# Training
+
+
+@dataclass(frozen=True)
+class SFTResult:
+    """What ``train_sft`` did and where the checkpoint lies."""
+
+    path: Path
+    steps: int
+    train_seconds: float
+    stop_reason: str
+    checks: list[tuple[int, float]]  # (step, held-out success) of each stopping check
+    test: SuccessReport
+    parameters: int
+
+
+def _lr_at(step: int, config: SFTConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps
+                                                             - config.warmup_steps))
+    return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def train_sft(config: SFTConfig, out: Path, log: Log = print) -> SFTResult:
+    """Train a tiny policy from scratch by SFT and save it to ``out`` (module docstring)."""
+    start = time.perf_counter()
+    deadline = start + config.minutes * 60.0
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _train(config, out, log, start, deadline)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train(config: SFTConfig, out: Path, log: Log, start: float, deadline: float
+           ) -> SFTResult:
+    tokenizer = build_tokenizer()
+    model = init_model(tokenizer, seed=config.seed)
+    eval_tasks = make_tasks(config.env, config.eval_tasks, EVAL_SEED_OFFSET + config.seed)
+    test_tasks = make_tasks(config.env, config.test_tasks, TEST_SEED_OFFSET + config.seed)
+    data = build_dataset(config, tokenizer, {t.prompt for t in (*eval_tasks, *test_tasks)})
+    log(f"{config.env}: {len(data.ids):,} noisy-expert episodes "
+        f"({sum(map(len, data.ids)):,} tokens, {sum(map(sum, data.targets)):,} action "
+        f"tokens), model {n_parameters(model):,} parameters, "
+        f"data took {time.perf_counter() - start:.0f} s")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.01)
+    policy = HFPolicy(model, tokenizer, max_batch=256)
+    checks: list[tuple[int, float]] = []
+    step, reason = 0, "max_steps"
+    last_check_seconds = 0.0
+    loss_sum, loss_n = 0.0, 0
+    while step < config.max_steps:
+        model.train()
+        ids, attention, loss_mask = data.next_batch()
+        logits = model(input_ids=ids, attention_mask=attention).logits  # (B, T, V)
+        # token t+1 is predicted at position t; only action tokens carry a loss
+        token_loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+        target_mask = loss_mask[:, 1:].flatten().float()
+        loss = (token_loss * target_mask).sum() / target_mask.sum().clamp(min=1.0)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+        if step % config.eval_every == 0:
+            model.eval()
+            t0 = time.perf_counter()
+            rate = success_report(policy, config.env, eval_tasks, seed=config.seed + step,
+                                  max_new_tokens=config.max_new_tokens).overall
+            last_check_seconds = time.perf_counter() - t0
+            checks.append((step, rate))
+            log(f"step {step:5d}  loss {loss_sum / loss_n:.3f}  held-out success {rate:6.1%}  "
+                f"({time.perf_counter() - start:.0f} s)")
+            loss_sum, loss_n = 0.0, 0
+            if config.stop_band[0] <= rate <= config.stop_band[1]:
+                reason = "in band"
+                break
+        seconds_per_step = (time.perf_counter() - start) / step
+        if time.perf_counter() + seconds_per_step + last_check_seconds > deadline:
+            reason = "time budget"
+            break
+    train_seconds = time.perf_counter() - start
+    model.eval()
+    log(f"stopped after {step} steps ({reason}), {train_seconds:.0f} s; "
+        f"evaluating on {len(test_tasks)} held-out tasks")
+    test = success_report(policy, config.env, test_tasks, seed=TEST_SEED_OFFSET + config.seed,
+                          max_new_tokens=config.max_new_tokens)
+    meta = {
+        "env": config.env, "seed": config.seed, "config": asdict(config),
+        "model": shape_dict(), "parameters": n_parameters(model), "steps": step,
+        "train_seconds": round(train_seconds, 1), "stop_reason": reason,
+        "checks": [{"step": s, "success": r} for s, r in checks],
+        "test": test.to_json(), "test_tasks_seed": TEST_SEED_OFFSET + config.seed,
+        "command": f"rtrees policy init --env {config.env} --seed {config.seed}",
+    }
+    path = save_checkpoint(model, tokenizer, out, meta)
+    return SFTResult(path, step, train_seconds, reason, checks, test, n_parameters(model))
+
+
+def init_policy(env: str, seed: int = 0, out: Path | None = None, minutes: float = 10.0,
+                force: bool = False, log: Log = print, **overrides: Any) -> SFTResult | None:
+    """``rtrees policy init``: train into ``out`` (default: the cache directory) unless a
+    checkpoint is already there (``force`` retrains). Returns None when one was reused."""
+    target = Path(out) if out is not None else default_cache_dir(env, seed)
+    config = default_config(env, seed=seed, minutes=minutes, **overrides)
+    if not force:
+        from train.policies.tiny import find_checkpoint, is_checkpoint
+
+        found = target if is_checkpoint(target) else (find_checkpoint(env, seed)
+                                                      if out is None else None)
+        if found is not None:
+            log(f"reusing the checkpoint at {found} (--force retrains)")
+            return None
+    return train_sft(config, target, log)

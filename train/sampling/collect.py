@@ -1,0 +1,235 @@
+"""The collection job: sample one tree per task and commit them to a store (issue 6).
+
+``collect(store, env, policy, sampler, tasks, n_total, seed, run_id)``:
+
+* tree ids are ``tree_id_for(run_id, seed, task_id)`` and each tree's seed is
+  ``tree_seed(seed, task_id)``, so a tree does not depend on which worker made
+  it or on what was collected before (except a ``caliper`` tree, whose bucket
+  statistics carry over from the tasks its worker ran before);
+* tasks whose tree id is already stored under ``run_id`` are skipped, so a
+  rerun with the same run id and seed adds nothing and an interrupted run
+  resumes where it stopped: every committed tree stays;
+* trees are committed ``commit_trees`` at a time (a bounded commit), each with
+  the idempotency key ``commit_key(run_id, seed, tree_ids)``: retrying a commit
+  whose acknowledgement was lost stores it once;
+* a rich progress bar counts trees (``progress=False`` turns it off);
+* ``workers > 1`` runs the tasks in that many processes (spawned; each builds
+  its own environment, policy and sampler, so ``env`` and ``policy`` must then
+  be a registry name / policy spec or a picklable factory) and commits in the
+  parent as chunks finish. A caliper sampler then keeps one ``CaliperState``
+  per worker, and the parent's sampler object is not updated.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import multiprocessing
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow.compute as pc
+
+from rollout_store import Store, read_arrow
+from rollout_store.tree import Tree
+from train.envs import Environment, Task, make_env
+from train.policies.base import Policy
+from train.sampling import Sampler, make_sampler
+from train.sampling.base import mix_seed
+
+PolicyFactory = Callable[[str], Policy]  # env name -> policy
+PolicySpec = str | Policy | PolicyFactory
+EnvSpec = str | Environment
+
+
+def tree_id_for(run_id: str, seed: int, task_id: str) -> str:
+    """The deterministic tree id of ``task_id`` in a run."""
+    return f"{run_id}/s{seed}/{task_id}"
+
+
+def tree_seed(seed: int, task_id: str) -> int:
+    """The seed of one task's tree (independent of worker and order)."""
+    return mix_seed(seed, "tree", task_id)
+
+
+def commit_key(run_id: str, seed: int, tree_ids: Sequence[str]) -> str:
+    """The idempotency key of a commit holding ``tree_ids``."""
+    digest = hashlib.sha256("\n".join(sorted(tree_ids)).encode()).hexdigest()[:32]
+    return f"collect:{run_id}:s{seed}:{digest}"
+
+
+@dataclass
+class CollectReport:
+    """What a collection did."""
+
+    run_id: str
+    seed: int
+    n_tasks: int
+    skipped: int = 0  # tasks already stored under this run id
+    trees: int = 0  # trees committed now
+    commits: int = 0
+    rollouts: int = 0
+    nodes: int = 0
+    seconds: float = 0.0
+    by_phase: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def trees_per_minute(self) -> float:
+        return 60.0 * self.trees / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        phases = ", ".join(f"{k} {v}" for k, v in sorted(self.by_phase.items())) or "none"
+        return (f"run {self.run_id} seed {self.seed}: {self.trees} trees committed in "
+                f"{self.commits} commits ({self.skipped} of {self.n_tasks} tasks already "
+                f"stored); {self.nodes} nodes, {self.rollouts} rollouts ({phases}); "
+                f"{self.seconds:.1f} s, {self.trees_per_minute:.1f} trees/min")
+
+
+def stored_tree_ids(store: Store, run_id: str) -> set[str]:
+    """Tree ids committed under ``run_id``."""
+    table = read_arrow(store, "trees", columns=["tree_id", "run_id"])
+    mask = pc.equal(table.column("run_id"), run_id)
+    return set(table.filter(mask).column("tree_id").to_pylist())
+
+
+def resolve_policy(policy: PolicySpec, env_name: str) -> Policy:
+    """A policy object from a spec (``train.policies.load_policy``), a factory, or as is."""
+    if isinstance(policy, str):
+        try:
+            from train.policies import load_policy  # type: ignore[attr-defined,unused-ignore]
+        except ImportError as exc:
+            raise RuntimeError("train.policies.load_policy is not available yet: pass a "
+                               "policy object") from exc
+        loaded: Policy = load_policy(policy, env_name)
+        return loaded
+    if callable(policy) and not hasattr(policy, "sample"):
+        return policy(env_name)
+    return policy  # type: ignore[return-value]
+
+
+def resolve_sampler(sampler: str | Sampler, params: dict[str, Any] | None = None) -> Sampler:
+    if isinstance(sampler, str):
+        return make_sampler(sampler, **(params or {}))
+    if params:
+        raise ValueError("sampler params go with a sampler name, not a Sampler object")
+    return sampler
+
+
+def _sample_chunk(env: Environment, policy: Policy, sampler: Sampler, tasks: Sequence[Task],
+                  n_total: int, seed: int, run_id: str,
+                  on_tree: Callable[[], None] | None = None) -> list[Tree]:
+    trees = []
+    for task in tasks:
+        trees.append(sampler.sample_tree(env, policy, task, n_total,
+                                         seed=tree_seed(seed, task.task_id),
+                                         tree_id=tree_id_for(run_id, seed, task.task_id),
+                                         run_id=run_id))
+        if on_tree is not None:
+            on_tree()
+    return trees
+
+
+# ----- worker processes -------------------------------------------------------------------
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(env: str, policy: str | PolicyFactory, sampler: Sampler) -> None:
+    _WORKER["env"] = make_env(env)
+    _WORKER["policy"] = resolve_policy(policy, env)
+    _WORKER["sampler"] = sampler
+
+
+def _worker_chunk(tasks: list[Task], n_total: int, seed: int, run_id: str) -> list[Tree]:
+    return _sample_chunk(_WORKER["env"], _WORKER["policy"], _WORKER["sampler"], tasks,
+                         n_total, seed, run_id)
+
+
+@contextmanager
+def _progress(enabled: bool, total: int, description: str) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TimeRemainingColumn()) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampler,
+            tasks: Sequence[Task], n_total: int, seed: int, run_id: str, *, workers: int = 1,
+            commit_trees: int = 16, progress: bool = True,
+            sampler_params: dict[str, Any] | None = None) -> CollectReport:
+    """Sample one tree per task with ``sampler`` and commit them (see the module docstring).
+
+    ``env``: an ``Environment`` or a registry name; ``policy``: a ``Policy``, a
+    ``load_policy`` spec string, or a factory ``env_name -> Policy``;
+    ``sampler``: a ``Sampler`` or a name (with ``sampler_params``).
+    """
+    if n_total < 1:
+        raise ValueError(f"n_total must be >= 1, got {n_total}")
+    if commit_trees < 1:
+        raise ValueError(f"commit_trees must be >= 1, got {commit_trees}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    ids = [t.task_id for t in tasks]
+    if len(set(ids)) != len(ids):
+        raise ValueError("task ids must be unique: they name the trees")
+    samp = resolve_sampler(sampler, sampler_params)
+    start = time.perf_counter()
+    report = CollectReport(run_id=run_id, seed=seed, n_tasks=len(tasks))
+    done = stored_tree_ids(store, run_id)
+    todo = [t for t in tasks if tree_id_for(run_id, seed, t.task_id) not in done]
+    report.skipped = len(tasks) - len(todo)
+    chunks = [list(todo[i:i + commit_trees]) for i in range(0, len(todo), commit_trees)]
+
+    def commit(trees: list[Tree]) -> None:
+        store.append_trees(trees, key=commit_key(run_id, seed, [t.tree_id for t in trees]))
+        report.commits += 1
+        report.trees += len(trees)
+        for t in trees:
+            report.nodes += len(t.nodes)
+            for phase, n in t.rollouts_by_phase.items():
+                report.by_phase[phase] = report.by_phase.get(phase, 0) + n
+                report.rollouts += n
+
+    with _progress(progress, len(todo), f"collect {samp.name}") as advance:
+        if workers == 1 or len(chunks) <= 1:
+            env_obj = make_env(env) if isinstance(env, str) else env
+            env_name = env if isinstance(env, str) else env_obj.name
+            pol = resolve_policy(policy, env_name)
+            for chunk in chunks:
+                commit(_sample_chunk(env_obj, pol, samp, chunk, n_total, seed, run_id,
+                                     on_tree=lambda: advance(1)))
+        else:
+            if not isinstance(env, str) or not (isinstance(policy, str) or (
+                    callable(policy) and not hasattr(policy, "sample"))):
+                raise ValueError("workers > 1 needs env as a registry name and policy as a "
+                                 "spec string or a picklable factory")
+            ctx = multiprocessing.get_context("spawn")
+            with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                        initargs=(env, policy, samp)) as pool:
+                futures = [pool.submit(_worker_chunk, chunk, n_total, seed, run_id)
+                           for chunk in chunks]
+                try:
+                    for fut in cf.as_completed(futures):
+                        trees = fut.result()
+                        commit(trees)
+                        advance(len(trees))
+                except BaseException:
+                    for fut in futures:
+                        fut.cancel()
+                    raise
+    report.seconds = time.perf_counter() - start
+    return report
