@@ -224,6 +224,8 @@ def test_shared_prefix_greedy_equals_recomputation(policy) -> None:  # type: ign
             np.testing.assert_allclose(branch.logprobs, separate[i * 4 + k][0].logprobs,
                                        atol=1e-5)
             assert separate[i * 4 + k][0].prefill_tokens == prompt_len
+        alone = policy.sample([transcript], config)[0]  # one row: no padding, no mask
+        assert [c.token_ids for c in alone] == [c.token_ids for c in shared[i]]
 
 
 def test_sample_logprobs_equal_score(policy) -> None:  # type: ignore[no-untyped-def]
@@ -460,6 +462,7 @@ def test_cli_policy_init_trains_into_band(tmp_path: Path, env: str) -> None:
     """The real thing: SFT from scratch (a few minutes on 2 cores)."""
     result = CliRunner().invoke(app, ["policy", "init", "--env", env, "--seed", "1",
                                       "--out", str(tmp_path / env), "--minutes", "10"])
+    print(result.output)  # the per-group numbers, shown with -s
     assert result.exit_code == 0, result.output
     assert "(in the 20%-80% target band)" in result.output, result.output
     trained = load_policy("tiny", env, checkpoint=tmp_path / env)

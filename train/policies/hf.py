@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +44,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.utils import logging as hf_logging
 
 from train.policies.base import STOP_STRINGS, Continuation, SampleConfig, Transcript
 
@@ -140,6 +142,18 @@ def state_dict_version(model: torch.nn.Module) -> str:
     return "mem-" + h.hexdigest()[:12]
 
 
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off (loading and saving a tiny model is instant)."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero the tail outside the nucleus: keep the smallest set of most likely tokens
     whose mass reaches ``top_p`` (the most likely token always stays). Shapes (B, V)."""
@@ -197,9 +211,10 @@ class HFPolicy:
             raise FileNotFoundError(f"{path} is not a transformers checkpoint "
                                     "(no config.json)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                     dtype=dtype or "auto")
+        with quiet_progress():
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                         dtype=dtype or "auto")
         model = model.to(device)  # type: ignore[arg-type]  # (transformers' .to stub)
         return cls(model, tokenizer, ref=str(path.resolve()), **kw)
 

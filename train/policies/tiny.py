@@ -18,8 +18,8 @@ Tokenizer (``build_tokenizer``)
     action string as a whole (``WORKFLOW_ACTION_TOKENS``: an action is ONE token), and
     for the workflow environment's fixed phrases and stage names
     (``WORKFLOW_PHRASE_TOKENS``). Boilerplate tokens cut sequences about 3x
-    (GOTCHAS.md); the workflow phrases cut a horizon-12 episode from about 2,400
-    characters to about 300 tokens, which is what makes SFT on it affordable on CPU.
+    (GOTCHAS.md); the workflow phrases cut an episode of the default mix from about
+    2,300 characters to about 205 tokens (11x), which makes SFT on it affordable on CPU.
     Text is split on these tokens first (leftmost-longest), then into characters, so
     ``decode(encode(text)) == text`` for any ASCII text, and concatenating the
     encodings of turns equals encoding their concatenation.
@@ -46,8 +46,10 @@ looks there first, then in the committed checkpoints ``COMMITTED_DIR/<env>``
 Training is seeded and its stopping rule counts optimizer steps, not seconds, so
 the same command regenerates an equivalent checkpoint (same data, same steps; the
 weights agree up to floating-point summation order of the machine's BLAS, so the
-``policy_version`` hash may differ while the success rates match). Only the
-``--minutes`` cap, when it cuts training short on a slow machine, depends on time.
+``policy_version`` hash may differ while the success rates match; on the machine
+that made them, rerunning the command gave bit-identical files, even under load).
+Only the ``--minutes`` cap, when it cuts training short on a slow machine, depends
+on time.
 """
 
 from __future__ import annotations
@@ -62,13 +64,12 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
 
 from train.envs.calc import call_text
 from train.envs.workflow import STAGE_NAMES
 from train.envs.workflow_model import ACTION_TEXTS, TOOLS
 from train.policies.base import Transcript
-from train.policies.hf import HFPolicy
+from train.policies.hf import HFPolicy, quiet_progress
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 ROLE_TOKENS: dict[str, str] = {role: f"<|{role}|>" for role in
@@ -272,13 +273,8 @@ def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     if tmp.exists():
         _remove_tree(tmp)
-    progress_bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
+    with quiet_progress():
         model.save_pretrained(tmp)
-    finally:
-        if progress_bars:
-            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     for file in tmp.iterdir():

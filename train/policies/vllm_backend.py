@@ -115,8 +115,9 @@ class VLLMPolicy:
             n=config.n, temperature=config.temperature, top_p=config.top_p,
             max_tokens=config.max_new_tokens, stop=list(STOP_STRINGS),
             include_stop_str_in_output=True, logprobs=self.entropy_topk,
-            # one seed per transcript, so equal seeds do not couple different requests
-            seed=None if config.seed is None else config.seed + i)
+            # vLLM seeds the n child requests of a request with seed + k: spacing the
+            # transcripts' seeds by n gives every branch of the call its own stream
+            seed=None if config.seed is None else config.seed + i * config.n)
             for i in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False)
