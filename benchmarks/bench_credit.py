@@ -61,30 +61,8 @@ def build(n_trees: int, depth: int, seed: int) -> tuple[Any, TreeArrays]:
 
 def split(batch: TreeArrays, size: int) -> list[TreeArrays]:
     """Consecutive sub-batches of ``size`` trees (numpy slicing, not timed)."""
-    out = []
-    for lo in range(0, batch.n_trees, size):
-        hi = min(lo + size, batch.n_trees)
-        rows = np.flatnonzero((batch.node_tree >= lo) & (batch.node_tree < hi))
-        r0, r1 = int(rows[0]), int(rows[-1]) + 1
-        t0, t1 = int(batch.token_offsets[r0]), int(batch.token_offsets[r1])
-        sub = TreeArrays(
-            tree_ids=batch.tree_ids[lo:hi], node_tree=batch.node_tree[r0:r1] - lo,
-            node_ids=batch.node_ids[r0:r1],
-            parent=np.where(batch.parent[r0:r1] >= 0, batch.parent[r0:r1] - r0, -1),
-            depth=batch.depth[r0:r1], subtree_size=batch.subtree_size[r0:r1],
-            is_leaf=batch.is_leaf[r0:r1], kind=batch.kind[r0:r1], phase=batch.phase[r0:r1],
-            reward=batch.reward[r0:r1],
-            reward_parts={k: v[r0:r1] for k, v in batch.reward_parts.items()},
-            token_offsets=batch.token_offsets[r0:r1 + 1] - t0,
-            token_ids=batch.token_ids[t0:t1], agent_mask=batch.agent_mask[t0:t1],
-            segment=batch.segment[t0:t1], behaviour_logprobs=batch.behaviour_logprobs[t0:t1],
-            critical_node=np.where(batch.critical_node[lo:hi] >= 0,
-                                   batch.critical_node[lo:hi] - r0, -1),
-            task=batch.task[lo:hi] - batch.task[lo:hi].min(),
-            extras={k: v[r0:r1] for k, v in batch.extras.items()},
-        )
-        out.append(sub)
-    return out
+    return [batch.trees_slice(lo, min(lo + size, batch.n_trees))
+            for lo in range(0, batch.n_trees, size)]
 
 
 def main() -> None:

@@ -111,11 +111,20 @@ class TreeArrays:
 
     def tree_slice(self, b: int) -> TreeArrays:
         """Tree ``b`` alone, as a batch of one (for reference loops and tests)."""
-        rows = np.flatnonzero(self.node_tree == b)
+        return self.trees_slice(b, b + 1)
+
+    def trees_slice(self, first: int, stop: int) -> TreeArrays:
+        """Trees ``first .. stop - 1`` as their own batch (rows and tokens are contiguous).
+
+        Task indices are renumbered from 0 but keep their grouping.
+        """
+        rows = np.flatnonzero((self.node_tree >= first) & (self.node_tree < stop))
         lo, hi = int(rows[0]), int(rows[-1]) + 1
         t_lo, t_hi = int(self.token_offsets[lo]), int(self.token_offsets[hi])
+        critical = self.critical_node[first:stop]
+        _, task = np.unique(self.task[first:stop], return_inverse=True)
         return TreeArrays(
-            tree_ids=(self.tree_ids[b],), node_tree=np.zeros(hi - lo, np.int64),
+            tree_ids=self.tree_ids[first:stop], node_tree=self.node_tree[lo:hi] - first,
             node_ids=self.node_ids[lo:hi],
             parent=np.where(self.parent[lo:hi] >= 0, self.parent[lo:hi] - lo, -1),
             depth=self.depth[lo:hi], subtree_size=self.subtree_size[lo:hi],
@@ -126,9 +135,8 @@ class TreeArrays:
             token_ids=self.token_ids[t_lo:t_hi], agent_mask=self.agent_mask[t_lo:t_hi],
             segment=self.segment[t_lo:t_hi],
             behaviour_logprobs=self.behaviour_logprobs[t_lo:t_hi],
-            critical_node=np.array([self.critical_node[b] - lo if self.critical_node[b] >= 0
-                                    else -1]),
-            task=np.zeros(1, np.int64),
+            critical_node=np.where(critical >= 0, critical - lo, -1),
+            task=task.astype(np.int64).ravel(),
             extras={k: _slice_extra(v, lo, hi, t_lo, t_hi, self) for k, v in self.extras.items()},
         )
 
