@@ -96,15 +96,14 @@ def stored_tree_ids(store: Store, run_id: str) -> set[str]:
 
 
 def resolve_policy(policy: PolicySpec, env_name: str) -> Policy:
-    """A policy object from a spec (``train.policies.load_policy``), a factory, or as is."""
+    """A policy from a ``load_policy`` spec string, a factory ``env -> Policy``, or as is.
+
+    Shared by collection and the reference job (``references.py``).
+    """
     if isinstance(policy, str):
-        try:
-            from train.policies import load_policy  # type: ignore[attr-defined,unused-ignore]
-        except ImportError as exc:
-            raise RuntimeError("train.policies.load_policy is not available yet: pass a "
-                               "policy object") from exc
-        loaded: Policy = load_policy(policy, env_name)
-        return loaded
+        from train.policies import load_policy
+
+        return load_policy(policy, env_name)
     if callable(policy) and not hasattr(policy, "sample"):
         return policy(env_name)
     return policy  # type: ignore[return-value]

@@ -61,6 +61,7 @@ from rollout_store.snapshots import decompress
 from rollout_store.store import Store, now_utc
 from train.envs import Environment, make_env
 from train.policies.base import Policy, SampleConfig, Turn
+from train.sampling.collect import PolicySpec, resolve_policy
 
 if TYPE_CHECKING:
     import duckdb
@@ -68,8 +69,6 @@ if TYPE_CHECKING:
 DEFAULT_MAX_STEPS = 32
 _MASK63 = (1 << 63) - 1
 
-PolicyFactory = Callable[[str], Policy]  # env name -> policy
-PolicySpec = str | Policy | PolicyFactory
 
 
 class ReferenceJobError(RuntimeError):
@@ -382,21 +381,6 @@ def _run_chunk(policy: Policy, env_factory: Callable[[], Environment], pool: lis
 
 
 # ----- the job -----------------------------------------------------------------------------
-
-
-def resolve_policy(policy: PolicySpec, env_name: str) -> Policy:
-    """A policy from a ``load_policy`` spec string, a factory ``env -> Policy``, or as is."""
-    if isinstance(policy, str):
-        try:
-            from train.policies import load_policy  # type: ignore[attr-defined,unused-ignore]
-        except ImportError as exc:
-            raise ReferenceJobError("train.policies.load_policy is not available: pass a Policy "
-                                 "object") from exc
-        loaded: Policy = load_policy(policy, env_name)
-        return loaded
-    if callable(policy) and not hasattr(policy, "sample"):
-        return policy(env_name)
-    return policy  # type: ignore[return-value]
 
 
 def _named_policies(con: duckdb.DuckDBPyConnection, policy: PolicySpec) -> dict[str, Policy]:
