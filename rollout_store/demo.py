@@ -1,9 +1,11 @@
-"""The store demo behind ``make demo`` / ``rtrees demo``: write, compact, query, validate.
+"""The store tour behind ``rtrees demo``: write, compact, query, validate (no policy needed).
 
-Until collection and audits land (issues 3-6) the main job is this: synthetic
-BEL-shaped trees are appended in several idempotent commits, the store is
-compacted, queried through the DuckDB views and fully verified. A rerun with the
-same seed reuses what is stored (every commit key is already present).
+Synthetic BEL-shaped trees (``rollout_store.synthetic``) are appended in several
+idempotent commits, the store is compacted, queried through the DuckDB views
+(``siblings`` joined to ``nodes``) and fully verified. A rerun with the same seed
+reuses what is stored (every commit key is already present). It exercises the store
+alone; the main job (``make demo`` = ``rtrees pipeline``: a tiny policy, collection,
+credit, the ranking audit) lives in ``train.pipeline``.
 """
 
 from __future__ import annotations

@@ -222,7 +222,12 @@ def import_file(store: Store, path: str | Path, fmt: str, *, run_id: str | None 
     dump = load_dump(path, fmt, run_id=run_id, reward_columns=reward_columns)
     trees_commit: CommitReport | None = None
     credits_commit: CommitReport | None = None
-    if dump.trees:
+    # The key is the file's sha256: the same bytes are the same import wherever the file
+    # lies (its path-derived default run id may differ), so a stored key is a no-op here,
+    # decided before the store's digest check (which refuses other content under a key).
+    if dump.trees and store.delta_table("trees").transaction_version(dump.key) is not None:
+        trees_commit = CommitReport(dump.key, skipped=["trees"])
+    elif dump.trees:
         try:
             trees_commit = store.append_trees(TreeBatch.from_trees(dump.trees), key=dump.key)
         except TreeValidationError as exc:
@@ -232,7 +237,10 @@ def import_file(store: Store, path: str | Path, fmt: str, *, run_id: str | None 
                         f"{dump.run_id!r} with different bytes is already stored; "
                         "pass a distinct run id if this is another run)")
             raise DumpImportError(dump.path, f"{exc}{hint}") from exc
-    if dump.credits.num_rows:
+    if dump.credits.num_rows and (
+            store.delta_table("credits").transaction_version(dump.key) is not None):
+        credits_commit = CommitReport(dump.key, skipped=["credits"])
+    elif dump.credits.num_rows:
         # Its own commit after the trees: the same key makes a retry after a crash
         # between the two commits add the credits exactly once.
         credits_commit = store.append_credits(dump.credits, key=dump.key)

@@ -8,23 +8,26 @@ concurrent compactors are serialised by a lock file. Vacuum deletes files that
 no current version references and that are older than a retention window;
 the window must cover the longest append in flight (a writer's file exists
 before its commit references it) and every reader pinned to an older version.
+
+On object storage (``s3://``) the compaction lock is a lease lock object (see
+``objectstore.py``), checked once more right before each merge commits; ``verify``
+fetches each committed file once and runs its checks on the local copy.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.compute as pc
 from deltalake.transaction import AddAction, CommitProperties, RemoveAction
 
+from rollout_store.deltalog import fsync_commit, log_problems
+from rollout_store.objectstore import Lease
 from rollout_store.reader import committed_keys, iter_tree_batches, read_arrow, visible_files
 from rollout_store.schema import NODES, SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, TableName
 from rollout_store.store import (
@@ -33,6 +36,7 @@ from rollout_store.store import (
     DataFile,
     Store,
     StoreError,
+    StoreVersion,
     check_data_file,
 )
 from rollout_store.validate import TreeValidationError, validate_nodes
@@ -82,21 +86,35 @@ class VerifyReport:
 
 
 def verify(store: Store) -> VerifyReport:
-    """Read every committed byte: file sizes, Parquet page checksums, and tree rules.
+    """Read every committed byte: logs, file sizes, page checksums, links and tree rules.
 
-    Each committed file must exist with its recorded size and read back with
-    its page checksums verified; every stored tree must still satisfy the
-    rules of ``validate.py``. A problem names the file or the tree and node.
+    Each table's Delta log must read cleanly (``deltalog.log_problems``); each
+    committed file must exist with its recorded size, read back with its page
+    checksums verified, and be readable by DuckDB too (a damaged footer can pass
+    pyarrow); tree ids must be unique; every ``trees`` row must have exactly its
+    ``n_nodes`` visible nodes and a ``critical_node_id`` (when set) among them;
+    every snapshot a node names must be stored for the same tree; every credit and
+    reference must name a stored node; and every stored tree must still satisfy the
+    rules of ``validate.py``. A problem names the file, or the tree and node.
     """
     report = VerifyReport()
+    for name in TABLE_NAMES:
+        report.problems += [f"table {name!r}: damaged Delta log: {p}"
+                            for p in log_problems(store.loc.table_uri(name),
+                                                  store.loc.filesystem)]
+    if report.problems:
+        return report
     version = store.version()
     for name in TABLE_NAMES:
         for f in store.files(name, version, check=False):
             report.files_checked += 1
             try:
-                check_data_file(f.path, f.size)
+                _check_file(store, f)
             except CorruptFileError as exc:
                 report.problems.append(str(exc))
+    if report.problems:
+        return report
+    report.problems += _link_problems(store, version)
     if report.problems:
         return report
     try:
@@ -105,7 +123,101 @@ def verify(store: Store) -> VerifyReport:
             report.trees_checked += len(set(batch.column("tree_id").to_pylist()))
     except TreeValidationError as exc:
         report.problems.append(f"stored tree breaks a rule: {exc}")
+    except StoreError as exc:
+        report.problems.append(str(exc))
     return report
+
+
+_MAX_LISTED = 5  # problems of one kind listed by name; the rest are counted
+
+
+def _check_file(store: Store, f: DataFile) -> None:
+    """``check_data_file`` and ``_check_duckdb_reads`` of one committed file; a file on
+    object storage is fetched once and both checks read the local copy."""
+    if not store.loc.remote:
+        check_data_file(f.path, f.size)
+        _check_duckdb_reads(f.path)
+        return
+    actual = store.loc.size(f.path)
+    if actual is None:
+        raise CorruptFileError(f.path, "committed data file is missing")
+    if actual != f.size:
+        raise CorruptFileError(f.path, f"{actual} bytes, the commit recorded {f.size} "
+                               "(truncated?)")
+    with store.loc.local_copy(f.path) as local:
+        try:
+            check_data_file(local, f.size)
+            _check_duckdb_reads(local)
+        except CorruptFileError as exc:
+            detail = str(exc).removeprefix(f"{local}: ").replace(local, f.path)
+            raise CorruptFileError(f.path, detail) from None
+
+
+def _check_duckdb_reads(path: str) -> None:
+    """Raise ``CorruptFileError`` unless DuckDB reads every row of ``path``."""
+    import duckdb
+
+    con = duckdb.connect()
+    try:
+        con.sql("SELECT * FROM read_parquet(" + "'" + path.replace("'", "''") + "')"
+                ).to_arrow_table()
+    except duckdb.Error as exc:
+        raise CorruptFileError(path, f"DuckDB cannot read it: {str(exc).splitlines()[0]}"
+                               ) from None
+    finally:
+        con.close()
+
+
+def _listed(what: str, items: list[str]) -> list[str]:
+    if not items:
+        return []
+    more = f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return [f"{what}: {', '.join(items[:_MAX_LISTED])}{more}"]
+
+
+def _link_problems(store: Store, version: StoreVersion) -> list[str]:
+    """Cross-table checks: unique trees, node counts, snapshots, credits, references."""
+    trees = read_arrow(store, "trees", version, ["tree_id", "n_nodes", "critical_node_id"])
+    nodes = read_arrow(store, "nodes", version, ["tree_id", "node_id", "snapshot_id"])
+    snaps = read_arrow(store, "snapshots", version, ["snapshot_id", "tree_id"])
+    out: list[str] = []
+    counts = pc.value_counts(trees.column("tree_id")).to_pylist()
+    out += _listed("tree ids stored more than once",
+                   [f"{c['values']!r} x{c['counts']}" for c in counts if c["counts"] > 1])
+    have = pc.value_counts(nodes.column("tree_id")).to_pylist()
+    n_have = {c["values"]: c["counts"] for c in have}
+    expected = dict(zip(trees.column("tree_id").to_pylist(),
+                        trees.column("n_nodes").to_pylist(), strict=True))
+    out += _listed("trees whose nodes are missing or extra (n_nodes vs visible nodes)",
+                   [f"{t!r} {n} vs {n_have.get(t, 0)}" for t, n in expected.items()
+                    if n_have.get(t, 0) != n])
+    out += _listed("nodes of trees that have no trees row",
+                   [repr(t) for t in n_have if t not in expected])
+    node_keys = {(t, n) for t, n in zip(nodes.column("tree_id").to_pylist(),
+                                        nodes.column("node_id").to_pylist(), strict=True)}
+    crit = [(t, c) for t, c in zip(trees.column("tree_id").to_pylist(),
+                                   trees.column("critical_node_id").to_pylist(), strict=True)
+            if c is not None and (t, c) not in node_keys]
+    out += _listed("critical_node_id is not a node of its tree",
+                   [f"tree {t!r} node {c}" for t, c in crit])
+    snap_pairs = set(zip(snaps.column("snapshot_id").to_pylist(),
+                         snaps.column("tree_id").to_pylist(), strict=True))
+    snap_ids = {sid for sid, _ in snap_pairs}
+    bad_snap = []
+    for t, n, sid in zip(nodes.column("tree_id").to_pylist(), nodes.column("node_id").to_pylist(),
+                         nodes.column("snapshot_id").to_pylist(), strict=True):
+        if sid is not None and (sid, t) not in snap_pairs:
+            where = "of another tree" if sid in snap_ids else "missing"
+            bad_snap.append(f"tree {t!r} node {n} -> {sid!r} ({where})")
+    out += _listed("nodes whose snapshot is missing or belongs to another tree", bad_snap)
+    for name in ("credits", "mc_references"):
+        rows = read_arrow(store, name, version, ["tree_id", "node_id"])
+        dangling = sorted({(t, n) for t, n in zip(rows.column("tree_id").to_pylist(),
+                                                  rows.column("node_id").to_pylist(),
+                                                  strict=True)} - node_keys)
+        out += _listed(f"{name} rows naming a node that is not stored",
+                       [f"tree {t!r} node {n}" for t, n in dangling])
+    return out
 
 
 def compact(store: Store, target_size: int | None = None) -> dict[str, dict[str, int]]:
@@ -125,7 +237,7 @@ def compact(store: Store, target_size: int | None = None) -> dict[str, dict[str,
     """
     target = target_size or TARGET_FILE_BYTES
     out: dict[str, dict[str, int]] = {}
-    with _exclusive(store.path / ".compact.lock"):
+    with store.loc.lock(".compact.lock", "w") as lease:
         keys = committed_keys(store, store.version())
         for name in TABLE_NAMES:
             out[name] = {"numFilesRemoved": 0, "numFilesAdded": 0}
@@ -133,7 +245,7 @@ def compact(store: Store, target_size: int | None = None) -> dict[str, dict[str,
             visible = visible_files(store, name, store_version, keys)
             small = [f for f in visible.whole if f.size < target]
             for group in _groups(small, target):
-                _merge(store, name, group)
+                _merge(store, name, group, lease)
                 out[name]["numFilesRemoved"] += len(group)
                 out[name]["numFilesAdded"] += 1
     return out
@@ -157,10 +269,10 @@ def _groups(files: list[DataFile], target: int) -> list[list[DataFile]]:
     return [g for g in groups if len(g) >= 2]
 
 
-def _merge(store: Store, name: TableName, group: list[DataFile]) -> None:
+def _merge(store: Store, name: TableName, group: list[DataFile], lease: Lease) -> None:
     def batches() -> Iterator[pa.RecordBatch]:
         for f in group:
-            parquet = pq.ParquetFile(f.path, page_checksum_verification=True)
+            parquet = store.loc.parquet_file(f.path, page_checksum_verification=True)
             yield from parquet.iter_batches(batch_size=65_536, use_threads=False)
 
     rel, size, stats = store.write_data_file(name, batches(), prefix=COMPACTED_PREFIX)
@@ -168,28 +280,22 @@ def _merge(store: Store, name: TableName, group: list[DataFile]) -> None:
     live = {f.path for f in store.files(name, check=False)}
     gone = [f.path for f in group if f.path not in live]
     if gone:  # another process removed an input meanwhile: drop our output, keep theirs
-        (store.path / name / rel).unlink()
+        store.loc.delete(str(store.path / name / rel))
         raise StoreError(f"compaction of {name!r} raced with another: {gone[0]} is gone")
     now = int(time.time() * 1000)
     root = str(store.path / name) + os.sep
     actions: list[AddAction | RemoveAction] = [
         RemoveAction(f.path.removeprefix(root), False, now, f.size, {}) for f in group]
     actions.append(AddAction(rel, size, {}, now, False, stats))
+    before = dt.version()
+    lease.check()  # on object storage: the compaction lock is still ours
     dt.create_write_transaction(
         actions, mode="append", schema=SCHEMAS[name],
         commit_properties=CommitProperties(
             custom_metadata={"rollout_trees.operation": "compact"}, max_commit_retries=100),
     )
-
-
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    if not store.loc.remote:
+        fsync_commit(store.loc.table_uri(name), before, store.delta_table(name).version())
 
 
 def vacuum(store: Store, retention_hours: int = 168, dry_run: bool = False) -> list[str]:

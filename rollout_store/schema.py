@@ -7,7 +7,9 @@ Arrow schema); both are stored in each Delta table's configuration and checked
 when a store is opened:
 
 * a store written by an older schema version opens, provided every column this
-  version added is nullable (readers fill it with nulls);
+  version added is nullable (readers fill it with nulls); a table this version
+  added (``ADDED_TABLES``) is created empty when such a store is opened, and a
+  table whose schema did not change since its version stays writable;
 * a store written by a newer version, or one whose fingerprint does not match
   the declared schema of its version, fails with ``SchemaMismatchError`` naming
   the difference.
@@ -24,9 +26,10 @@ from typing import Final, Literal, get_args
 
 import pyarrow as pa
 
-SCHEMA_VERSION: Final[int] = 1
+SCHEMA_VERSION: Final[int] = 2  # 2: the policy_scores table (issue 10)
 
-TableName = Literal["trees", "nodes", "snapshots", "credits", "mc_references", "metrics"]
+TableName = Literal["trees", "nodes", "snapshots", "credits", "mc_references", "metrics",
+                    "policy_scores"]
 TABLE_NAMES: Final[tuple[TableName, ...]] = get_args(TableName)
 
 NodeKind = Literal["prompt", "decision", "feedback_response"]
@@ -163,6 +166,23 @@ METRICS = pa.schema([
     _f("created_at", TIMESTAMP, False),
 ])
 
+# Log-probabilities a named policy gives stored text, computed once and reused (issue 10):
+# kind "gold_answer": TRACE T2, value = mean log-prob of the task's gold answer after the
+# transcript through the node; kind "action": DSC D3, value = sum of the log-probs of the
+# node's own action tokens after the transcript through its parent. Keyed by (tree_id,
+# node_id, kind, policy_version) of the scoring policy.
+POLICY_SCORES = pa.schema([
+    _f("run_id", pa.string(), False),
+    _f("tree_id", pa.string(), False),
+    _f("node_id", pa.int64(), False),
+    _f("kind", pa.string(), False),
+    _f("policy_version", pa.string(), False),  # of the scoring policy
+    _f("policy_ref", pa.string()),  # the spec that loaded it
+    _f("value", pa.float64(), False),
+    _f("token_logprobs", pa.list_(pa.float32())),
+    _f("created_at", TIMESTAMP, False),
+])
+
 SCHEMAS: Final[dict[TableName, pa.Schema]] = {
     "trees": TREES,
     "nodes": NODES,
@@ -170,10 +190,17 @@ SCHEMAS: Final[dict[TableName, pa.Schema]] = {
     "credits": CREDITS,
     "mc_references": MC_REFERENCES,
     "metrics": METRICS,
+    "policy_scores": POLICY_SCORES,
 }
 
 # Released schemas by version. A new version appends here; never edit an entry.
-SCHEMA_HISTORY: Final[dict[int, dict[TableName, pa.Schema]]] = {1: SCHEMAS}
+SCHEMA_HISTORY: Final[dict[int, dict[TableName, pa.Schema]]] = {
+    1: {name: schema for name, schema in SCHEMAS.items() if name != "policy_scores"},
+    2: SCHEMAS,
+}
+# Tables added after version 1 (a store of an older version lacks them until it is opened
+# for writing once; see Store.__init__).
+ADDED_TABLES: Final[dict[TableName, int]] = {"policy_scores": 2}
 
 
 def describe_type(schema: pa.Schema) -> str:

@@ -16,15 +16,42 @@ batch: a writer killed before it leaves only invisible rows. Each table's
 commit also records the key as a Delta application transaction, so a retried
 append with the same key skips the tables it already committed, and an append
 whose ``trees`` commit landed is a no-op when retried.
+
+Hardening (issue 13):
+
+* Appends of one store are serialised at their commit point by an exclusive lock
+  (``.append.lock``, ``fcntl.flock``): under it an append re-checks that no tree id
+  of the batch is stored and that its key is not already committed, then writes and
+  commits. Two concurrent writers of the same tree therefore cannot both store it
+  (the second fails with ``duplicate_tree_id``), and the loser of a same-key race
+  reads "already committed" instead of a raw ``CommitFailedError``.
+* Each table's application transaction records a content digest of what the key
+  committed (``Transaction(key, digest)``) and its row count (``key#rows``). A retry
+  under the same key with other content (another ``--n-total``, say) is refused with
+  ``CommitKeyConflictError`` saying which table differs and how, never mixed with the
+  first attempt nor dropped as "already committed". Digests cover the content that
+  defines a tree (ids, structure, tokens, rewards), not ``created_at`` or logprobs.
+* Data files, the table directory, every commit file and ``_delta_log`` are fsync'd
+  before the next table's commit (``deltalog.fsync_commit``).
+* A damaged Delta log is a ``DamagedLogError`` naming the table and the log file.
+
+Object storage (issue 16): ``Store("s3://bucket/prefix")`` is the same store on S3. Every
+access to storage goes through ``self.loc`` (``objectstore.Location``): data files through
+``pyarrow.fs``, the Delta log through delta-rs ``storage_options`` (commits by conditional
+put), the append lock as a lease lock object instead of ``flock``; fsyncs apply to local
+directories only (an object is durable once its PUT returns). ``objectstore.py`` documents
+the concurrency design.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,11 +63,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake import Schema as DeltaSchema
-from deltalake.exceptions import TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 from deltalake.transaction import AddAction, CommitProperties, Transaction
 
 from rollout_store import snapshots as snap
+from rollout_store.deltalog import describe_failure, fsync_commit, fsync_dir
+from rollout_store.errors import StoreError
+from rollout_store.objectstore import Lease, Location, ObjectPath
 from rollout_store.schema import (
+    ADDED_TABLES,
     CONFIG_FINGERPRINT_KEY,
     CONFIG_TABLE_KEY,
     CONFIG_VERSION_KEY,
@@ -60,8 +91,95 @@ ROW_GROUP_SIZE = 128 * 1024  # GOTCHAS.md: 1M-row single row groups read 1.3-1.8
 COMPACTED_PREFIX = "compact-"  # files written by maintenance.compact: committed rows only
 
 
-class StoreError(RuntimeError):
-    """The store cannot be opened or read as asked (missing, corrupt, not a store)."""
+class DamagedLogError(StoreError):
+    """A table's Delta log is garbled, truncated, has a gap or a bogus checkpoint hint."""
+
+
+class CommitKeyConflictError(StoreError):
+    """A commit key was already used for other content (a retry that is not a retry)."""
+
+
+LEGACY_TXN_VERSION = 1  # appends before digests recorded version 1: nothing to compare
+APPEND_LOCK = ".append.lock"
+CREATE_LOCK = ".create.lock"  # object storage only: creating the tables of a new store
+
+
+def open_delta(uri: str, version: int | None = None, what: str = "",
+               loc: Location | None = None) -> DeltaTable:
+    """``DeltaTable(uri, version)``, with a damaged log as ``DamagedLogError`` naming the
+    table (``what``) and the log file; ``TableNotFoundError`` passes through. ``loc`` gives
+    the storage options of a store on object storage."""
+    options = None if loc is None else loc.storage_options()
+    try:
+        return DeltaTable(uri, version=version, storage_options=options)
+    except TableNotFoundError:
+        raise
+    except (DeltaError, OSError) as exc:
+        raise DamagedLogError(describe_failure(
+            uri, exc, what, None if loc is None else loc.filesystem)) from None
+
+
+def content_digest(table: pa.Table, columns: Sequence[str], sort: Sequence[str]) -> int:
+    """A 60-bit digest of ``columns`` of ``table``, rows sorted by ``sort`` (order-free).
+
+    Canonical: values only (never Arrow buffer bytes, whose null slots and padding are
+    undefined). Stored as a Delta application-transaction version, so it is an int >= 2
+    (``LEGACY_TXN_VERSION`` is 1)."""
+    t = table.select(list(columns))
+    if t.num_rows and sort:
+        t = t.take(pc.sort_indices(t, sort_keys=[(c, "ascending") for c in sort]))
+    h = hashlib.sha256()
+    for name in t.column_names:
+        h.update(name.encode() + b"\x00")
+        _hash_array(h, t.column(name).combine_chunks())
+    return int(h.hexdigest()[:15], 16) + 2
+
+
+def _hash_array(h: Any, arr: pa.Array) -> None:
+    typ = arr.type
+    h.update(str(typ).encode() + np.asarray(pc.is_valid(arr)).astype(np.uint8).tobytes())
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ):
+        h.update(np.asarray(pc.fill_null(pc.list_value_length(arr), -1)).tobytes())
+        _hash_array(h, pc.list_flatten(arr))
+    elif pa.types.is_string(typ) or pa.types.is_binary(typ):
+        filled = pc.fill_null(arr, "" if pa.types.is_string(typ) else b"")
+        offsets = np.frombuffer(filled.buffers()[1], np.int32)[
+            filled.offset:filled.offset + len(filled) + 1]
+        h.update(np.diff(offsets).tobytes())
+        data = filled.buffers()[2]
+        if data is not None and len(offsets):
+            h.update(data.to_pybytes()[offsets[0]:offsets[-1]])
+    elif pa.types.is_boolean(typ) or pa.types.is_integer(typ) or pa.types.is_floating(typ):
+        fill = False if pa.types.is_boolean(typ) else 0
+        h.update(np.asarray(pc.fill_null(arr, fill).to_numpy(zero_copy_only=False)).tobytes())
+    else:  # structs, maps, timestamps: rare in digests, canonical through Python values
+        h.update(json.dumps(arr.to_pylist(), default=str, sort_keys=True).encode())
+
+
+# What a retry under the same key must reproduce exactly, per table.
+DIGEST_COLUMNS: dict[str, tuple[list[str], list[str]]] = {
+    "trees": (["tree_id", "run_id", "task_id", "env", "sampler", "budget", "seed", "n_nodes",
+               "critical_node_id"], ["tree_id"]),
+    "nodes": (["tree_id", "node_id", "parent_id", "kind", "action_token_ids",
+               "observation_token_ids", "terminal", "reward", "snapshot_id"],
+              ["tree_id", "node_id"]),
+    "snapshots": (["snapshot_id", "tree_id"], ["tree_id", "snapshot_id"]),
+    # Row identities only: a recomputed float may differ in its last bits.
+    "credits": (["run_id", "method", "method_params_hash", "tree_id", "node_id"],
+                ["method", "method_params_hash", "tree_id", "node_id", "run_id"]),
+    "mc_references": (["run_id", "tree_id", "node_id", "k"], ["tree_id", "node_id", "k", "run_id"]),
+    "metrics": (["run_id", "step", "name"], ["run_id", "step", "name"]),
+    "policy_scores": (["run_id", "tree_id", "node_id", "kind", "policy_version"],
+                      ["tree_id", "node_id", "kind", "policy_version", "run_id"]),
+}
+
+
+def default_digest(name: str, table: pa.Table) -> int:
+    """The digest recorded for an append of ``table`` to ``name`` (see ``DIGEST_COLUMNS``;
+    a table without an entry: every column but ``created_at``, in the given order)."""
+    if name in DIGEST_COLUMNS:
+        return content_digest(table, *DIGEST_COLUMNS[name])
+    return content_digest(table, [c for c in table.column_names if c != "created_at"], [])
 
 
 class CorruptFileError(StoreError):
@@ -153,27 +271,121 @@ class Store:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, create: bool = False) -> None:
-        self.path = Path(path).absolute()
+        self.loc = Location(path)  # a local directory or s3://bucket/prefix (objectstore.py)
+        self.path: Path | ObjectPath = self.loc.path
         self.table_schema_version: dict[str, int] = {}
-        if create:
-            self.path.mkdir(parents=True, exist_ok=True)
-            for name in TABLE_NAMES:
-                if not DeltaTable.is_deltatable(str(self.path / name)):
-                    DeltaTable.create(
-                        str(self.path / name), SCHEMAS[name], mode="ignore", name=name,
-                        configuration=_table_config(name), raise_if_key_not_exists=False,
-                    )
-        elif not self.path.is_dir():
-            raise StoreError(f"{self.path}: no such store (create one with Store(path, "
-                             "create=True) or any `rtrees` command that writes)")
+        self._lease = Lease()  # the append lock while held (checked before each commit)
+        self._pinned: dict[tuple[str, int], DeltaTable] = {}  # remote: see delta_table
+        if self.loc.remote:
+            self._prepare_remote(create)
+        else:
+            self._prepare_local(create)
+        self._add_new_tables()
         for name in TABLE_NAMES:
             self._check_table(name)
 
-    # ------------------------------------------------------------------ schema
-    def _check_table(self, name: TableName) -> None:
-        uri = str(self.path / name)
+    def _prepare_local(self, create: bool) -> None:
+        path = self.path
+        assert isinstance(path, Path)
+        if create:
+            if path.exists() and not path.is_dir():
+                raise StoreError(f"{path}: not a directory (a store is a directory of "
+                                 "tables)")
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"{path}: cannot create the store: "
+                                 f"{exc.strerror or exc}") from None
+            self._create_tables()
+        elif path.exists() and not path.is_dir():
+            raise StoreError(f"{path}: not a directory (a store is a directory of tables)")
+        elif not path.is_dir():
+            raise StoreError(f"{path}: no such store (create one with Store(path, "
+                             "create=True) or any `rtrees` command that writes)")
+
+    def _prepare_remote(self, create: bool) -> None:
+        assert isinstance(self.path, ObjectPath)
+        if not self.loc.bucket_exists():
+            raise StoreError(f"{self.path}: bucket {self.path.bucket!r} does not exist or is "
+                             "not readable with these credentials (create the bucket first)")
+        if create and not all(self._is_table(name) for name in TABLE_NAMES):
+            # Two processes creating one table at once: delta-rs retries the loser's create
+            # as version 1, a second metadata commit (the tests caught it), so creation is
+            # serialised by a lease lock and re-checked under it.
+            with self.loc.lock(CREATE_LOCK):
+                self._create_tables()
+        elif not create and not self._is_table("trees"):
+            raise StoreError(f"{self.path}: no such store (create one with Store(path, "
+                             "create=True) or any `rtrees` command that writes)")
+
+    def _uri(self, name: str) -> str:
+        return str(self.path / name)
+
+    def _is_table(self, name: str) -> bool:
         try:
-            dt = DeltaTable(uri)
+            return bool(DeltaTable.is_deltatable(self._uri(name),
+                                                 storage_options=self.loc.storage_options()))
+        except (DeltaError, OSError) as exc:
+            raise StoreError(f"{self.path}: cannot read table {name!r}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else exc}") from None
+
+    def _create_table(self, name: TableName) -> None:
+        try:
+            DeltaTable.create(
+                self._uri(name), SCHEMAS[name], mode="ignore", name=name,
+                configuration=_table_config(name), raise_if_key_not_exists=False,
+                storage_options=self.loc.storage_options(),
+            )
+        except (DeltaError, OSError):
+            if not self.loc.remote or not self._is_table(name):
+                raise
+            # another process created it at the same moment (its version 0 won the put)
+
+    def _create_tables(self) -> None:
+        for name in TABLE_NAMES:
+            if not self._is_table(name):
+                self._refuse_recreate(name)
+                self._create_table(name)
+
+    def _add_new_tables(self) -> None:
+        """Create the (empty) tables a newer schema version added (``ADDED_TABLES``) in a
+        store written before them, so an older store opens; needs write access once."""
+        if not self._is_table("trees"):
+            return  # not a store (yet): _check_table names what is missing
+        missing = [name for name in ADDED_TABLES if not self._is_table(name)]
+        if missing and self.loc.remote:
+            with self.loc.lock(CREATE_LOCK):
+                self._create_added([n for n in missing if not self._is_table(n)])
+        else:
+            self._create_added(missing)
+
+    def _create_added(self, names: list[TableName]) -> None:
+        for name in names:
+            try:
+                self._create_table(name)
+            except OSError as exc:
+                raise StoreError(f"{self.path}: cannot add table {name!r} (new in schema "
+                                 f"version {ADDED_TABLES[name]}): {exc}; open the store once "
+                                 "with write access") from None
+
+    # ------------------------------------------------------------------ schema
+    def _refuse_recreate(self, name: TableName) -> None:
+        """Refuse to create a missing ``trees``/``nodes``/``snapshots`` table next to ones
+        holding data: it was lost, and an empty one would hide the loss."""
+        core = ("trees", "nodes", "snapshots")
+        if name not in core:
+            return
+        for other in core:
+            uri = self._uri(other)
+            if (other != name and self._is_table(other)
+                    and open_delta(uri, what=f"table {other!r}", loc=self.loc).version() > 0):
+                raise StoreError(f"{self.path}: table {name!r} is missing but {other!r} "
+                                 "holds data: the store is damaged (not recreating it)")
+
+    def _check_table(self, name: TableName) -> None:
+        uri = self._uri(name)
+        try:
+            dt = open_delta(uri, what=f"{self.path}: table {name!r}", loc=self.loc)
         except TableNotFoundError:
             raise StoreError(f"{self.path}: not a rollout-trees store (table {name!r} "
                              "is missing)") from None
@@ -197,6 +409,8 @@ class Store:
                 f"{uri}: schema does not match schema version {version}: "
                 + ("; ".join(diff) or "fingerprint differs")
             )
+        if version < SCHEMA_VERSION and fingerprint(declared) == fingerprint(SCHEMAS[name]):
+            version = SCHEMA_VERSION  # the table has not changed since: current, writable
         if version < SCHEMA_VERSION:
             # Older store: readable if every column added since is nullable.
             added = [f for f in SCHEMAS[name] if f.name not in actual]
@@ -208,9 +422,10 @@ class Store:
                 )
         self.table_schema_version[name] = version
 
-    def columns(self, name: TableName) -> list[str]:
-        """Columns physically present in the table (an older store may lack some)."""
-        return list(_delta_fields(DeltaTable(str(self.path / name)).schema()))
+    def columns(self, name: TableName, version: int | None = None) -> list[str]:
+        """Columns physically present in the table (an older store may lack some), at
+        ``version`` (latest if None)."""
+        return list(_delta_fields(self.delta_table(name, version).schema()))
 
     def _require_current(self, name: TableName) -> None:
         if self.table_schema_version[name] != SCHEMA_VERSION:
@@ -222,8 +437,19 @@ class Store:
 
     # ---------------------------------------------------------------- versions
     def delta_table(self, name: TableName, version: int | None = None) -> DeltaTable:
-        uri = str(self.path / name)
-        return DeltaTable(uri) if version is None else DeltaTable(uri, version=version)
+        """The table at ``version`` (latest if None). On object storage a pinned version is
+        loaded once per ``Store`` (a committed version never changes; loading one costs a
+        listing and reads of the log)."""
+        if version is None or not self.loc.remote:
+            return open_delta(self._uri(name), version, f"{self.path}: table {name!r}",
+                              self.loc)
+        dt = self._pinned.get((name, version))
+        if dt is None:
+            dt = open_delta(self._uri(name), version, f"{self.path}: table {name!r}", self.loc)
+            if len(self._pinned) >= 256:
+                self._pinned.clear()
+            self._pinned[(name, version)] = dt
+        return dt
 
     def version(self) -> StoreVersion:
         """The current version of every table; pass it to readers to pin a view."""
@@ -267,6 +493,7 @@ class Store:
         dt = self.delta_table(name, None if pinned is None else pinned[name])
         actions = pa.table(dt.get_add_actions(flatten=True))
         root = self.path / name
+        listed = self.loc.sizes(str(root)) if check and self.loc.remote else {}
         out = []
         nothing = [None] * actions.num_rows
         lo = (actions.column("min.commit_key").to_pylist()
@@ -279,8 +506,8 @@ class Store:
             full = str(root / path)
             if check:
                 try:
-                    actual = os.stat(full).st_size
-                except FileNotFoundError:
+                    actual = listed[full] if self.loc.remote else os.stat(full).st_size
+                except (FileNotFoundError, KeyError):
                     raise CorruptFileError(full, f"data file of table {name!r} (version "
                                            f"{dt.version()}) is missing") from None
                 if actual != size:
@@ -307,8 +534,9 @@ class Store:
         full = self.path / name / rel
         rows = 0
         keys: list[str] = []
-        with pq.ParquetWriter(full, schema, compression="zstd",
-                              write_page_checksum=True) as writer:
+        with pq.ParquetWriter(self.loc.fs_path(str(full)), schema, compression="zstd",
+                              write_page_checksum=True,
+                              filesystem=self.loc.filesystem) as writer:
             for part in batches:
                 table = part if isinstance(part, pa.Table) else pa.Table.from_batches([part])
                 writer.write_table(table.cast(schema), row_group_size=ROW_GROUP_SIZE)
@@ -316,34 +544,84 @@ class Store:
                 if "commit_key" in table.column_names and table.num_rows:
                     bounds = pc.min_max(table.column("commit_key"))
                     keys += [bounds["min"].as_py(), bounds["max"].as_py()]
-        with open(full, "rb") as fh:  # durable before a commit references it
-            os.fsync(fh.fileno())
+        if isinstance(full, Path):
+            with open(full, "rb") as fh:  # durable before a commit references it
+                os.fsync(fh.fileno())
+            fsync_dir(full.parent)  # and its name in the table directory
+            size = full.stat().st_size
+        else:  # an object exists, durably, once its (multipart) upload completed
+            size = self.loc.size(str(full)) or 0
         stats: dict[str, Any] = {"numRecords": rows}
         if keys:
             stats.update(minValues={"commit_key": min(keys)}, maxValues={"commit_key": max(keys)},
                          nullCount={"commit_key": 0})
-        return rel, full.stat().st_size, json.dumps(stats)
+        return rel, size, json.dumps(stats)
+
+    @contextmanager
+    def _append_lock(self) -> Iterator[None]:
+        """Serialise the commit points of this store's appends: a ``flock`` (all processes
+        of a host) locally, a lease lock object on object storage (every host)."""
+        with self.loc.lock(APPEND_LOCK, "a") as lease:
+            self._lease = lease
+            try:
+                yield
+            finally:
+                self._lease = Lease()
+
+    def _committed_under(self, name: TableName, key: str, digest: int, rows: int
+                         ) -> bool:
+        """Whether ``key`` already committed ``name``; refuse it if with other content."""
+        dt = self.delta_table(name)
+        recorded = dt.transaction_version(key)
+        if recorded is None:
+            return False
+        if recorded not in (LEGACY_TXN_VERSION, digest):
+            then = dt.transaction_version(f"{key}#rows")
+            counts = (f"{then} rows then, {rows} now" if then is not None and then != rows
+                      else f"{rows} rows both times, other content")
+            raise CommitKeyConflictError(
+                f"{self.path}: commit key {key!r} already committed different {name} "
+                f"({counts}): a retry must repeat the same content; use another key "
+                "(run id) for different content")
+        return True
 
     def _commit_table(self, name: TableName, table: pa.Table, key: str,
-                      report: CommitReport) -> None:
-        """Write ``table`` as one Parquet file and commit it under application id ``key``."""
+                      report: CommitReport, digest: int | None = None) -> None:
+        """Write ``table`` as one Parquet file and commit it under application id ``key``.
+
+        Call with the append lock held. ``digest`` (default: of all columns) is recorded
+        with the key and checked on a retry."""
         self._require_current(name)
-        dt = self.delta_table(name)
-        if dt.transaction_version(key) is not None:
+        if digest is None:
+            digest = default_digest(name, table)
+        if self._committed_under(name, key, digest, table.num_rows):
             report.skipped.append(name)
             return
         if table.num_rows == 0:
             return
         rel, size, stats = self.write_data_file(name, [table])
-        dt.create_write_transaction(
-            [AddAction(rel, size, {}, int(time.time() * 1000), True, stats)],
-            mode="append", schema=SCHEMAS[name],
-            commit_properties=CommitProperties(
-                app_transactions=[Transaction(key, 1)],
-                custom_metadata={"rollout_trees.commit_key": key},
-                max_commit_retries=100,
-            ),
-        )
+        dt = self.delta_table(name)
+        before = dt.version()
+        self._lease.check()  # on object storage: still ours, just before the commit
+        try:
+            dt.create_write_transaction(
+                [AddAction(rel, size, {}, int(time.time() * 1000), True, stats)],
+                mode="append", schema=SCHEMAS[name],
+                commit_properties=CommitProperties(
+                    app_transactions=[Transaction(key, digest),
+                                      Transaction(f"{key}#rows", table.num_rows)],
+                    custom_metadata={"rollout_trees.commit_key": key},
+                    max_commit_retries=100,
+                ),
+            )
+        except CommitFailedError as exc:  # a writer that does not take our lock won
+            if self._committed_under(name, key, digest, table.num_rows):
+                report.skipped.append(name)
+                return
+            raise StoreError(f"{self.path}: commit to table {name!r} failed: "
+                             f"{str(exc).splitlines()[0] if str(exc) else exc}") from None
+        if not self.loc.remote:
+            fsync_commit(self._uri(name), before, self.delta_table(name).version())
         report.rows[name] = table.num_rows
         report.bytes[name] = size
 
@@ -355,16 +633,13 @@ class Store:
         after a crash or a lost acknowledgement stores the batch once. Without
         a key a fresh one is drawn (no retry protection). Raises
         ``TreeValidationError`` (nothing written) if any tree is bad or a tree
-        id is already stored.
+        id is already stored (checked at the commit point, under the append lock),
+        and ``CommitKeyConflictError`` if ``key`` already committed other content.
         """
         batch = trees if isinstance(trees, TreeBatch) else TreeBatch.from_trees(trees)
         key = key or uuid.uuid4().hex
         report = CommitReport(key)
-        if self.delta_table("trees").transaction_version(key) is not None:
-            report.skipped.append("trees")
-            return report
         structure = validate_batch(batch)
-        self._refuse_stored_trees(batch.trees.column("tree_id"))
         counts = pc.value_counts(batch.nodes.column("tree_id"))
         n_nodes = dict(zip(counts.field("values").to_pylist(),
                            counts.field("counts").to_pylist(), strict=True))
@@ -380,16 +655,38 @@ class Store:
         ).append_column(SCHEMAS["trees"].field("commit_key"),
                         pa.array([key] * batch.trees.num_rows, pa.string()))
         trees_rows = trees_rows.select(SCHEMAS["trees"].names).cast(SCHEMAS["trees"])
-        self._commit_table("snapshots", snap.to_stored(batch.snapshots, key), key, report)
-        self._commit_table("nodes", nodes, key, report)
-        self._commit_table("trees", trees_rows, key, report)
+        snapshots = snap.to_stored(batch.snapshots, key)
+        tables: dict[TableName, pa.Table] = {"snapshots": snapshots, "nodes": nodes,
+                                             "trees": trees_rows}
+        digests = {name: default_digest(name, t) for name, t in tables.items()}
+        with self._append_lock():
+            # Check every table first: a key whose trees landed must match in all three.
+            done = {name: self._committed_under(name, key, digests[name], t.num_rows)
+                    for name, t in tables.items()}
+            if done["trees"]:
+                report.skipped.append("trees")
+                return report
+            self._refuse_stored_trees(batch.trees.column("tree_id"))
+            for name, table in tables.items():
+                self._commit_table(name, table, key, report, digests[name])
         return report
 
-    def _refuse_stored_trees(self, tree_ids: pa.ChunkedArray) -> None:
-        from rollout_store.reader import read_arrow  # reader imports store
+    def stored_tree_ids(self, version: StoreVersion | None = None) -> pa.ChunkedArray:
+        """Every committed tree id (``trees`` rows are committed by definition)."""
+        parts = []
+        for f in self.files("trees", version):
+            try:
+                parts.append(self.loc.read_table(f.path, columns=["tree_id"],
+                                                 page_checksum_verification=True
+                                                 ).column("tree_id"))
+            except (OSError, pa.ArrowException) as exc:
+                raise CorruptFileError(f.path, f"cannot be read: {exc}") from exc
+        chunks = [c for part in parts for c in part.chunks]
+        return pa.chunked_array(chunks, pa.string())
 
-        stored = read_arrow(self, "trees", columns=["tree_id", "commit_key"])
-        clash = pc.is_in(tree_ids, value_set=stored.column("tree_id"))
+    def _refuse_stored_trees(self, tree_ids: pa.ChunkedArray) -> None:
+        stored = self.stored_tree_ids()
+        clash = pc.is_in(tree_ids, value_set=stored)
         if pc.any(clash).as_py():
             tid = tree_ids[pc.index(clash, True).as_py()].as_py()
             raise TreeValidationError(tid, None, "duplicate_tree_id",
@@ -399,13 +696,60 @@ class Store:
         check_columns(table, SCHEMAS[name], name)
         key = key or uuid.uuid4().hex
         report = CommitReport(key)
-        self._commit_table(name, table.select(SCHEMAS[name].names), key, report)
+        with self._append_lock():
+            self._commit_table(name, table.select(SCHEMAS[name].names), key, report)
         return report
 
     def append_credits(self, table: pa.Table, key: str | None = None) -> CommitReport:
-        """Commit rows with the ``credits`` schema (idempotent per ``key``)."""
+        """Commit rows with the ``credits`` schema (idempotent per ``key``); every row must
+        name a stored node (``unknown_node``)."""
         _check_finite(table, "value", "credits")
+        check_columns(table, SCHEMAS["credits"], "credits")
+        self._refuse_unknown_nodes(table, "credits")
         return self._append_rows("credits", table, key)
+
+    def stored_node_keys(self, tree_ids: pa.Array | pa.ChunkedArray) -> pa.Table:
+        """``tree_id``, ``node_id`` of the committed nodes of ``tree_ids``."""
+        trees = []
+        for f in self.files("trees"):
+            trees.append(self.loc.read_table(f.path, columns=["tree_id", "commit_key"],
+                                             page_checksum_verification=True))
+        wanted = pc.unique(tree_ids)
+        parts = []
+        if trees:
+            stored = pa.concat_tables(trees)
+            stored = stored.filter(pc.is_in(stored.column("tree_id"), value_set=wanted))
+            keys = pc.unique(stored.column("commit_key"))
+            for f in self.files("nodes"):
+                if (not f.compacted and f.min_key is not None and f.min_key == f.max_key
+                        and not pc.is_in(pa.array([f.min_key]), value_set=keys)[0].as_py()):
+                    continue  # another append's file (or one that never committed)
+                part = self.loc.read_table(f.path,
+                                           columns=["tree_id", "node_id", "commit_key"],
+                                           page_checksum_verification=True)
+                mask = pc.and_(pc.is_in(part.column("tree_id"), value_set=wanted),
+                               pc.is_in(part.column("commit_key"), value_set=keys))
+                parts.append(part.filter(mask).select(["tree_id", "node_id"]))
+        if not parts:
+            return pa.table({"tree_id": pa.array([], pa.string()),
+                             "node_id": pa.array([], pa.int64())})
+        return pa.concat_tables(parts)
+
+    def _refuse_unknown_nodes(self, table: pa.Table, what: str) -> None:
+        if not len(table):
+            return
+        stored = self.stored_node_keys(table.column("tree_id"))
+
+        def keys(t: pa.Table) -> pa.ChunkedArray | pa.Array:
+            return pc.binary_join_element_wise(t.column("tree_id"),
+                                               pc.cast(t.column("node_id"), pa.string()), "\x00")
+
+        unknown = pc.invert(pc.is_in(keys(table), value_set=keys(stored)))
+        if pc.any(unknown).as_py():
+            row = pc.index(unknown, True).as_py()
+            raise TreeValidationError(str(table["tree_id"][row]), table["node_id"][row].as_py(),
+                                      "unknown_node", f"{what} row names a node that is not "
+                                                      "stored")
 
     def append_mc_references(self, table: pa.Table, key: str | None = None) -> CommitReport:
         """Commit rows with the ``mc_references`` schema (idempotent per ``key``)."""
@@ -415,7 +759,17 @@ class Store:
             row = pc.index(bad, True).as_py()
             raise TreeValidationError(str(table["tree_id"][row]), table["node_id"][row].as_py(),
                                       "mc_reference", "successes must lie in [0, k]")
+        check_columns(table, SCHEMAS["mc_references"], "mc_references")
+        self._refuse_unknown_nodes(table, "mc_references")
         return self._append_rows("mc_references", table, key)
+
+    def append_policy_scores(self, table: pa.Table, key: str | None = None) -> CommitReport:
+        """Commit rows with the ``policy_scores`` schema (idempotent per ``key``); every row
+        must name a stored node (``unknown_node``)."""
+        _check_finite(table, "value", "policy_scores")
+        check_columns(table, SCHEMAS["policy_scores"], "policy_scores")
+        self._refuse_unknown_nodes(table, "policy_scores")
+        return self._append_rows("policy_scores", table, key)
 
     def append_metrics(self, table: pa.Table, key: str | None = None) -> CommitReport:
         """Commit rows with the ``metrics`` schema (idempotent per ``key``)."""
@@ -423,20 +777,24 @@ class Store:
         return self._append_rows("metrics", table, key)
 
 
-def check_data_file(path: str, size: int) -> None:
+def check_data_file(path: str, size: int, loc: Location | None = None) -> None:
     """Raise ``CorruptFileError`` unless ``path`` has ``size`` bytes and reads back cleanly.
 
     Reads every page with its CRC checked (our writer stores page checksums).
-    DuckDB does not check them, so this is what catches a flipped bit.
+    DuckDB does not check them, so this is what catches a flipped bit. ``loc`` is the
+    store's location (needed for a store on object storage).
     """
     try:
-        actual = os.stat(path).st_size
+        actual = os.stat(path).st_size if loc is None else loc.size(path)
     except FileNotFoundError:
-        raise CorruptFileError(path, "committed data file is missing") from None
+        actual = None
+    if actual is None:
+        raise CorruptFileError(path, "committed data file is missing")
     if actual != size:
         raise CorruptFileError(path, f"{actual} bytes, the commit recorded {size} (truncated?)")
     try:
-        pq.ParquetFile(path, page_checksum_verification=True).read()
+        (pq.ParquetFile(path, page_checksum_verification=True) if loc is None
+         else loc.parquet_file(path, page_checksum_verification=True)).read()
     except Exception as exc:  # any decoding failure: a damaged file
         raise CorruptFileError(path, f"damaged Parquet data: {exc}") from exc
 

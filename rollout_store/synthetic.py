@@ -160,3 +160,24 @@ def bel_shaped_batch(
     else:
         snaps = SNAPSHOT_INPUT.empty_table()
     return TreeBatch(trees=trees, nodes=nodes, snapshots=snaps)
+
+
+def wide_batch(n_children: int) -> TreeBatch:
+    """One tree ``wide``: a root with ``n_children`` leaves (rewards alternate 0/1), the
+    worst case of fan-out for the ``siblings`` view."""
+    n = n_children + 1
+    nodes = {f.name: pa.nulls(n, f.type) for f in NODE_INPUT}
+    nodes.update(
+        tree_id=pa.array(["wide"] * n, pa.string()),
+        node_id=pa.array(range(n), pa.int64()),
+        parent_id=pa.array([None] + [0] * n_children, pa.int64()),
+        kind=pa.array(["prompt"] + ["decision"] * n_children, pa.string()),
+        terminal=pa.array([False] + [True] * n_children, pa.bool_()),
+        reward=pa.array([None] + [float(i % 2) for i in range(n_children)], pa.float64()),
+    )
+    trees = {f.name: pa.nulls(1, f.type) for f in TREE_INPUT}
+    trees.update(tree_id=pa.array(["wide"]), run_id=pa.array(["bench"]),
+                 task_id=pa.array(["t"]), env=pa.array(["none"]), sampler=pa.array(["none"]),
+                 created_at=pa.array([0], pa.timestamp("us", tz="UTC")))
+    return TreeBatch(pa.table(trees, schema=TREE_INPUT), pa.table(nodes, schema=NODE_INPUT),
+                     SNAPSHOT_INPUT.empty_table())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -169,44 +170,19 @@ class TreeBatch:
 
     @staticmethod
     def from_trees(trees: Sequence[Tree]) -> TreeBatch:
-        tree_rows = [
-            {
-                "tree_id": t.tree_id, "run_id": t.run_id, "task_id": t.task_id, "env": t.env,
-                "env_config": _json(t.env_config), "sampler": t.sampler,
-                "policy_version": t.policy_version, "policy_ref": t.policy_ref,
-                "budget": t.budget, "rollouts_by_phase": list(t.rollouts_by_phase.items()),
-                "seed": t.seed, "critical_node_id": t.critical_node_id,
-                "created_at": t.created_at, "meta": _json(t.meta),
-            }
-            for t in trees
-        ]
-        node_rows = [
-            {
-                "tree_id": t.tree_id, "node_id": n.node_id, "parent_id": n.parent_id,
-                "kind": n.kind, "phase": n.phase, "action_text": n.action_text,
-                "action_token_ids": n.action_token_ids, "action_logprobs": n.action_logprobs,
-                "action_entropies": n.action_entropies,
-                "observation_text": n.observation_text,
-                "observation_token_ids": n.observation_token_ids,
-                "segments": [{"kind": s.kind, "start": s.start, "end": s.end}
-                             for s in n.segments],
-                "terminal": n.terminal, "reward": n.reward,
-                "reward_parts": list(n.reward_parts.items()), "snapshot_id": n.snapshot_id,
-                "n_gen_tokens": n.n_gen_tokens, "tool_calls": n.tool_calls,
-                "meta": _json(n.meta),
-            }
-            for t in trees
-            for n in t.nodes
-        ]
-        snap_rows = [
-            {"snapshot_id": sid, "tree_id": t.tree_id, "env": t.env, "state": state}
-            for t in trees
-            for sid, state in t.snapshots.items()
-        ]
+        """The columnar form of ``trees``. A value of the wrong type (a str or float id, a
+        lone surrogate, an int past its column's range, unserialisable meta) is a
+        ``TreeValidationError`` (rule ``column_type``) naming the tree, node and column,
+        never a raw Arrow error, and never silently cast (3.7 is not node 3)."""
+        tree_rows = _rows(trees, _tree_row, lambda t: (t, None))
+        node_rows = _rows([(t, n) for t in trees for n in t.nodes], _node_row,
+                          lambda tn: tn)
+        snap_rows = _rows([(t, sid, state) for t in trees for sid, state in t.snapshots.items()],
+                          _snapshot_row, lambda tss: (tss[0], None))
         return TreeBatch(
-            trees=pa.Table.from_pylist(tree_rows, schema=TREE_INPUT),
-            nodes=pa.Table.from_pylist(node_rows, schema=NODE_INPUT),
-            snapshots=pa.Table.from_pylist(snap_rows, schema=SNAPSHOT_INPUT),
+            trees=_to_table(tree_rows, TREE_INPUT, "trees"),
+            nodes=_to_table(node_rows, NODE_INPUT, "nodes"),
+            snapshots=_to_table(snap_rows, SNAPSHOT_INPUT, "snapshots"),
         )
 
     def validate(self) -> TreeStructure:
@@ -216,6 +192,120 @@ class TreeBatch:
     def to_trees(self) -> list[Tree]:
         """Back to in-memory trees (the inverse of ``from_trees``)."""
         return trees_from_tables(self.trees, self.nodes, self.snapshots)
+
+
+def _tree_row(t: Tree) -> dict[str, Any]:
+    return {
+        "tree_id": t.tree_id, "run_id": t.run_id, "task_id": t.task_id, "env": t.env,
+        "env_config": _json(t.env_config), "sampler": t.sampler,
+        "policy_version": t.policy_version, "policy_ref": t.policy_ref,
+        "budget": t.budget, "rollouts_by_phase": list(t.rollouts_by_phase.items()),
+        "seed": t.seed, "critical_node_id": t.critical_node_id,
+        "created_at": t.created_at, "meta": _json(t.meta),
+    }
+
+
+def _node_row(tn: tuple[Tree, Node]) -> dict[str, Any]:
+    t, n = tn
+    return {
+        "tree_id": t.tree_id, "node_id": n.node_id, "parent_id": n.parent_id,
+        "kind": n.kind, "phase": n.phase, "action_text": n.action_text,
+        "action_token_ids": n.action_token_ids, "action_logprobs": n.action_logprobs,
+        "action_entropies": n.action_entropies,
+        "observation_text": n.observation_text,
+        "observation_token_ids": n.observation_token_ids,
+        "segments": [{"kind": s.kind, "start": s.start, "end": s.end} for s in n.segments],
+        "terminal": n.terminal, "reward": n.reward,
+        "reward_parts": list(n.reward_parts.items()), "snapshot_id": n.snapshot_id,
+        "n_gen_tokens": n.n_gen_tokens, "tool_calls": n.tool_calls,
+        "meta": _json(n.meta),
+    }
+
+
+def _snapshot_row(tss: tuple[Tree, str, bytes]) -> dict[str, Any]:
+    t, sid, state = tss
+    if not isinstance(state, bytes | bytearray | memoryview):
+        raise TypeError(f"snapshot {sid!r} state must be bytes, got {type(state).__name__}")
+    return {"snapshot_id": sid, "tree_id": t.tree_id, "env": t.env, "state": bytes(state)}
+
+
+_CONVERSION_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError, UnicodeError,
+                      AttributeError)
+
+
+def _where(obj: Any) -> tuple[str | None, int | None]:
+    tree, node = obj if isinstance(obj, tuple) else (obj, None)
+    tid = getattr(tree, "tree_id", None)
+    nid = getattr(node, "node_id", None)
+    return (_printable(tid), nid if isinstance(nid, int) else None)
+
+
+def _printable(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _rows(items: Sequence[Any], make: Any, where: Any) -> list[dict[str, Any]]:
+    """``[make(i) for i in items]``; a failure names the tree and node of the item."""
+    try:
+        return [make(i) for i in items]
+    except _CONVERSION_ERRORS:
+        pass
+    for item in items:
+        try:
+            make(item)
+        except _CONVERSION_ERRORS as exc:
+            tid, nid = _where(where(item))
+            raise TreeValidationError(tid, nid, "column_type",
+                                      f"{type(exc).__name__}: {_printable(exc)}") from None
+    raise AssertionError("unreachable: the batch conversion failed but no item did")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _to_table(rows: list[dict[str, Any]], schema: pa.Schema, what: str) -> pa.Table:
+    """``rows`` as a table of exactly ``schema``, refusing what Arrow would silently cast."""
+    scalar_ints = [f.name for f in schema if pa.types.is_integer(f.type)]
+    list_ints = [f.name for f in schema
+                 if pa.types.is_list(f.type) and pa.types.is_integer(f.type.value_type)]
+    for row in rows:
+        for name in scalar_ints:
+            value = row[name]
+            if value is not None and not _is_int(value):
+                raise _row_error(row, f"{what}.{name} must be an integer, got "
+                                      f"{type(value).__name__} {value!r}")
+    for name in list_ints:
+        try:
+            inferred = pa.array([row[name] for row in rows])
+        except _CONVERSION_ERRORS:
+            inferred = None  # mixed types: the conversion below names the row
+        if inferred is not None and pa.types.is_list(inferred.type) and not (
+                pa.types.is_integer(inferred.type.value_type)
+                or pa.types.is_null(inferred.type.value_type)):
+            bad = next(r for r in rows if any(not _is_int(x) for x in r[name] or []))
+            raise _row_error(bad, f"{what}.{name} must hold integers, got "
+                                  f"{inferred.type.value_type}")
+    try:
+        return pa.Table.from_pylist(rows, schema=schema)
+    except _CONVERSION_ERRORS:
+        pass
+    for row in rows:
+        for f in schema:
+            try:
+                pa.array([row[f.name]], f.type)
+            except _CONVERSION_ERRORS as exc:
+                raise _row_error(row, f"{what}.{f.name}: {type(exc).__name__}: "
+                                      f"{_printable(exc)}") from None
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def _row_error(row: dict[str, Any], detail: str) -> TreeValidationError:
+    nid = row.get("node_id")
+    return TreeValidationError(_printable(row.get("tree_id")), nid if _is_int(nid) else None,
+                               "column_type", detail)
 
 
 def trees_from_tables(
@@ -281,16 +371,34 @@ def validate_batch(batch: TreeBatch) -> TreeStructure:
     if pc.any(empty).as_py():
         row = pc.index(empty, True).as_py()
         raise TreeValidationError(str(tree_ids[row]), None, "empty_tree", "the tree has no nodes")
-    snap_ids = batch.nodes.column("snapshot_id").drop_null()
-    missing = pc.invert(
-        pc.is_in(snap_ids, value_set=batch.snapshots.column("snapshot_id"))
-    )
-    if len(snap_ids) and pc.any(missing).as_py():
-        sid = snap_ids[pc.index(missing, True).as_py()].as_py()
-        mask = pc.equal(batch.nodes.column("snapshot_id"), sid)
-        row = pc.index(mask, True).as_py()
+    # A node's snapshot must be carried for the node's own tree: match on (tree, snapshot).
+    node_pairs = pc.binary_join_element_wise(node_trees, batch.nodes.column("snapshot_id"),
+                                             "\x00")
+    snap_pairs = pc.binary_join_element_wise(batch.snapshots.column("tree_id"),
+                                             batch.snapshots.column("snapshot_id"), "\x00")
+    has_snap = pc.is_valid(batch.nodes.column("snapshot_id"))
+    missing = pc.and_(has_snap, pc.invert(pc.is_in(node_pairs, value_set=snap_pairs)))
+    if pc.any(missing).as_py():
+        row = pc.index(missing, True).as_py()
+        sid = batch.nodes.column("snapshot_id")[row].as_py()
+        owner = pc.filter(batch.snapshots.column("tree_id"),
+                          pc.equal(batch.snapshots.column("snapshot_id"), sid))
+        where = (f"it belongs to tree {owner[0].as_py()!r}" if len(owner)
+                 else "it is not in the batch")
         raise TreeValidationError(
             str(node_trees[row]), int(batch.nodes["node_id"][row].as_py()),
-            "missing_snapshot", f"snapshot {sid!r} is not in the batch",
+            "missing_snapshot", f"snapshot {sid!r} is not this tree's: {where}",
         )
+    crit = batch.trees.column("critical_node_id")
+    if crit.null_count < len(crit):
+        tree_pairs = pc.binary_join_element_wise(
+            tree_ids, pc.cast(crit, pa.string()), "\x00")
+        node_keys = pc.binary_join_element_wise(
+            node_trees, pc.cast(batch.nodes.column("node_id"), pa.string()), "\x00")
+        bad = pc.and_(pc.is_valid(crit), pc.invert(pc.is_in(tree_pairs, value_set=node_keys)))
+        if pc.any(bad).as_py():
+            row = pc.index(bad, True).as_py()
+            raise TreeValidationError(str(tree_ids[row]), int(crit[row].as_py()),
+                                      "critical_node", "critical_node_id is not a node of "
+                                                       "this tree")
     return structure

@@ -24,6 +24,10 @@ rule                      meaning
 ``unknown_tree`` / ``empty_tree`` / ``duplicate_tree_id``
                           nodes and ``trees`` rows do not match one to one
 ``missing_snapshot``      a node names a snapshot the batch does not carry
+                          for the node's own tree
+``token_id_range``        a negative action or observation token id
+``critical_node``         ``critical_node_id`` is not a node of its tree
+``unknown_node``          a credit or reference names a node that is not stored
 ========================  ===================================================
 
 Everything is numpy over whole columns: no Python loop per tree or per node,
@@ -315,6 +319,12 @@ def validate_nodes(nodes: pa.Table, expected: pa.Schema) -> TreeStructure:
         raise namer.fail(
             int(np.argmax(wrong)), "reward_on_non_leaf", "only leaves carry a reward"
         )
+    for column in ("action_token_ids", "observation_token_ids"):
+        arr = nodes.column(column).combine_chunks()
+        flat = _np(pc.list_flatten(arr), fill=0)
+        if flat.size and flat.min() < 0:
+            row = int(_np(pc.list_parent_indices(arr))[int(np.argmax(flat < 0))])
+            raise namer.fail(row, "token_id_range", f"negative token id in {column}")
     _check_segments(nodes.column("segments"), n_tok, namer)
     return structure
 

@@ -34,9 +34,10 @@ def test_append_killed_before_trees_commit_is_invisible_then_retry_completes(
     full = Store.append_trees
     report = CommitReport("k")
 
-    def partial(self: Store, table: str, rows: pa.Table, key: str, rep: CommitReport) -> None:
+    def partial(self: Store, table: str, rows: pa.Table, key: str, rep: CommitReport,
+                 *rest: object) -> None:
         if table != "trees":
-            Store._commit_table(self, table, rows, key, rep)  # type: ignore[arg-type]
+            Store._commit_table(self, table, rows, key, rep, *rest)  # type: ignore[arg-type]
 
     store._commit_table = partial.__get__(store)  # type: ignore[method-assign]
     full(store, batch, key="k")
@@ -54,9 +55,10 @@ def test_rerun_with_new_key_after_crash_does_not_duplicate(store: Store) -> None
     """Orphan rows of a dead append stay invisible even when its trees are rewritten."""
     batch = bel_shaped_batch(3, seed=3)
 
-    def no_trees(self: Store, table: str, rows: pa.Table, key: str, rep: CommitReport) -> None:
+    def no_trees(self: Store, table: str, rows: pa.Table, key: str, rep: CommitReport,
+                 *rest: object) -> None:
         if table != "trees":
-            Store._commit_table(self, table, rows, key, rep)  # type: ignore[arg-type]
+            Store._commit_table(self, table, rows, key, rep, *rest)  # type: ignore[arg-type]
 
     store._commit_table = no_trees.__get__(store)  # type: ignore[method-assign]
     store.append_trees(batch, key="old")

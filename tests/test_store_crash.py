@@ -129,9 +129,10 @@ def test_two_compactors_and_an_orphan_beside_appenders(tmp_path: Path) -> None:
     store = Store(path, create=True)
     orphan_batch = bel_shaped_batch(2, seed=7, tree_prefix="orphan")
 
-    def no_trees(self: Store, table: str, rows: object, key: str, rep: object) -> None:
+    def no_trees(self: Store, table: str, rows: object, key: str, rep: object,
+                 *rest: object) -> None:
         if table != "trees":
-            Store._commit_table(self, table, rows, key, rep)  # type: ignore[arg-type]
+            Store._commit_table(self, table, rows, key, rep, *rest)  # type: ignore[arg-type]
 
     store._commit_table = no_trees.__get__(store)  # type: ignore[method-assign]
     store.append_trees(orphan_batch, key="orphan")

@@ -98,9 +98,11 @@ def _rewrite_table(store: Store, name: str, schema: pa.Schema, version: str,
 
 
 def test_newer_store_fails_naming_the_versions(store: Store) -> None:
-    _rewrite_table(store, "metrics", schema_mod.METRICS, "2",
+    newer = schema_mod.SCHEMA_VERSION + 1
+    _rewrite_table(store, "metrics", schema_mod.METRICS, str(newer),
                    schema_mod.fingerprint(schema_mod.METRICS))
-    with pytest.raises(SchemaMismatchError, match="version 2, newer than this rollout-trees"):
+    with pytest.raises(SchemaMismatchError,
+                       match=f"version {newer}, newer than this rollout-trees"):
         Store(store.path)
 
 
