@@ -137,7 +137,7 @@ _CALL = '<tool_call>{{"name": "calc", "arguments": {args}}}</tool_call>'
 
 
 @pytest.mark.parametrize(("action", "message"), [
-    ("hello", "expected <tool_call>"),
+    ("hello", "expected a tool_call block"),
     ("<tool_call>{bad</tool_call>", "not valid JSON"),
     ("<tool_call>" + "[" * 50_000 + "</tool_call>", "nested more than"),
     ('<tool_call>{"name": "rm", "arguments": {"expr": "1"}}</tool_call>', "unknown tool 'rm'"),

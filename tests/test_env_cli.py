@@ -119,7 +119,7 @@ def _wrapper(env: str, state: bytes) -> bytes:
     (["--env", "ghost"], "environment 'ghost' is not available: ModuleNotFoundError"),
     (["--env", "calc", "--difficulty", "9"], "difficulties must be"),
     (["--env", "calc", "--mix", "colour=3"], "unknown calc task option"),
-    (["--env", "calc", "--mix", "novalue"], "--mix expects KEY=VALUE"),
+    (["--env", "calc", "--mix", "novalue"], "--mix 'novalue': expected KEY=VALUE"),
     (["--env", "calc", "--snapshot-in", "{missing}"], "cannot read"),
     (["--env", "calc", "--snapshot-in", "{garbage}"], "cannot restore the snapshot"),
     (["--env", "calc", "--snapshot-in", "{other_env}"], "the snapshot is of environment "

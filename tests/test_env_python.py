@@ -229,13 +229,14 @@ def test_unknown_tool_and_bad_json_are_errors(started: float) -> None:
 
 
 def _check_rolled_back(env: PythonEnv, since: float) -> None:
-    """After a call that broke a limit: at most the live and spare sandboxes run (3
-    processes each: bwrap, its pid-namespace init, the worker), the state from before
+    """After a call that broke a limit: at most the live and spare sandboxes run (4
+    processes each: bwrap, its pid-namespace init, the worker's supervisor and its
+    executor), the state from before
     the call is there, and the call's partial effects are not."""
     env.wait_ready()  # reaps the killed sandbox (its teardown is asynchronous)
     if os.geteuid() == 0:
         procs = _alive(_sandbox_processes(since))
-        assert len(procs) <= 6, [(p.pid, p.name()) for p in procs]
+        assert len(procs) <= 8, [(p.pid, p.name()) for p in procs]
         assert {p.name() for p in procs} <= {"bwrap", "python3"}
     assert _obs(env, "print(kept)") == "<tool_response>1\n</tool_response>"
     assert _obs(env, "print('partial' in dir())") == "<tool_response>False\n</tool_response>"
@@ -292,7 +293,7 @@ def test_fork_bomb_is_contained(started: float) -> None:
         env.wait_ready()
         if os.geteuid() == 0:
             procs = _alive(_sandbox_processes(started))
-            assert len(procs) <= 6, [(p.pid, p.name()) for p in procs]
+            assert len(procs) <= 8, [(p.pid, p.name()) for p in procs]
         assert _obs(env, "print(kept)") == "<tool_response>1\n</tool_response>"
 
 
@@ -305,8 +306,8 @@ def test_process_limit_binds(started: float) -> None:
                         "        kids.append(pid)\nexcept OSError as e:\n"
                         "    print(len(kids), type(e).__name__)\n"
                         "for pid in kids:\n    os.kill(pid, 9); os.waitpid(pid, 0)")
-        # bwrap's init and the worker count against the limit of 8
-        assert obs == "<tool_response>6 BlockingIOError\n</tool_response>"
+        # bwrap's init and the worker's supervisor and executor count against the limit of 8
+        assert obs == "<tool_response>5 BlockingIOError\n</tool_response>"
 
 
 @needs_bwrap
@@ -376,7 +377,7 @@ def test_filesystem_is_private_and_read_only(started: float, tmp_path: Path) -> 
 def test_identity_network_and_namespaces(started: float) -> None:
     with _env(**FAST) as env:
         assert _obs(env, "import os\nos.getuid(), os.getgid(), os.getpid()") == \
-            f"<tool_response>({SANDBOX_UID}, {SANDBOX_UID}, 2)\n</tool_response>"
+            f"<tool_response>({SANDBOX_UID}, {SANDBOX_UID}, 3)\n</tool_response>"
         assert "Network is unreachable" in _obs(
             env, "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)")
         assert "Network is unreachable" in _obs(

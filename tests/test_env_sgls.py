@@ -460,11 +460,11 @@ def test_hostile_actions_never_raise() -> None:
     flight = _task("flight", "cancel")
     item = shop.config["gold"][1][0]["arguments"]["item_id"]
     cases: list[tuple[Task, str, str]] = [
-        (shop, "", "expected <tool_call>"),
-        (shop, "<tool_call>{\"name\": \"view_cart\"", "expected <tool_call>"),
+        (shop, "", "expected a tool_call block"),
+        (shop, "<tool_call>{\"name\": \"view_cart\"", "expected a tool_call block"),
         (shop, "<tool_call>{bad json}</tool_call>", "not valid JSON"),
         (shop, "<tool_call>" + "[" * 100_000 + "</tool_call>", "longer than"),
-        (shop, "<tool_call>" * 5_900, "expected <tool_call>"),  # was quadratic with a regex
+        (shop, "<tool_call>" * 5_900, "expected a tool_call block"),  # was quadratic with a regex
         (shop, "<think>" * 9_000 + call("view_cart"), '{"cart"'),
         (shop, "<tool_call>" + "[" * 5_000 + "]" * 5_000 + "</tool_call>", "nested too deeply"),
         (shop, '<tool_call>{"name": "x", "arguments": {"a": NaN}}</tool_call>', "not valid JSON"),

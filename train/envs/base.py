@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple, Protocol, TypeVar
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -126,16 +127,79 @@ def parse_action(text: str) -> ParsedAction:
         return ParsedAction("tool_call", name=payload["name"], arguments=args)
     if answer:
         return ParsedAction("answer", answer=answer[1].strip())
-    return ParsedAction("malformed", error="expected <tool_call>{...}</tool_call> or "
-                                           "<answer>...</answer>")
+    # No literal tags: tool responses escape them (``escape_tool_text``).
+    return ParsedAction("malformed", error="expected a tool_call block holding a JSON object, "
+                                           "or an answer block")
+
+
+PROTOCOL_TAGS = ("tool_response", "tool_call", "answer")
+_TAG = re.compile(r"<(/?\s*(?:" + "|".join(PROTOCOL_TAGS) + r")\b)", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def escape_tool_text(text: str) -> str:
+    """Tool output made safe to embed in a ``<tool_response>`` block.
+
+    A tool result must never end its own block or fake an action: the ``<`` of every
+    protocol tag (``<tool_response>``, ``</tool_response>``, ``<tool_call>``, ``<answer>``
+    and their closing forms, any case) becomes ``&lt;``, and control characters other
+    than newline and tab (NUL, ESC, DEL, C1) become ``\\xNN`` escapes, so no terminal
+    sequence or NUL reaches a tokenizer or a log."""
+    text = _TAG.sub(r"&lt;\1", text)
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def tool_response(content: str) -> str:
-    return f"<tool_response>{content}</tool_response>"
+    """``content`` as a tool response block, escaped (``escape_tool_text``)."""
+    return f"<tool_response>{escape_tool_text(content)}</tool_response>"
 
 
 def error_response(message: str) -> str:
     return tool_response(f"error: {message}")
+
+
+class ToolEpisode(Protocol):
+    """The counters of a one-tool episode (``CalcEnv`` and ``PythonEnv`` states)."""
+
+    task: Task
+    steps: int
+    tool_calls: int
+    tool_errors: int
+    done: bool
+    reward: float
+    truncated: bool
+
+
+EpisodeT = TypeVar("EpisodeT", bound=ToolEpisode)
+
+
+def require_state(state: EpisodeT | None, env: str) -> EpisodeT:
+    """``state``, or the error every env gives for a step before ``reset``/``restore``."""
+    if state is None:
+        raise RuntimeError(f"{env}: call reset() or restore() first")
+    return state
+
+
+def episode_parts(s: ToolEpisode) -> dict[str, float]:
+    """``reward_parts`` of a one-tool episode: the reward (0 until the end), the tool calls
+    and errors so far, and whether the step limit truncated it."""
+    return {"reward": s.reward if s.done else 0.0, "tool_calls": float(s.tool_calls),
+            "tool_errors": float(s.tool_errors), "truncated": float(s.truncated)}
+
+
+def run_step(s: EpisodeT, action_text: str,
+             act: Callable[[EpisodeT, str], tuple[str, bool]]) -> StepResult:
+    """The step skeleton shared by the one-tool envs: refuse a step after the end, count
+    it, ``act`` (observation, is_error), count errors, truncate at ``task.max_steps``
+    (reward 0)."""
+    if s.done:
+        return StepResult(error_response("episode is over"), True, episode_parts(s))
+    s.steps += 1
+    observation, is_error = act(s, action_text)
+    s.tool_errors += is_error
+    if not s.done and s.steps >= s.task.max_steps:
+        s.done, s.truncated, s.reward = True, True, 0.0
+    return StepResult(observation, s.done, episode_parts(s))
 
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {

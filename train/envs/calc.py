@@ -72,6 +72,8 @@ from train.envs.base import (
     check_arguments,
     error_response,
     parse_action,
+    require_state,
+    run_step,
     tool_response,
 )
 
@@ -382,21 +384,15 @@ class CalcEnv(Environment):
         return task.prompt
 
     def _require(self) -> _State:
-        if self._state is None:
-            raise RuntimeError("CalcEnv: call reset() or restore() first")
-        return self._state
+        return require_state(self._state, "CalcEnv")
 
     def step(self, action_text: str) -> StepResult:
-        s = self._require()
-        if s.done:
-            return StepResult(error_response("episode is over"), True, self._parts(s))
-        s.steps += 1
+        return run_step(self._require(), action_text, self._observe)
+
+    def _observe(self, s: _State, action_text: str) -> tuple[str, bool]:
         observation, is_error = self._act(s, action_text)
-        s.tool_errors += is_error
-        if not s.done and s.steps >= s.task.max_steps:
-            s.done, s.truncated, s.reward = True, True, 0.0
         s.last_observation = observation
-        return StepResult(observation, s.done, self._parts(s))
+        return observation, is_error
 
     def _act(self, s: _State, action_text: str) -> tuple[str, bool]:
         """The observation of one action and whether it is an error; ends the episode on
@@ -422,11 +418,6 @@ class CalcEnv(Environment):
         except CalcError as exc:
             return error_response(str(exc)), True
         return tool_response(result), False
-
-    @staticmethod
-    def _parts(s: _State) -> dict[str, float]:
-        return {"reward": s.reward if s.done else 0.0, "tool_calls": float(s.tool_calls),
-                "tool_errors": float(s.tool_errors), "truncated": float(s.truncated)}
 
     # -- snapshot ----------------------------------------------------------
 

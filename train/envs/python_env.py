@@ -90,6 +90,8 @@ from train.envs.base import (
     check_arguments,
     error_response,
     parse_action,
+    require_state,
+    run_step,
     tool_response,
 )
 from train.envs.python_tasks import (
@@ -252,20 +254,10 @@ class PythonEnv(Environment):
         return task.prompt
 
     def _require(self) -> _State:
-        if self._state is None:
-            raise RuntimeError("PythonEnv: call reset() or restore() first")
-        return self._state
+        return require_state(self._state, "PythonEnv")
 
     def step(self, action_text: str) -> StepResult:
-        s = self._require()
-        if s.done:
-            return StepResult(error_response("episode is over"), True, self._parts(s))
-        s.steps += 1
-        observation, is_error = self._act(s, action_text)
-        s.tool_errors += is_error
-        if not s.done and s.steps >= s.task.max_steps:
-            s.done, s.truncated, s.reward = True, True, 0.0
-        return StepResult(observation, s.done, self._parts(s))
+        return run_step(self._require(), action_text, self._act)
 
     def _act(self, s: _State, action_text: str) -> tuple[str, bool]:
         action = parse_action(action_text)
@@ -288,11 +280,6 @@ class PythonEnv(Environment):
             return error_response(f"code is longer than {self.config.max_code_chars} "
                                   f"characters"), True
         return self._call(s, code)
-
-    @staticmethod
-    def _parts(s: _State) -> dict[str, float]:
-        return {"reward": s.reward if s.done else 0.0, "tool_calls": float(s.tool_calls),
-                "tool_errors": float(s.tool_errors), "truncated": float(s.truncated)}
 
     # -- the interpreter ---------------------------------------------------
 
@@ -361,6 +348,10 @@ class PythonEnv(Environment):
             if outcome.status == "timeout":
                 message = (f"the call exceeded the {self.config.timeout_s:g} s time limit and "
                            f"was stopped; {rolled_back}")
+            elif outcome.status == "memory":
+                message = (f"the call's processes used more than "
+                           f"{self.config.total_memory_bytes >> 20} MiB of memory together "
+                           f"and were stopped; {rolled_back}")
             elif outcome.status == "died":
                 message = ("the interpreter exited during the call (os._exit, a fatal signal "
                            f"or the CPU-time limit); {rolled_back}")

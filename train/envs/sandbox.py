@@ -1,26 +1,31 @@
 """Run model-written Python in a bubblewrap sandbox, one persistent worker per sandbox.
 
 A ``Sandbox`` is one long-lived interpreter: ``bwrap`` starts the system Python
-(``SandboxConfig.python``, default ``/usr/bin/python3``) running ``WORKER_SOURCE``,
-which executes successive code cells in one namespace and answers each over a
-private pipe. The ``python`` environment (``train.envs.python_env``) builds its
+(``SandboxConfig.python``, default ``/usr/bin/python3``) running ``WORKER_SOURCE`` (the
+source of ``sandbox_worker.py``, passed with ``-c``: the sandbox uid cannot read the
+project checkout), which executes successive code cells in one namespace and answers
+each over a private pipe. The worker is two processes: a supervisor that holds the
+control pipe and the bookkeeping, and an executor it forks that holds the namespace and
+runs the cells, so cell code cannot reach the bookkeeping or the control channel (see
+``sandbox_worker``). The ``python`` environment (``train.envs.python_env``) builds its
 tool on it; nothing here knows about episodes.
 
 Isolation (``sandbox_argv`` builds the exact command line)::
 
     setpriv --reuid 65534 --regid 65534 --clear-groups --     # when the caller is root
     bwrap --ro-bind /usr /usr --symlink usr/bin /bin ...       # /bin /lib* /sbin as on the host
-          --proc /proc --dev /dev
+          --proc /proc --dev /dev --size 64MiB --tmpfs /dev/shm
           --size 64MiB --tmpfs /tmp --size 64MiB --tmpfs /sandbox
           --remount-ro /  --chdir /sandbox
           --unshare-all --unshare-user --disable-userns --uid 65534 --gid 65534
           --hostname sandbox --cap-drop ALL --die-with-parent --new-session
-          --clearenv --setenv PATH ... --info-fd N
+          --clearenv --setenv PATH ... --info-fd N --seccomp M
           -- /usr/bin/python3 -s -B -c WORKER_SOURCE CONFIG_JSON
 
 * Read-only system directories, nothing else of the host: no ``/etc``, ``/home``,
   ``/root``, no project checkout. Writable: a private, size-capped tmpfs work
-  directory ``/sandbox`` (also ``HOME``) and ``/tmp``; both vanish with the sandbox.
+  directory ``/sandbox`` (also ``HOME``), ``/tmp`` and ``/dev/shm`` (capped like the
+  others: it was an unbounded tmpfs); all vanish with the sandbox.
 * All namespaces unshared (user, pid, net, ipc, uts, cgroup, mount): no network
   (a new network namespace holding only its own loopback, no route out, no DNS),
   and the sandbox sees only its own processes. No capabilities; nested user
@@ -37,15 +42,35 @@ Isolation (``sandbox_argv`` builds the exact command line)::
   per user namespace, so per sandbox), ``RLIMIT_CORE`` 0 and ``RLIMIT_CPU``
   (soft limit reset before every cell to the CPU already used plus ``cpu_s``;
   hard limit ``cpu_total_s`` for the sandbox's life).
+* Memory of the sandbox as a whole (``total_memory_bytes``), not only per process: the
+  supervisor sums the proportional set size of every process of the sandbox, plus the
+  memfd files they hold, every 10 ms while a cell runs; past the budget it kills them
+  all and the run ends with status ``memory``. Why not a cgroup: this machine mounts
+  cgroup v1 controllers (``/sys/fs/cgroup/memory``, writable by root only) beside an
+  empty cgroup v2 hierarchy with no delegated memory controller, so a cgroup would
+  hold only when the caller is root; the watchdog runs inside the sandbox as the
+  sandbox uid and holds for root and unprivileged callers alike. Its price: an
+  allocation faster than ~10 ms can overshoot briefly (each process stays under its
+  ``RLIMIT_AS``), and a pipe's buffers are not counted.
+* A seccomp filter (``bwrap --seccomp``, a BPF program built by ``seccomp_program``)
+  refuses with EPERM the syscalls of ``BLOCKED_SYSCALLS`` (ptrace,
+  process_vm_readv/writev, perf_event_open, io_uring_*, bpf, userfaultfd, keyctl and
+  the key syscalls, mount and the new mount API, unshare/setns, module and kexec
+  loading, reboot, swap, quotactl, acct, personality, syslog, fanotify_init, handle-based
+  opens) and every syscall made through a foreign ABI (i386 or x32 on x86_64). Tables
+  exist for x86_64 and aarch64; elsewhere no filter is loaded. It is a deny list, not
+  an allow list: what it does not name, a cell may call. The supervisor also marks
+  itself non-dumpable, so a cell cannot open its ``/proc/PID/mem``.
 * A wall-clock limit (``timeout_s``) per cell, enforced here: past it the whole
   sandbox is killed. ``close`` kills the sandbox's pid-namespace init, which makes
   the kernel kill every process in the namespace, then reaps bwrap; nothing
   outlives a closed sandbox. ``--die-with-parent`` does the same if this process
   dies (note: if the *thread* that started the sandbox exits, Linux treats that
   as the parent dying too).
-* After every cell the worker kills and counts processes the cell left running
-  (every process of the namespace but init and itself) and counts threads it
-  left running; the caller decides what that means (the env rolls the cell back).
+* After every cell the supervisor kills and counts processes the cell left running
+  (every process of the namespace but init, the supervisor and the executor) and
+  counts threads left running in the executor; the caller decides what that means
+  (the env rolls the cell back).
 * stdout and stderr of a cell (fds 1 and 2, so child processes are captured too)
   go to anonymous memory files; only the first ``output_bytes`` of each come
   back, with the full size.
@@ -116,10 +141,14 @@ class SandboxConfig:
     """CPU seconds the worker may use over its whole life (hard ``RLIMIT_CPU``)."""
     memory_bytes: int = 1 << 30
     """``RLIMIT_AS`` of every process in the sandbox; a larger allocation raises MemoryError."""
+    total_memory_bytes: int = 1 << 30
+    """Memory of the whole sandbox: the proportional set size of all its processes plus the
+    memfd files they hold, watched by the worker's supervisor; past it every process of the
+    sandbox is killed and the run ends with status ``memory``."""
     file_bytes: int = 16 << 20
     """``RLIMIT_FSIZE``: the largest file (and captured stdout/stderr) a cell can write."""
     tmpfs_bytes: int = 64 << 20
-    """Size of each of the two tmpfs mounts (``/sandbox`` and ``/tmp``)."""
+    """Size of each of the three tmpfs mounts (``/sandbox``, ``/tmp`` and ``/dev/shm``)."""
     open_files: int = 64
     """``RLIMIT_NOFILE`` of every process in the sandbox."""
     processes: int = 16
@@ -139,7 +168,8 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         positive = ("timeout_s", "startup_timeout_s", "cpu_s", "cpu_total_s", "memory_bytes",
-                    "file_bytes", "tmpfs_bytes", "open_files", "processes", "output_bytes")
+                    "total_memory_bytes", "file_bytes", "tmpfs_bytes", "open_files", "processes",
+                    "output_bytes")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be positive, got "
@@ -147,9 +177,9 @@ class SandboxConfig:
         if self.cpu_total_s < self.cpu_s:
             raise ValueError("SandboxConfig.cpu_total_s must be at least cpu_s (the hard CPU "
                              "limit bounds every cell's soft limit)")
-        if self.processes < 3:
-            raise ValueError("SandboxConfig.processes must be at least 3: bwrap's init and the "
-                             "worker count against RLIMIT_NPROC")
+        if self.processes < 4:
+            raise ValueError("SandboxConfig.processes must be at least 4: bwrap's init and the "
+                             "worker's supervisor and executor count against RLIMIT_NPROC")
         if self.open_files < 16:
             raise ValueError("SandboxConfig.open_files must be at least 16: the worker keeps "
                              "its pipes and capture files open")
@@ -180,7 +210,7 @@ class CellResult(NamedTuple):
     stderr_bytes: int = 0
 
 
-RunStatus = Literal["ok", "timeout", "died", "protocol"]
+RunStatus = Literal["ok", "timeout", "died", "protocol", "memory"]
 
 
 class RunOutcome(NamedTuple):
@@ -189,7 +219,8 @@ class RunOutcome(NamedTuple):
     ``status`` is ``ok`` when every cell finished; otherwise the sandbox was killed
     during cell ``len(results)``: ``timeout`` (past ``timeout_s``, or startup past
     ``startup_timeout_s``), ``died`` (the worker exited: ``os._exit``, a signal, the
-    CPU limit) or ``protocol`` (the worker's answer was unreadable). ``detail`` is for
+    CPU limit), ``memory`` (the sandbox's processes together passed
+    ``total_memory_bytes``) or ``protocol`` (the worker's answer was unreadable). ``detail`` is for
     logs: bwrap's stderr and the exit status (not deterministic, keep it out of
     observations)."""
 
@@ -199,237 +230,75 @@ class RunOutcome(NamedTuple):
 
 
 # ---------------------------------------------------------------------------
-# The worker: runs inside the sandbox under the system Python (keep it 3.8-compatible).
+# The worker: ``sandbox_worker.py``, a real module (ruff- and mypy-checked) whose source
+# the system Python runs with ``-c`` (the sandbox uid cannot read the project checkout).
 
-WORKER_SOURCE = r'''
-import ast, builtins, io, json, os, random, resource, signal, struct, sys, time, traceback
-import zlib
-
-CFG = json.loads(sys.argv[1])
-PID = os.getpid()
-IN_PID_NS = CFG["pid_namespace"]
-FRAME = struct.Struct(">I")
-
-CTL_IN = os.dup(0)   # dup() gives non-inheritable fds: child processes never see the pipes
-CTL_OUT = os.dup(1)
-_null = os.open(os.devnull, os.O_RDONLY)
-os.dup2(_null, 0)
-os.close(_null)
+WORKER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
+with open(WORKER_PATH, encoding="utf-8") as _worker_file:
+    WORKER_SOURCE = _worker_file.read()
 
 
-def _close_ctl():
-    for fd in (CTL_IN, CTL_OUT):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+# ---------------------------------------------------------------------------
+# The seccomp filter (bwrap --seccomp FD): syscalls a cell has no use for, refused with EPERM.
+
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+BLOCKED_SYSCALLS: dict[str, dict[str, int]] = {
+    "x86_64": {
+        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
+        "perf_event_open": 298, "keyctl": 250, "add_key": 248, "request_key": 249,
+        "bpf": 321, "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
+        "io_uring_register": 427, "kexec_load": 246, "kexec_file_load": 320,
+        "init_module": 175, "finit_module": 313, "delete_module": 176, "mount": 165,
+        "umount2": 166, "pivot_root": 155, "swapon": 167, "swapoff": 168, "reboot": 169,
+        "setns": 308, "unshare": 272, "acct": 163, "quotactl": 179,
+        "open_by_handle_at": 304, "name_to_handle_at": 303, "personality": 135,
+        "syslog": 103, "fanotify_init": 300, "open_tree": 428, "move_mount": 429,
+        "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+        "mount_setattr": 442,
+    },
+    "aarch64": {
+        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272,
+        "perf_event_open": 241, "keyctl": 219, "add_key": 217, "request_key": 218,
+        "bpf": 280, "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426,
+        "io_uring_register": 427, "kexec_load": 104, "kexec_file_load": 294,
+        "init_module": 105, "finit_module": 273, "delete_module": 106, "mount": 40,
+        "umount2": 39, "pivot_root": 41, "swapon": 224, "swapoff": 225, "reboot": 142,
+        "setns": 268, "unshare": 97, "acct": 89, "quotactl": 60,
+        "open_by_handle_at": 265, "name_to_handle_at": 264, "personality": 92,
+        "syslog": 116, "fanotify_init": 262, "open_tree": 428, "move_mount": 429,
+        "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
+        "mount_setattr": 442,
+    },
+}
 
 
-os.register_at_fork(after_in_child=_close_ctl)
+def seccomp_program(machine: str | None = None) -> bytes | None:
+    """A classic-BPF seccomp filter (``struct sock_filter[]``) for ``bwrap --seccomp``.
 
-
-def _capture_file(name):
-    try:
-        return os.memfd_create(name, os.MFD_CLOEXEC)
-    except (AttributeError, OSError):
-        import tempfile
-        fd, path = tempfile.mkstemp()
-        os.unlink(path)
-        os.set_inheritable(fd, False)
-        return fd
-
-
-OUT = _capture_file("stdout")
-ERR = _capture_file("stderr")
-
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-R = resource
-for res, value in ((R.RLIMIT_CORE, 0), (R.RLIMIT_AS, CFG["memory_bytes"]),
-                   (R.RLIMIT_FSIZE, CFG["file_bytes"]), (R.RLIMIT_NOFILE, CFG["open_files"]),
-                   (R.RLIMIT_NPROC, CFG["processes"])):
-    R.setrlimit(res, (value, value))
-R.setrlimit(R.RLIMIT_CPU, (CFG["cpu_s"], CFG["cpu_total_s"]))
-CAP = CFG["output_bytes"]
-NS = {"__name__": "__main__", "__builtins__": builtins}
-
-
-def _read_exact(n):
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(CTL_IN, n - len(buf))
-        if not chunk:
-            os._exit(0)  # the parent went away
-        buf += chunk
-    return buf
-
-
-def _send(obj):
-    data = json.dumps(obj).encode("ascii")
-    data = FRAME.pack(len(data)) + data
-    while data:
-        data = data[os.write(CTL_OUT, data):]
-
-
-def _start_cell(seed):
-    used = R.getrusage(R.RUSAGE_SELF)
-    soft = int(used.ru_utime + used.ru_stime) + 1 + CFG["cpu_s"]
-    try:
-        R.setrlimit(R.RLIMIT_CPU, (soft, R.getrlimit(R.RLIMIT_CPU)[1]))
-    except (ValueError, OSError):
-        pass  # the cell lowered its own hard limit: it keeps what it asked for
-    for fd, target in ((OUT, 1), (ERR, 2)):
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.dup2(fd, target)
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace")
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", write_through=True)
-    random.seed(seed)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        try:
-            np.random.seed(zlib.crc32(seed.encode()))
-        except Exception:
-            pass
-
-
-def _last_line(exc):
-    try:
-        if isinstance(exc, SyntaxError):
-            line = "%s: %s (line %s)" % (type(exc).__name__, exc.msg, exc.lineno)
-        else:
-            lines = traceback.format_exception_only(type(exc), exc)
-            line = lines[-1].strip() if lines else type(exc).__name__
-    except BaseException:
-        line = type(exc).__name__
-    return line if len(line) <= CAP else line[:CAP] + "...(cut)"
-
-
-def _exec(code):
-    """Run one cell; a last bare expression is echoed (repr), as in a notebook."""
-    error = None
-    try:
-        tree = ast.parse(code, filename="<cell>", mode="exec")
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        exec(compile(tree, "<cell>", "exec"), NS)
-        if last is not None:
-            value = eval(compile(last, "<cell>", "eval"), NS)
-            if value is not None:
-                print(repr(value))
-    except BaseException as exc:
-        if os.getpid() != PID:
-            os._exit(1)  # a child forked by the cell never returns into the worker loop
-        error = _last_line(exc)
-    if os.getpid() != PID:
-        os._exit(0)
-    return error
-
-
-def _end_cell():
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.setitimer(signal.ITIMER_VIRTUAL, 0)
-    signal.setitimer(signal.ITIMER_PROF, 0)
-
-
-def _reap():
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def _others():
-    """Live processes of this sandbox other than init and the worker."""
-    found = []
-    pgrp = os.getpgrp()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in (1, PID):
-            continue
-        try:
-            with open("/proc/%s/stat" % name) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] in "ZX":
-            continue
-        if not IN_PID_NS and int(fields[2]) != pgrp:
-            continue  # without a pid namespace only the worker's process group is ours
-        found.append(int(name))
-    return found
-
-
-def _threads():
-    try:
-        return len(os.listdir("/proc/self/task")) - 1
-    except OSError:
-        return 0
-
-
-def _settle(check, grace_s=0.05):
-    """Give what a cell just ended a moment to finish, then report what is still there."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        _reap()
-        left = check()
-        if not left or time.monotonic() >= deadline:
-            return left
-        time.sleep(0.002)
-
-
-def _kill_strays():
-    left = _settle(_others)
-    if not left:
-        return 0
-    for _ in range(1000):
-        if IN_PID_NS:
-            try:
-                os.kill(-1, signal.SIGKILL)  # every process of the namespace but init and us
-            except OSError:
-                pass
-        else:
-            for pid in _others():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-        _reap()
-        if not _others():
-            break
-        time.sleep(0.001)
-    return len(left)
-
-
-def _count_threads():
-    left = _settle(_threads)
-    return left
-
-
-_send({"ready": True})
-while True:
-    request = json.loads(_read_exact(FRAME.unpack(_read_exact(FRAME.size))[0]))
-    for cell in request["cells"]:
-        _start_cell(cell["seed"])
-        error = _exec(cell["code"])
-        _end_cell()
-        result = {"error": error, "strays": _kill_strays(), "threads": _count_threads()}
-        if cell["output"]:
-            for key, fd in (("stdout", OUT), ("stderr", ERR)):
-                size = os.fstat(fd).st_size
-                result[key] = os.pread(fd, min(size, CAP), 0).decode("utf-8", "replace")
-                result[key + "_bytes"] = size
-        _send(result)
-'''
+    Refuses with EPERM: every syscall of ``BLOCKED_SYSCALLS`` for this architecture, every
+    syscall made through another ABI (i386 ``int 0x80`` or x32 on x86_64, whose numbers
+    differ), and allows the rest. None on an architecture without a table (no filter)."""
+    machine = machine or os.uname().machine
+    if machine not in _AUDIT_ARCH:
+        return None
+    ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO|EPERM
+    numbers = sorted(set(BLOCKED_SYSCALLS[machine].values()))
+    checks: list[tuple[int, int]] = []  # (opcode, k): jump to deny when true
+    if machine == "x86_64":
+        checks.append((jge, 0x40000000))  # the x32 ABI
+    checks += [(jeq, n) for n in numbers]
+    program: list[tuple[int, int, int, int]] = [
+        (ld_abs, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 1, 0, _AUDIT_ARCH[machine]),
+        (ret, 0, 0, deny),
+        (ld_abs, 0, 0, 0),  # seccomp_data.nr
+    ]
+    deny_at = len(program) + len(checks) + 1
+    for op, k in checks:
+        program.append((op, deny_at - (len(program) + 1), 0, k))
+    program += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    return b"".join(struct.pack("=HBBI", *insn) for insn in program)
 
 
 # ---------------------------------------------------------------------------
@@ -482,19 +351,20 @@ def sandbox_env(home: str) -> dict[str, str]:
 
 
 def _worker_config(config: SandboxConfig, pid_namespace: bool) -> str:
-    keys = ("cpu_s", "cpu_total_s", "memory_bytes", "file_bytes", "open_files", "processes",
-            "output_bytes")
+    keys = ("cpu_s", "cpu_total_s", "memory_bytes", "total_memory_bytes", "file_bytes",
+            "open_files", "processes", "output_bytes")
     cfg: dict[str, Any] = {k: v for k, v in asdict(config).items() if k in keys}
     cfg["pid_namespace"] = pid_namespace
     return json.dumps(cfg, sort_keys=True)
 
 
 def sandbox_argv(config: SandboxConfig, *, unsafe: bool = False,
-                 info_fd: int | None = None) -> list[str]:
+                 info_fd: int | None = None, seccomp_fd: int | None = None) -> list[str]:
     """The exact command line of one sandbox (see the module docstring).
 
     ``unsafe`` gives the no-bwrap fallback: the worker started directly (still behind
-    ``setpriv`` when the caller is root). ``info_fd`` is passed to ``bwrap --info-fd``.
+    ``setpriv`` when the caller is root). ``info_fd`` is passed to ``bwrap --info-fd``,
+    ``seccomp_fd`` (a pipe holding ``seccomp_program()``) to ``bwrap --seccomp``.
     """
     python = [config.python, "-s", "-B", "-c", WORKER_SOURCE,
               _worker_config(config, pid_namespace=not unsafe)]
@@ -517,7 +387,7 @@ def sandbox_argv(config: SandboxConfig, *, unsafe: bool = False,
     for path in config.ro_binds:
         args += ["--ro-bind", path, path]
     size = ["--size", str(config.tmpfs_bytes)] if "--size" in features else []
-    args += ["--proc", "/proc", "--dev", "/dev",
+    args += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/dev/shm",
              *size, "--tmpfs", "/tmp", *size, "--tmpfs", WORK_DIR,
              "--remount-ro", "/", "--chdir", WORK_DIR,
              "--unshare-all", "--unshare-user"]
@@ -531,6 +401,8 @@ def sandbox_argv(config: SandboxConfig, *, unsafe: bool = False,
         args += ["--setenv", key, value]
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     return prefix + args + ["--", *python]
 
 
@@ -600,6 +472,10 @@ class _Died(Exception):
 
 
 class _Protocol(Exception):
+    pass
+
+
+class _Memory(Exception):
     pass
 
 
@@ -702,24 +578,32 @@ class Sandbox:
             if drop is not None:
                 os.chown(workdir, drop[0], drop[1])
             argv, cwd, env = sandbox_argv(config, unsafe=True), workdir, sandbox_env(workdir)
-        else:
+        seccomp_r = -1
+        if not unsafe:
             info_r, info_w = os.pipe()
-            argv = sandbox_argv(config, info_fd=info_w)
+            program = seccomp_program()
+            if program is not None:  # a few hundred bytes: fits the pipe buffer
+                seccomp_r, seccomp_w = os.pipe()
+                os.write(seccomp_w, program)
+                os.close(seccomp_w)
+            argv = sandbox_argv(config, info_fd=info_w,
+                                seccomp_fd=seccomp_r if seccomp_r >= 0 else None)
             cwd, env = "/", {"PATH": "/usr/bin:/bin"}
+        passed = tuple(fd for fd in (info_w, seccomp_r) if fd >= 0)
         try:
             self._proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 cwd=cwd, env=env, start_new_session=True, close_fds=True,
-                pass_fds=(info_w,) if info_w >= 0 else (), **kwargs)
+                pass_fds=passed, **kwargs)
         except BaseException:
-            for fd in (info_r, info_w):
+            for fd in (info_r, *passed):
                 if fd >= 0:
                     os.close(fd)
             if workdir is not None:
                 shutil.rmtree(workdir, ignore_errors=True)
             raise
-        if info_w >= 0:
-            os.close(info_w)
+        for fd in passed:
+            os.close(fd)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._w = self._proc.stdin.fileno()
         self._r = self._proc.stdout.fileno()
@@ -764,7 +648,12 @@ class Sandbox:
                        time.monotonic() + self.config.timeout_s)
             for cell in cells:
                 frame = self._recv(time.monotonic() + self.config.timeout_s)
+                if "memory_exceeded" in frame:
+                    raise _Memory(frame["memory_exceeded"])
                 results.append(_cell_result(frame, cell.output))
+        except _Memory as exc:
+            return self._fail("memory", results, f"the sandbox used {exc.args[0]} bytes, "
+                              f"more than total_memory_bytes={self.config.total_memory_bytes}")
         except _Timeout:
             return self._fail("timeout", results, "wall-clock limit")
         except _Died:

@@ -198,7 +198,7 @@ class SglsEnv(Environment):
         if block is None:
             self._record(text)
             return self._after_turn(error_response(
-                "expected <tool_call>{...}</tool_call> or <answer>...</answer>"))
+                "expected a tool_call block holding a JSON object, or an answer block"))
         if block[0] == "answer":
             self._record(text)
             return self._finish(block[1].strip())
