@@ -25,6 +25,7 @@ from typing import Annotated, Any
 
 import typer
 
+from cli._common import ParamError, fail, parse_json_params
 from train.envs import ENVIRONMENTS, Environment, make_env
 
 env_app = typer.Typer(help="Try tool environments by hand.", no_args_is_help=True)
@@ -62,16 +63,10 @@ def load_env(name: str) -> Environment:
 
 def parse_mix(items: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` options for ``generate_tasks``; VALUE is JSON, else a plain string."""
-    mix: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise EnvCommandError(f"--mix expects KEY=VALUE, got {item!r}")
-        try:
-            mix[key] = json.loads(value)
-        except json.JSONDecodeError:
-            mix[key] = value
-    return mix
+    try:
+        return parse_json_params(items, "--mix")
+    except ParamError as exc:
+        raise EnvCommandError(str(exc)) from None
 
 
 def start_episode(env_name: str, seed: int, mix: dict[str, Any] | None = None,
@@ -148,8 +143,7 @@ def snapshot_file(episode: Episode) -> bytes:
 
 
 def _error(message: str, code: int) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
+    fail(message, code)
 
 
 @env_app.command("play")

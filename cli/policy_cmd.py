@@ -21,17 +21,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from cli._common import fail, require
+
 policy_app = typer.Typer(help="Train the embedded tiny policy; inspect policies.",
                          no_args_is_help=True)
 console = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 TARGET_BAND = (0.2, 0.8)  # a policy that always or never succeeds gives no learning signal
-
-
-def _fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(code)
 
 
 @policy_app.command("init")
@@ -51,12 +47,13 @@ def init(
     from train.policies.tiny_train import init_policy
 
     if env not in ("calc", "workflow"):
-        _fail(f"tiny policies exist for calc and workflow, not {env!r}", 2)
+        fail(f"tiny policies exist for calc and workflow, not {env!r}", 2)
+    require(minutes > 0, f"--minutes must be positive, got {minutes}")
     try:
         result = init_policy(env, seed=seed, out=out, minutes=minutes, force=force,
                              log=console.print)
     except ValueError as exc:
-        _fail(str(exc), 2)
+        fail(str(exc), 2)
     if result is None:  # reused: show what was measured when it was trained
         path = out if out is not None else (find_checkpoint(env, seed)
                                             or default_cache_dir(env, seed))
@@ -101,7 +98,7 @@ def info(
     try:
         data = describe_policy(policy, env, **kw)
     except (ValueError, FileNotFoundError, PolicyUnavailableError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if as_json:
         print(json.dumps(data, indent=2, default=str))
         return
