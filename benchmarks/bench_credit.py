@@ -10,7 +10,7 @@ trees of 16 rollouts each.
   Python loop (``TreeArrays.tree_slice``), timed on a ``--loop-trees`` subsample
   and reported as trees per second (the loop's cost is linear in trees);
 * end to end: ``rtrees credit``'s ``compute_credits`` on a store of all the
-  trees (DuckDB read ordered by task, batching, the estimator, the commit).
+  trees (DuckDB read ordered by prompt group, batching, the estimator, the commit).
 
 Trees are BEL-shaped (``bel_shaped_batch``: 16 rollouts, depth ``--depth``) with
 short token lists so 100k trees fit in memory. ``trace`` and ``dsc`` get random
@@ -65,6 +65,10 @@ def split(batch: TreeArrays, size: int) -> list[TreeArrays]:
             for lo in range(0, batch.n_trees, size)]
 
 
+# The synthetic leaves carry one reward part, "outcome": slca reads it as both HierR parts.
+BENCH_PARAMS: dict[str, dict[str, str]] = {"slca": {"tool_part": "outcome", "sum_part": "outcome"}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", type=int, default=100_000)
@@ -90,7 +94,7 @@ def main() -> None:
     print("-" * len(header))
     ratios = {}
     for name, est in sorted(ESTIMATORS.items()):
-        params = est.params_type()
+        params = est.parse_params(BENCH_PARAMS.get(name, {}))
         vec_times, loop_times = [], []
         for _ in range(args.repeat):
             start = time.perf_counter()

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from credit_helpers import node as make_node
+from credit_helpers import ref_zscore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,10 +36,7 @@ Key = tuple[str, int]
 # ----------------------------------------------------------------- building trees
 def node(nid: int, parent: int | None, actions: list[int], obs: list[int] | None = None,
          phase: str | None = "explore", reward: float | None = None) -> Node:
-    return Node(node_id=nid, parent_id=parent, kind="prompt" if parent is None else "decision",
-                action_token_ids=list(actions), action_logprobs=[-0.5] * len(actions),
-                observation_token_ids=list(obs or []), terminal=reward is not None,
-                reward=reward, phase=phase)
+    return make_node(nid, parent, actions, obs or [], reward, phase=phase)
 
 
 def with_extras(batch: TreeArrays, agreement: dict[Key, float] | None = None,
@@ -105,8 +104,9 @@ def test_all_failed_global_group_mixed_local_group() -> None:
     check(got, (f, 2), -0.6, [-0.6, -0.6])
     check(got, (f, 3), 0.4, [0.0, 0.4])
     check(got, (f, 4), 0.4, [0.4, 0.4])
-    # l3: node credit 0.6·(-2/3) = -0.4 (node-level combination), tokens untouched.
-    check(got, (f, 5), -0.4, [0.0, 0.0])
+    # l3: empty changed region, so no token carries its local credit 0.6·(-2/3) = -0.4,
+    # and neither does its node value (C9: the credit of its last action token).
+    check(got, (f, 5), 0.0, [0.0, 0.0])
     for nid in (0, 1, 6, 7):  # no local credit, no global credit
         assert got[(f, nid)][0] == 0.0 and set(got[(f, nid)][1]) <= {0.0}
     assert got[(f, 2)][2] is None  # no clip bounds unless C8 clips
@@ -221,17 +221,6 @@ def test_registered_and_params_parse() -> None:
 
 
 # ----------------------------------------------------------------- 2. reference loop
-def ref_zscore(values: list[float], std: str, eps: float) -> list[float]:
-    n = len(values)
-    if n < 2 or max(values) == min(values):
-        return [0.0] * n
-    mean = sum(values) / n
-    if std == "none":
-        return [v - mean for v in values]
-    var = sum((v - mean) ** 2 for v in values) / (n - 1 if std == "unbiased" else n)
-    return [(v - mean) / (math.sqrt(var) + eps) for v in values]
-
-
 def ref_caliper(tree: Tree, p: CaliperParams, agreement: dict[int, float],
                 marked: set[int]) -> dict[Key, tuple[float, list[float], list[float] | None]]:
     """Per-tree plain-Python CALIPER, read straight off the module docstrings."""
@@ -292,7 +281,8 @@ def ref_caliper(tree: Tree, p: CaliperParams, agreement: dict[int, float],
             value = p.lambda_loc * w * a_loc
             if strong and p.negative in ("scale", "both"):
                 value *= 1 + p.gamma
-            node_credit[m] += value
+            if start < len(by_id[m].action_token_ids):  # C9: a non-empty changed region
+                node_credit[m] += value
             for t in range(start, len(by_id[m].action_token_ids)):
                 tokens[m][t] += value
                 if strong and p.negative in ("clip", "both"):
@@ -352,7 +342,9 @@ def caliper_trees(draw: st.DrawFn, tree_id: str) -> tuple[Tree, dict[int, float]
 @st.composite
 def caliper_batches(draw: st.DrawFn) -> tuple[list[Tree], dict[Key, float], set[Key]]:
     names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=4, unique=True))
-    trees, agreement, marked = [], {}, set()
+    trees: list[Tree] = []
+    agreement: dict[Key, float] = {}
+    marked: set[Key] = set()
     for name in names:
         tree, agr, mk = draw(caliper_trees(name))
         trees.append(tree)
@@ -420,6 +412,12 @@ def test_invariants(data: tuple[list[Tree], dict[Key, float], set[Key]],
     for m, s, e in zip(g.member, g.start, g.stop, strict=True):
         changed[batch.token_offsets[m] + s: batch.token_offsets[m] + e] = True
     assert np.array_equal(credit.token[~changed], glob.token[~changed])
+    # C9: a node's value is the credit of its last action token (Â_global without any).
+    n_act = np.bincount(batch.token_node[batch.agent_mask], minlength=batch.n_nodes)
+    last = batch.token_offsets[:-1] + n_act - 1
+    has = n_act > 0
+    np.testing.assert_allclose(credit.node[has], credit.token[last[has]], atol=1e-12)
+    np.testing.assert_allclose(credit.node[~has], glob.node[~has], atol=1e-12)
     # Batch order does not matter.
     again = batch_of(trees[::-1], agreement, marked)
     assert_same(by_node(again, caliper(again, params)), by_node(batch, credit))

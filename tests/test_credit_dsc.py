@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from credit_helpers import by_row, node
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,14 +35,7 @@ from train.credit.dsc_gate import (
 
 def _node(nid: int, parent: int | None, reward: float | None = None, n_act: int = 1,
           n_obs: int = 1) -> Node:
-    return Node(nid, parent, kind="prompt" if parent is None else "decision",
-                action_token_ids=[11] * n_act, action_logprobs=[-0.5] * n_act,
-                observation_token_ids=[22] * n_obs, terminal=reward is not None, reward=reward)
-
-
-def _by_node(batch: TreeArrays, values: np.ndarray) -> dict[tuple[str, int], float]:
-    return {(batch.tree_ids[t], int(i)): float(v)
-            for t, i, v in zip(batch.node_tree, batch.node_ids, values, strict=True)}
+    return node(nid, parent, [11] * n_act, [22] * n_obs, reward)
 
 
 @st.composite
@@ -106,7 +100,7 @@ def test_transport_by_hand() -> None:
     assert tr.fold.tolist() == [0, 1, 0, 1]
     np.testing.assert_allclose(tr.transported, [2.0, -1.0, 0.5, -2.0])
     credit = dsc(batch, DSCParams())
-    node = _by_node(batch, credit.node)
+    node = by_row(batch, credit.node)
     # leaves: T_i; root actions: Q_T; s: mean over L1, L2; root: mean over a, b = -.125
     assert [node[("h", i)] for i in range(8)] == pytest.approx(
         [-0.125, 0.5, 0.5, 2.0, -1.0, -0.75, 0.5, -2.0])
@@ -326,8 +320,8 @@ def test_batch_order_and_observation_tokens(trees: list[Tree], seed: int,
 
     shuffled = from_trees([trees[i] for i in order], extras={RATIO: cat(ratio),
                                                              STATE: cat(state)})
-    base = _by_node(batch, credit.node)
-    other = _by_node(shuffled, dsc(shuffled, DSCParams()).node)
+    base = by_row(batch, credit.node)
+    other = by_row(shuffled, dsc(shuffled, DSCParams()).node)
     assert base.keys() == other.keys()
     for key, value in base.items():
         assert other[key] == pytest.approx(value, rel=1e-9, abs=1e-9, nan_ok=True)

@@ -11,15 +11,17 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from credit_helpers import Key, agent_tokens_of, by_row, group_key, node, ref_zscore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollout_store.testing import tree_lists
-from rollout_store.tree import Node, Tree
+from rollout_store.tree import Tree
 from train.credit import ESTIMATORS
 from train.credit.base import Credit, TreeArrays, from_trees
 from train.credit.elpo import ElpoParams, elpo, node_value
@@ -28,31 +30,6 @@ EPS = 1e-6
 _SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large]
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=_SLOW_DATA)
 QUICK = settings(max_examples=15, deadline=None, suppress_health_check=_SLOW_DATA)  # invariants
-Key = tuple[str, int]
-
-
-def node(nid: int, parent: int | None, n_action: int = 1, n_obs: int = 0,
-         reward: float | None = None) -> Node:
-    """A node with ``n_action`` agent tokens then ``n_obs`` tool-output tokens."""
-    return Node(node_id=nid, parent_id=parent, kind="prompt" if parent is None else "decision",
-                action_token_ids=list(range(n_action)), action_logprobs=[-1.0] * n_action,
-                observation_token_ids=list(range(100, 100 + n_obs)),
-                terminal=reward is not None, reward=reward)
-
-
-def by_row(batch: TreeArrays, values: np.ndarray) -> dict[Key, float]:
-    return {(batch.tree_ids[t], int(n)): float(v)
-            for t, n, v in zip(batch.node_tree, batch.node_ids, values, strict=True)}
-
-
-def per_node_tokens(batch: TreeArrays, token: np.ndarray) -> dict[Key, list[float]]:
-    """Each node's agent-token values keyed by (tree id, node id)."""
-    out = {}
-    for row in range(batch.n_nodes):
-        lo, hi = batch.token_offsets[row], batch.token_offsets[row + 1]
-        key = (batch.tree_ids[batch.node_tree[row]], int(batch.node_ids[row]))
-        out[key] = list(token[lo:hi][batch.agent_mask[lo:hi]])
-    return out
 
 
 # ----------------------------------------------------------------- 1. by hand
@@ -144,32 +121,18 @@ def test_equal_siblings_and_lone_trajectory_give_zero() -> None:
 
 
 # ----------------------------------------------------------------- 2. reference loop
-def ref_zscores(values: list[float], std: str, eps: float) -> list[float]:
-    """A z-score of one group (METHODS G1); equal values or a group of one give 0."""
-    n = len(values)
-    if n == 1 or all(v == values[0] for v in values):
-        return [0.0] * n
-    mean = sum(values) / n
-    if std == "none":
-        return [v - mean for v in values]
-    var = sum((v - mean) ** 2 for v in values) / (n - 1 if std == "unbiased" else n)
-    if var == 0.0:  # spread too small to square (subnormal rewards): zero variance
-        return [0.0] * n
-    return [(v - mean) / (math.sqrt(var) + eps) for v in values]
-
-
 def ref_elpo(trees: list[Tree], p: ElpoParams) -> tuple[dict[Key, float], dict[Key, bool]]:
     """E3-E8 one tree at a time with dicts: (A_hier by node, critical-suffix flag by node)."""
     # E5: z-scores of the trajectories of each tree (or each task).
-    members: dict[str, list[tuple[str, int, float]]] = {}
+    members: dict[Hashable, list[tuple[str, int, float]]] = {}
     for t in trees:
         for leaf in t.leaves():
             assert leaf.reward is not None
-            g = t.tree_id if p.group == "tree" else t.task_id
+            g: Hashable = t.tree_id if p.group == "tree" else group_key(t)
             members.setdefault(g, []).append((t.tree_id, leaf.node_id, leaf.reward))
     a_t: dict[Key, float] = {}
     for rows in members.values():
-        for (tid, nid, _), z in zip(rows, ref_zscores([r for *_, r in rows], p.std, p.eps),
+        for (tid, nid, _), z in zip(rows, ref_zscore([r for *_, r in rows], p.std, p.eps),
                                     strict=True):
             a_t[(tid, nid)] = z
     a_hier: dict[Key, float] = {}
@@ -188,7 +151,7 @@ def ref_elpo(trees: list[Tree], p: ElpoParams) -> tuple[dict[Key, float], dict[K
         a_b: dict[int, float] = {}
         for cs in kids.values():
             if len(cs) > 1:
-                for c, z in zip(cs, ref_zscores([r[c] for c in cs], p.std, p.eps), strict=True):
+                for c, z in zip(cs, ref_zscore([r[c] for c in cs], p.std, p.eps), strict=True):
                     a_b[c] = z
         # E6: mean A_t over the trajectories whose path contains the node.
         paths = {leaf.node_id: [n.node_id for n in t.path_to(leaf.node_id)]
@@ -372,8 +335,8 @@ def test_order_of_trees_does_not_matter(trees: list[Tree], params: ElpoParams,
     np.testing.assert_allclose([gx[k] for k in keys], [gy[k] for k in keys], rtol=1e-9,
                                atol=1e-10)
     assert cx.clip_low is not None and cy.clip_low is not None
-    tx, ty = per_node_tokens(x, cx.token), per_node_tokens(y, cy.token)
-    lx, ly = per_node_tokens(x, cx.clip_low), per_node_tokens(y, cy.clip_low)
+    tx, ty = agent_tokens_of(x, cx.token), agent_tokens_of(y, cy.token)
+    lx, ly = agent_tokens_of(x, cx.clip_low), agent_tokens_of(y, cy.clip_low)
     for k in keys:
         np.testing.assert_allclose(tx[k], ty[k], rtol=1e-9, atol=1e-10)
         assert lx[k] == ly[k]

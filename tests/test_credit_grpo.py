@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from credit_helpers import agent_tokens_of, by_row, group_key, node, ref_zscore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollout_store.testing import tree_lists
-from rollout_store.tree import Node, Tree
+from rollout_store.tree import Tree
 from train.credit import ESTIMATORS
 from train.credit.base import Credit, TreeArrays, from_trees
 from train.credit.grpo import GrpoParams, grpo
@@ -35,37 +36,12 @@ QUICK = settings(max_examples=15, deadline=None, suppress_health_check=_SLOW_DAT
 
 
 # ----------------------------------------------------------------- building trees by hand
-def node(nid: int, parent: int | None, n_action: int = 1, n_obs: int = 0,
-         reward: float | None = None) -> Node:
-    """A node with ``n_action`` agent tokens then ``n_obs`` tool-output tokens."""
-    return Node(node_id=nid, parent_id=parent, kind="prompt" if parent is None else "decision",
-                action_token_ids=list(range(n_action)), action_logprobs=[-1.0] * n_action,
-                observation_token_ids=list(range(100, 100 + n_obs)),
-                terminal=reward is not None, reward=reward)
-
-
 def one_level(tree_id: str, rewards: Sequence[float], task: str = "x") -> Tree:
     """A verl/TRL dump as imported: a prompt root (tool-free, prompt tokens as
     observation) and one 2-token completion leaf per reward."""
-    nodes = [node(0, None, n_action=0, n_obs=3)]
-    nodes += [node(i + 1, 0, n_action=2, reward=r) for i, r in enumerate(rewards)]
+    nodes = [node(0, None, 0, 3)]
+    nodes += [node(i + 1, 0, 2, reward=r) for i, r in enumerate(rewards)]
     return Tree(tree_id=tree_id, nodes=nodes, task_id=task)
-
-
-def by_row(batch: TreeArrays, values: np.ndarray) -> dict[tuple[str, int], float]:
-    """Per-node values keyed by (tree id, node id)."""
-    return {(batch.tree_ids[t], int(n)): float(v)
-            for t, n, v in zip(batch.node_tree, batch.node_ids, values, strict=True)}
-
-
-def agent_tokens_of(batch: TreeArrays, token: np.ndarray) -> dict[tuple[str, int], list[float]]:
-    """Per-node agent-token advantages keyed by (tree id, node id)."""
-    out = {}
-    for row in range(batch.n_nodes):
-        lo, hi = batch.token_offsets[row], batch.token_offsets[row + 1]
-        key = (batch.tree_ids[batch.node_tree[row]], int(batch.node_ids[row]))
-        out[key] = list(token[lo:hi][batch.agent_mask[lo:hi]])
-    return out
 
 
 # ----------------------------------------------------------------- 1. hand-computed cases
@@ -135,72 +111,69 @@ def test_grpo_group_by_task() -> None:
 
 
 def test_tree_grpo_by_hand() -> None:
-    # Task x has two trees; task z one (a separate prompt-level group).
-    # t1: 0 -> {1: R=1, 2: R=0}            t2: 0 -> 1 -> {2: R=1, 3: R=1}; 0 -> 4: R=0
+    # Task x has two stored trees; task z one (a separate prompt-level group). Each child
+    # of a stored root roots one Tree-GRPO tree (an initial chain and its expansions).
+    # t1: 0 -> {1: R=1, 2: R=0}                    two chains: Tree-GRPO trees {1}, {2}
+    # t2: 0 -> 1 -> {2: R=1, 3: R=0}; 0 -> 4: R=0  Tree-GRPO trees {1: leaves 2, 3}, {4}
     t1 = one_level("t1", [1.0, 0.0])
     t2 = Tree(tree_id="t2", task_id="x", nodes=[
-        node(0, None, 0, 2), node(1, 0, 1, 1), node(2, 1, reward=1.0), node(3, 1, reward=1.0),
+        node(0, None, 0, 2), node(1, 0, 1, 1), node(2, 1, reward=1.0), node(3, 1, reward=0.0),
         node(4, 0, reward=0.0)])
     t3 = one_level("t3", [0.0, 2.0], task="z")
     batch = from_trees([t1, t2, t3])
     credit = tree_grpo(batch, TreeGrpoParams())
-    # Prompt level (task x): rewards 1, 0, 1, 1, 0: mean 0.6, unbiased std sqrt(0.3) = 0.547723:
-    #   R=1 -> 0.4/0.547723 = 0.730297;  R=0 -> -0.6/0.547723 = -1.095445.
+    # Inter-tree (task x): rewards 1, 0, 1, 0, 0: mean 0.4, unbiased std sqrt(0.3) = 0.547723:
+    #   R=1 -> 0.6/0.547723 = 1.095445;  R=0 -> -0.4/0.547723 = -0.730297.
     s5 = math.sqrt(0.3)
-    inter1, inter0 = 0.4 / (s5 + EPS), -0.6 / (s5 + EPS)
-    # Tree level t1: 1, 0: mean .5, std sqrt(.5) = 0.707107 -> +-0.707107.
+    inter1, inter0 = 0.6 / (s5 + EPS), -0.4 / (s5 + EPS)
+    # Intra-tree: t1's trees and t2's tree {4} hold one leaf each -> 0. t2's tree {1}:
+    # rewards 1, 0: mean 0.5, std sqrt(0.5) -> +-0.707107.
     s2 = math.sqrt(0.5)
-    t1_hi, t1_lo = 0.5 / (s2 + EPS) + inter1, -0.5 / (s2 + EPS) + inter0  # 1.437404, -1.802552
-    # Tree level t2: 1, 1, 0: mean 2/3, std sqrt(1/3) -> R=1: 0.577350, R=0: -1.154701.
-    s3 = math.sqrt(1 / 3)
-    t2_hi, t2_lo = (1 / 3) / (s3 + EPS) + inter1, (-2 / 3) / (s3 + EPS) + inter0
-    assert t2_hi == pytest.approx(1.307647, abs=1e-5) and t2_lo == pytest.approx(-2.250146,
-                                                                                 abs=1e-5)
-    # t3 alone in task z: both levels are the same group 0, 2 (std sqrt 2): A = 2 * (+-1/sqrt 2).
+    hi, lo = 0.5 / (s2 + EPS) + inter1, -0.5 / (s2 + EPS) + inter0  # 1.802552, -1.437404
+    assert hi == pytest.approx(1.802552, abs=1e-5) and lo == pytest.approx(-1.437404, abs=1e-5)
+    # t3 alone in task z: chains only, so A = inter = +-1/sqrt 2 (GRPO of the group).
     z = 1.0 / (math.sqrt(2) + EPS)
     expected = {
-        ("t1", 0): (t1_hi + t1_lo) / 2, ("t1", 1): t1_hi, ("t1", 2): t1_lo,
-        # t2 root: (2 * 1.307647 - 2.250146) / 3 = 0.121716; node 1 lies on two R=1 paths.
-        ("t2", 0): (2 * t2_hi + t2_lo) / 3, ("t2", 1): t2_hi, ("t2", 2): t2_hi,
-        ("t2", 3): t2_hi, ("t2", 4): t2_lo,
-        ("t3", 0): 0.0, ("t3", 1): -2 * z, ("t3", 2): 2 * z,
+        ("t1", 0): (inter1 + inter0) / 2, ("t1", 1): inter1, ("t1", 2): inter0,
+        # t2 root: (1.802552 - 1.437404 - 0.730297) / 3; node 1 lies on leaves 2 and 3.
+        ("t2", 0): (hi + lo + inter0) / 3, ("t2", 1): (hi + lo) / 2, ("t2", 2): hi,
+        ("t2", 3): lo, ("t2", 4): inter0,
+        ("t3", 0): 0.0, ("t3", 1): -z, ("t3", 2): z,
     }
     got = by_row(batch, credit.node)
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, abs=1e-12), key
+    # The old reading (intra = the whole stored tree) gave t3 exactly 2x GRPO.
+    assert got[("t3", 2)] != pytest.approx(2 * z)
+
+
+def test_tree_grpo_groups_never_mix_runs_samplers_or_versions() -> None:
+    # Same task id, different runs / samplers / policy versions: separate prompt groups.
+    base = one_level("a", [1.0, 0.0])
+    others = [replace(one_level("b", [1.0, 1.0]), run_id="r2"),
+              replace(one_level("c", [1.0, 1.0]), sampler="bel"),
+              replace(one_level("d", [1.0, 1.0]), policy_version="v2")]
+    for other in others:
+        batch = from_trees([base, other])
+        for credit in (tree_grpo(batch, TreeGrpoParams()), grpo(batch, GrpoParams(group="task"))):
+            a = 0.5 / (math.sqrt(0.5) + EPS)
+            np.testing.assert_allclose(credit.node, [0.0, a, -a, 0.0, 0.0, 0.0], atol=1e-12)
 
 
 # ----------------------------------------------------------------- 2. reference loop
-def ref_zscores(values: list[float], std: str, eps: float, single: str) -> list[float]:
-    """METHODS G1 for one group, straight from the formula."""
-    n = len(values)
-    if n == 1:
-        if single == "zero":
-            return [0.0]
-        return [values[0] if std == "none" else values[0] / (1 + eps)]
-    if all(v == values[0] for v in values):
-        return [0.0] * n
-    mean = sum(values) / n
-    if std == "none":
-        return [v - mean for v in values]
-    var = sum((v - mean) ** 2 for v in values) / (n - 1 if std == "unbiased" else n)
-    if var == 0.0:  # spread too small to square (subnormal rewards): zero variance
-        return [0.0] * n
-    return [(v - mean) / (math.sqrt(var) + eps) for v in values]
-
-
-def ref_leaf_advantages(trees: list[Tree], groups: list[str], std: str, eps: float,
-                        single: str) -> dict[tuple[str, int], float]:
-    """z-score of each leaf's reward within the leaves of its group (one key per tree)."""
-    members: dict[str, list[tuple[str, int, float]]] = {}
-    for tree, g in zip(trees, groups, strict=True):
+def ref_leaf_advantages(trees: list[Tree], group_of: Callable[[Tree, int], Hashable],
+                        std: str, eps: float, single: str) -> dict[tuple[str, int], float]:
+    """z-score of each leaf's reward within the leaves of its group, ``group_of(tree, leaf)``."""
+    members: dict[Hashable, list[tuple[str, int, float]]] = {}
+    for tree in trees:
         for leaf in tree.leaves():
             assert leaf.reward is not None
-            members.setdefault(g, []).append((tree.tree_id, leaf.node_id, leaf.reward))
+            members.setdefault(group_of(tree, leaf.node_id), []).append(
+                (tree.tree_id, leaf.node_id, leaf.reward))
     out = {}
     for rows in members.values():
-        zs = ref_zscores([r for _, _, r in rows], std, eps, single)
+        zs = ref_zscore([r for _, _, r in rows], std, eps, single)
         for (tid, nid, _), z in zip(rows, zs, strict=True):
             out[(tid, nid)] = z
     return out
@@ -235,14 +208,21 @@ def ref_tokens(trees: list[Tree], batch: TreeArrays,
 
 def ref_grpo(trees: list[Tree], std: str, eps: float, single: str, group: str
              ) -> dict[tuple[str, int], float]:
-    groups = [t.tree_id if group == "tree" else t.task_id for t in trees]
-    return ref_node_means(trees, ref_leaf_advantages(trees, groups, std, eps, single))
+    def group_of(tree: Tree, leaf: int) -> Hashable:
+        return tree.tree_id if group == "tree" else group_key(tree)
+    return ref_node_means(trees, ref_leaf_advantages(trees, group_of, std, eps, single))
+
+
+def first_step(tree: Tree, leaf: int) -> Hashable:
+    """The Tree-GRPO tree of a leaf: the root's child on its path (the root if it is the leaf)."""
+    path = tree.path_to(leaf)
+    return (tree.tree_id, path[1].node_id if len(path) > 1 else path[0].node_id)
 
 
 def ref_tree_grpo(trees: list[Tree], std: str, eps: float, single: str
                   ) -> dict[tuple[str, int], float]:
-    intra = ref_leaf_advantages(trees, [t.tree_id for t in trees], std, eps, single)
-    inter = ref_leaf_advantages(trees, [t.task_id for t in trees], std, eps, single)
+    intra = ref_leaf_advantages(trees, first_step, std, eps, "zero")
+    inter = ref_leaf_advantages(trees, lambda t, _: group_key(t), std, eps, single)
     return ref_node_means(trees, {k: intra[k] + inter[k] for k in intra})
 
 
@@ -326,7 +306,9 @@ ESTIMATOR_CASES = [("grpo", GrpoParams()), ("grpo", GrpoParams(group="task", std
 @given(trees=batches(max_size=3), data=st.data())
 def test_unbranched_chain_split_changes_nothing(trees: list[Tree], data: st.DataObject) -> None:
     # A step split into a chain of two steps lies on the same trajectories, so every
-    # token keeps its advantage (the token layout of the batch is identical).
+    # token keeps its advantage (the token layout of the batch is identical). For
+    # tree_grpo this holds for every step but the stored root, whose children root the
+    # Tree-GRPO trees.
     b = data.draw(st.integers(0, len(trees) - 1))
     victim = data.draw(st.sampled_from([n.node_id for n in trees[b].nodes]))
     before = [no_segments(t) for t in trees]
@@ -335,6 +317,8 @@ def test_unbranched_chain_split_changes_nothing(trees: list[Tree], data: st.Data
     x, y = from_trees(before), from_trees(after)
     np.testing.assert_array_equal(x.agent_mask, y.agent_mask)
     for name, params in ESTIMATOR_CASES:
+        if name == "tree_grpo" and victim == trees[b].root().node_id:
+            continue  # splitting the root makes its children one Tree-GRPO tree (G9)
         cx, cy = ESTIMATORS[name](x, params), ESTIMATORS[name](y, params)
         np.testing.assert_allclose(cx.token, cy.token, rtol=1e-9, atol=1e-12)
         gx, gy = by_row(x, cx.node), by_row(y, cy.node)
@@ -452,3 +436,37 @@ def test_params_are_checked() -> None:
     assert ESTIMATORS["grpo"].parse_params({"preset": "verl"}).resolved() == (
         "unbiased", 1e-6, "raw")
     assert GrpoParams().params_hash() != GrpoParams(std="none").params_hash()
+
+
+@st.composite
+def chain_forests(draw: st.DrawFn) -> list[Tree]:
+    """Stored trees whose root children are unbranched chains (Tree-GRPO's initial chains,
+    never expanded), several trees sharing a task."""
+    trees = []
+    for b in range(draw(st.integers(1, 4))):
+        nodes = [node(0, None, 0, 2)]
+        for _ in range(draw(st.integers(1, 4))):
+            parent = 0
+            length = draw(st.integers(1, 3))
+            for d in range(length):
+                nid = len(nodes)
+                leaf = d == length - 1
+                reward = draw(st.sampled_from([0.0, 1.0, 0.5, 2.0])) if leaf else None
+                nodes.append(node(nid, parent, draw(st.integers(0, 2)), 1, reward=reward))
+                parent = nid
+        trees.append(Tree(tree_id=f"c{b}", task_id=draw(st.sampled_from(["u", "v"])),
+                          nodes=nodes))
+    return trees
+
+
+@QUICK
+@given(trees=chain_forests(), std=st.sampled_from(["unbiased", "population", "none"]),
+       single=st.sampled_from(["zero", "raw"]))
+def test_chain_tree_grpo_is_grpo(trees: list[Tree], std: str, single: str) -> None:
+    # An unexpanded initial chain is a Tree-GRPO tree of one trajectory: A_intra = 0, so
+    # Tree-GRPO reduces to GRPO over the prompt group (G9-G11).
+    batch = from_trees(trees)
+    got = tree_grpo(batch, TreeGrpoParams(std=std, single=single))  # type: ignore[arg-type]
+    want = grpo(batch, GrpoParams(std=std, single=single, group="task"))  # type: ignore[arg-type]
+    np.testing.assert_array_equal(got.node, want.node)
+    np.testing.assert_array_equal(got.token, want.token)

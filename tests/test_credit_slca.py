@@ -1,32 +1,34 @@
 """SLCA-GRPO credit (METHODS S1, S5, S6), tested three ways (STYLE.md rule 8).
 
-1. Hand-computed trees (coded segments, S1 run fallback, a node shared by a
-   summary run and a tool segment), the numbers worked out in comments.
+1. Hand-computed trees (S1 runs whatever the segment codes say, a truncated
+   trajectory keeps its summary, the run split, a node shared by a summary run and a
+   tool segment, missing HierR parts refused), the numbers worked out in comments.
 2. A slow plain-Python reference over ``Tree`` objects (per trajectory: route
    every token, z-score per segment, average over trajectories through a node),
    compared with the vectorised estimator on random trees of
    ``rollout_store.testing`` with random HierR parts and segments.
 3. Invariants: tool-token advantages do not move when only summary rewards
-   change, a singleton segment gets 0, observation tokens get nothing, batch
-   order does not matter.
+   change, a singleton segment gets 0, observation tokens get nothing, segment
+   codes change nothing, batch order does not matter, a missing part is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import numpy as np
 import pytest
+from credit_helpers import node as make_node
+from credit_helpers import ref_zscore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollout_store.testing import tree_lists
-from rollout_store.tree import Node, Segment, Tree
+from rollout_store.tree import Node, Tree
 from train.credit import ESTIMATORS
 from train.credit.base import Credit, TreeArrays, from_trees
-from train.credit.slca import SlcaParams, segment_advantages, slca
+from train.credit.slca import SlcaInputError, SlcaParams, segment_advantages, slca
 
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -37,14 +39,10 @@ S = math.sqrt
 def node(nid: int, parent: int | None, actions: list[int], obs: list[int] | None = None,
          segments: list[tuple[str, int, int]] | None = None,
          parts: dict[str, float] | None = None) -> Node:
-    leaf = parts is not None
-    return Node(node_id=nid, parent_id=parent, kind="prompt" if parent is None else "decision",
-                action_token_ids=list(actions), action_logprobs=[-0.5] * len(actions),
-                observation_token_ids=list(obs or []),
-                segments=[Segment(k, a, b) for k, a, b in segments or []],  # type: ignore[arg-type]
-                terminal=leaf, reward=(sum(parts.values()) / 2 if leaf and parts else
-                                       0.0 if leaf else None),
-                reward_parts=dict(parts or {}))
+    """A node; a leaf when it has HierR ``parts`` (reward = (r_tool + r_sum) / 2)."""
+    reward = None if parts is None else sum(parts.values()) / 2
+    return make_node(nid, parent, actions, obs or [], reward, segments=segments or (),
+                     parts=parts)
 
 
 def by_node(batch: TreeArrays, credit: Credit) -> dict[Key, tuple[float, list[float]]]:
@@ -65,15 +63,16 @@ def z(dev: float, std: float) -> float:
 
 
 # ----------------------------------------------------------------- 1. hand-computed
-def test_coded_segments() -> None:
+def test_segments_are_runs_whatever_the_codes_say() -> None:
     # root [ | 100] - n1 [t t x | 50] - L1 [s s]  r_tool 1,   r_sum 0.5
     #              |  (tool_call 0:2, text 2:3) `- L2 [s s]  r_tool 0.5, r_sum 1   (answer code)
     #              `- n2 [t t | 51]      - L3 [s]    r_tool 0,   r_sum 0
+    # S1: every path is two runs: n1 (n2) is the tool segment, the leaf the summary; the
+    # malformed-turn "text" token x is a tool token like its neighbours.
     # Tool over (L1, L2, L3) = (1, 0.5, 0): mean 0.5, unbiased std 0.5 -> Â_tool = (1, 0, -1).
     # Sum over (0.5, 1, 0): mean 0.5, std 0.5 -> Â_sum = (0, 1, -1).
-    # n1 tool tokens: mean over L1, L2 of Â_tool = (1 + 0)/2 = 0.5; its text token: 0
-    # (coded trajectories give text nothing); n1 node credit (0.5 + 0.5 + 0)/3.
-    # n2 tool tokens: Â_tool(L3) = -1. Leaves: their Â_sum.
+    # n1 tokens (x included): mean over L1, L2 of Â_tool = (1 + 0)/2 = 0.5; node 0.5.
+    # n2: Â_tool(L3) = -1. Leaves: their Â_sum.
     tree = Tree("coded", [
         node(0, None, [], [100]),
         node(1, 0, [7, 7, 8], [50], [("tool_call", 0, 2), ("text", 2, 3)]),
@@ -86,11 +85,49 @@ def test_coded_segments() -> None:
     got = by_node(batch, slca(batch, SlcaParams()))
     one = z(0.5, 0.5)
     check(got, ("coded", 0), 0.0, [0.0])
-    check(got, ("coded", 1), one / 3, [one / 2, one / 2, 0.0, 0.0])
+    check(got, ("coded", 1), one / 2, [one / 2, one / 2, one / 2, 0.0])
     check(got, ("coded", 2), 0.0, [0.0, 0.0])
     check(got, ("coded", 3), one, [one, one])
     check(got, ("coded", 4), -one, [-one, -one, 0.0])
     check(got, ("coded", 5), -one, [-one])
+
+
+def test_truncated_trajectory_keeps_its_summary() -> None:
+    # root [ | 100] - a [t | 50] - b [s]       (answer)     r_tool 1,   r_sum 1
+    #              `- c [t | 51] - d [t | 52]  (step limit: a tool call, no answer)
+    #                                                       r_tool 0.5, r_sum 0
+    # S1: path b: tool a, summary b.  Path d: tool c, summary d (its last run).
+    # Sum over (b, d) = (1, 0): mean 0.5, std sqrt(0.5) -> ±0.70711; tool over (1, 0.5):
+    # mean 0.75, std sqrt(0.125) -> ±0.70711. Routing by codes left d out of the summary
+    # group, so b's summary credit was 0 (a group of one).
+    tree = Tree("cut", [
+        node(0, None, [], [100]),
+        node(1, 0, [7], [50], [("tool_call", 0, 1)]),
+        node(2, 1, [9], segments=[("answer", 0, 1)], parts={"r_tool": 1.0, "r_sum": 1.0}),
+        node(3, 0, [7], [51], [("tool_call", 0, 1)]),
+        node(4, 3, [7], [52], [("tool_call", 0, 1)], parts={"r_tool": 0.5, "r_sum": 0.0}),
+    ])
+    batch = from_trees([tree])
+    got = by_node(batch, slca(batch, SlcaParams()))
+    a = z(0.5, S(0.5))
+    t = z(0.25, S(0.125))
+    check(got, ("cut", 1), t, [t, 0.0])
+    check(got, ("cut", 2), a, [a])
+    check(got, ("cut", 3), -t, [-t, 0.0])
+    check(got, ("cut", 4), -a, [-a, 0.0])
+
+
+def test_leaves_without_hierr_parts_are_refused() -> None:
+    tree = Tree("calc", [node(0, None, [], [100]), node(1, 0, [7], [50]),
+                         node(2, 1, [9], parts={"reward": 1.0}),
+                         node(3, 1, [8], parts={"reward": 0.0, "r_tool": 1.0, "r_sum": 0.0})])
+    batch = from_trees([tree])
+    with pytest.raises(SlcaInputError, match=r"tree 'calc', node 2 has no 'r_tool' "
+                                             r"\(1 such leaves\)"):
+        slca(batch, SlcaParams())
+    # Naming parts that every leaf carries works.
+    named = slca(batch, SlcaParams(tool_part="reward", sum_part="reward"))
+    assert np.isfinite(named.node).all()
 
 
 def test_run_fallback_without_codes() -> None:
@@ -135,14 +172,14 @@ def test_shared_node_mixes_summary_and_tool_routes() -> None:
     # root [ | 100] - w [1 2] (no obs) - x [3]                 r_sum 1     (one run: w+x)
     #                                  |- y [ | 50] - z [4]    r_tool 1,   r_sum 0
     #                                  `- y2 [ | 51] - z2 [5]  r_tool 0,   r_sum 0.5
-    # Path x: a single run [1 2 3] -> w is summary; no tool segment.
+    # Path x: a single run [1 2 3] -> w is summary; no tool segment (r_tool unused).
     # Paths z, z2: [1 2] | [4] -> w is tool, z (z2) summary.
     # Tool over (z, z2) = (1, 0): mean 0.5, std sqrt(0.5) -> Â_tool = ±0.5/0.70711.
     # Sum over (x, z, z2) = (1, 0, 0.5) -> Â_sum = (1, -1, 0).
     # w tokens: (Â_sum(x) + Â_tool(z) + Â_tool(z2))/3 = (1 + t - t)/3 = 1/3.
     tree = Tree("mixed", [
         node(0, None, [], [100]), node(1, 0, [1, 2]),
-        node(2, 1, [3], parts={"r_sum": 1.0}),
+        node(2, 1, [3], parts={"r_tool": 0.2, "r_sum": 1.0}),
         node(3, 1, [], [50]), node(4, 3, [4], parts={"r_tool": 1.0, "r_sum": 0.0}),
         node(5, 1, [], [51]), node(6, 5, [5], parts={"r_tool": 0.0, "r_sum": 0.5}),
     ])
@@ -191,48 +228,22 @@ def test_registered_and_params_parse() -> None:
 
 
 # ----------------------------------------------------------------- 2. reference loop
-def ref_zscore(values: list[float], std: str, eps: float) -> list[float]:
-    n = len(values)
-    if n < 2 or max(values) == min(values):
-        return [0.0] * n
-    mean = sum(values) / n
-    if std == "none":
-        return [v - mean for v in values]
-    var = sum((v - mean) ** 2 for v in values) / (n - 1 if std == "unbiased" else n)
-    return [(v - mean) / (math.sqrt(var) + eps) for v in values]
-
-
-def ref_routes(tree: Tree) -> dict[int, dict[tuple[int, int], str | None]]:
-    """Leaf id -> {(node id, action position): "tool" / "sum" / None} along its path (S1)."""
+def ref_routes(tree: Tree) -> dict[int, dict[tuple[int, int], str]]:
+    """Leaf id -> {(node id, action position): "tool" / "sum"} along its path (S1 runs)."""
     out = {}
     for leaf in tree.leaves():
-        seq: list[tuple[int, int, str | None] | None] = []  # None: an observation token
+        runs: list[list[tuple[int, int]]] = []
+        prev_agent = False
         for n in tree.path_to(leaf.node_id):
-            codes: list[str | None] = [None] * len(n.action_token_ids)
-            for sg in n.segments:  # later segments overwrite earlier ones
-                for i in range(sg.start, sg.end):
-                    codes[i] = sg.kind
-            seq += [(n.node_id, i, c) for i, c in enumerate(codes)]
-            seq += [None] * len(n.observation_token_ids)
-        agent = [t for t in seq if t is not None]
-        routes: dict[tuple[int, int], str | None] = {}
-        if any(c in ("tool_call", "summary", "answer") for _, _, c in agent):
-            for nid, i, c in agent:
-                routes[(nid, i)] = ("tool" if c == "tool_call" else
-                                    "sum" if c in ("summary", "answer") else None)
-        else:
-            runs: list[list[tuple[int, int]]] = []
-            prev_agent = False
-            for t in seq:
-                if t is not None:
-                    if not prev_agent:
-                        runs.append([])
-                    runs[-1].append((t[0], t[1]))
-                prev_agent = t is not None
-            for j, run in enumerate(runs):
-                for k in run:
-                    routes[k] = "sum" if j == len(runs) - 1 else "tool"
-        out[leaf.node_id] = routes
+            for i in range(len(n.action_token_ids)):
+                if not prev_agent:
+                    runs.append([])
+                runs[-1].append((n.node_id, i))
+                prev_agent = True
+            if n.observation_token_ids:
+                prev_agent = False
+        out[leaf.node_id] = {k: "sum" if j == len(runs) - 1 else "tool"
+                             for j, run in enumerate(runs) for k in run}
     return out
 
 
@@ -242,8 +253,7 @@ def ref_slca(tree: Tree, p: SlcaParams) -> dict[Key, tuple[float, list[float]]]:
     adv: dict[int, dict[str, float]] = {leaf: {"tool": 0.0, "sum": 0.0} for leaf in routes}
     for seg, key, lam in (("tool", p.tool_part, p.lambda_tool),
                           ("sum", p.sum_part, p.lambda_sum)):
-        members = [lf for lf, r in routes.items()
-                   if seg in r.values() and key in by_id[lf].reward_parts]
+        members = [lf for lf, r in routes.items() if seg in r.values()]
         zs = ref_zscore([by_id[lf].reward_parts[key] for lf in members], p.std, p.eps)
         for lf, v in zip(members, zs, strict=True):
             adv[lf][seg] = lam * v
@@ -254,8 +264,7 @@ def ref_slca(tree: Tree, p: SlcaParams) -> dict[Key, tuple[float, list[float]]]:
         for i in range(len(n.action_token_ids)):
             total = 0.0
             for lf in through:
-                r = routes[lf][(nid, i)]
-                total += adv[lf][r] if r is not None else 0.0
+                total += adv[lf][routes[lf][(nid, i)]]
             tokens.append(total / len(through))
         node_credit = sum(tokens) / len(tokens) if tokens else 0.0
         out[(tree.tree_id, nid)] = (node_credit, tokens + [0.0] * len(n.observation_token_ids))
@@ -264,8 +273,8 @@ def ref_slca(tree: Tree, p: SlcaParams) -> dict[Key, tuple[float, list[float]]]:
 
 @st.composite
 def slca_trees(draw: st.DrawFn) -> list[Tree]:
-    """Random trees of ``rollout_store.testing`` with HierR parts at leaves (sometimes
-    one missing) and, per tree, either its random segments or none at all."""
+    """Random trees of ``rollout_store.testing`` with HierR parts at leaves and, per
+    tree, either its random segments or none at all."""
     trees = draw(tree_lists(max_size=3, max_nodes=10))
     part = st.sampled_from([0.0, 0.25, 0.5, 1.0, -0.5])
     for t in trees:
@@ -274,10 +283,7 @@ def slca_trees(draw: st.DrawFn) -> list[Tree]:
                 n.segments = []
         for n in t.nodes:
             if n.reward is not None:
-                parts: dict[str, Any] = {"r_tool": draw(part), "r_sum": draw(part)}
-                if draw(st.integers(0, 5)) == 0:
-                    del parts[draw(st.sampled_from(["r_tool", "r_sum"]))]
-                n.reward_parts = parts
+                n.reward_parts = {"r_tool": draw(part), "r_sum": draw(part)}
     return trees
 
 
@@ -316,22 +322,24 @@ def test_invariants(trees: list[Tree], data: st.DataObject) -> None:
     tree_of = np.array(batch.tree_ids)[batch.node_tree]
     for t in trees:
         routes = ref_routes(t)
-        for seg, adv, key in (("tool", tool, "r_tool"), ("sum", summ, "r_sum")):
-            members = [lf for lf, r in routes.items()
-                       if seg in r.values() and key in t.node(lf).reward_parts]
+        for seg, adv in (("tool", tool), ("sum", summ)):
+            members = [lf for lf, r in routes.items() if seg in r.values()]
             if len(members) == 1:
                 row = (tree_of == t.tree_id) & (batch.node_ids == members[0])
                 assert adv[row].tolist() == [0.0]
-    # Batch order does not matter.
+    # Batch order does not matter; segment codes change nothing (S1 reads runs).
     again = from_trees(trees[::-1])
     assert_same(by_node(again, slca(again, SlcaParams())), by_node(batch, credit))
+    uncoded = from_trees([dataclasses.replace(t, nodes=[dataclasses.replace(n, segments=[])
+                                                        for n in t.nodes]) for t in trees])
+    assert_same(by_node(uncoded, slca(uncoded, SlcaParams())), by_node(batch, credit))
 
     # Changing only summary rewards moves no tool advantage, and no token that is a
     # tool token (or in no segment) on every trajectory through it.
     summary_only: dict[Key, bool] = {}
     for t in trees:
-        for routes in ref_routes(t).values():
-            for (nid, _), r in routes.items():
+        for leaf_routes in ref_routes(t).values():
+            for (nid, _), r in leaf_routes.items():
                 key = (t.tree_id, nid)
                 summary_only[key] = summary_only.get(key, False) or r == "sum"
     for t in trees:

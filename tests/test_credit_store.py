@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from cli.main import app
 from rollout_store import Store, connect
+from rollout_store.schema import CREDITS
 from rollout_store.synthetic import bel_shaped_batch
-from train.credit.store_io import CreditError, compute_credits
+from rollout_store.testing import tree_lists
+from rollout_store.tree import Tree
+from train.credit.grpo import GrpoParams
+from train.credit.store_io import CreditError, compute_credits, credit_trees
 
 runner = CliRunner()
 
@@ -79,7 +87,9 @@ def test_every_tree_once_and_rerun_changes_nothing(store: Store) -> None:
 @pytest.mark.parametrize("method", ["grpo", "tree_grpo", "elpo", "caliper", "slca"])
 def test_methods_without_extra_inputs_run_on_stored_trees(store: Store, method: str) -> None:
     store.append_trees(bel_shaped_batch(8, seed=3), key="a")
-    report = compute_credits(store, method, progress=False)
+    # The synthetic leaves carry one reward part, "outcome": slca needs HierR parts (S1).
+    params = {"tool_part": "outcome", "sum_part": "outcome"} if method == "slca" else {}
+    report = compute_credits(store, method, params, progress=False)
     assert report.trees_done == 8
     con = connect(store)
     rows = con.sql(f"SELECT count(*), count(token_values) FROM credits "
@@ -95,6 +105,117 @@ def test_clear_errors(store: Store) -> None:
         compute_credits(store, "grpo", {"bogus": "1"}, progress=False)
     with pytest.raises(CreditError, match="trace needs input"):
         compute_credits(store, "trace", progress=False)
+    with pytest.raises(CreditError, match="slca needs the HierR reward parts at every leaf"):
+        compute_credits(store, "slca", progress=False)
     result = runner.invoke(app, ["credit", "--store", str(store.path), "--method", "grpo",
                                  "--param", "std"])
     assert result.exit_code == 1 and "KEY=VALUE" in result.stderr
+
+
+# ----------------------------------------------------------------- credit is history-free
+PROMPT_GROUP_METHODS = [("tree_grpo", {}), ("grpo", {"group": "task"}),
+                        ("elpo", {"group": "task"}), ("grpo", {})]
+
+
+def _values(store: Store, method: str) -> dict[tuple[str, int], float]:
+    rows = connect(store).sql(f"SELECT tree_id, node_id, value FROM credits "
+                              f"WHERE method = '{method}'").fetchall()
+    return {(t, n): v for t, n, v in rows}
+
+
+def test_credit_is_the_same_in_one_call_or_several(tmp_path: Path) -> None:
+    # Two runs that share task ids: each (run, task) is its own prompt group, so crediting
+    # the first run, then the second, equals crediting both at once (and in many batches).
+    first = bel_shaped_batch(6, seed=1, tree_prefix="a")
+    second = bel_shaped_batch(6, seed=2, tree_prefix="b", run_id="second")
+    for method, params in PROMPT_GROUP_METHODS:
+        tag = f"{method}-{len(params)}"
+        several = Store(tmp_path / f"several-{tag}", create=True)
+        several.append_trees(first, key="a")
+        compute_credits(several, method, params, progress=False)
+        several.append_trees(second, key="b")
+        compute_credits(several, method, params, progress=False)
+        once = Store(tmp_path / f"once-{tag}", create=True)
+        once.append_trees(first, key="a")
+        once.append_trees(second, key="b")
+        report = compute_credits(once, method, params, max_nodes=150, progress=False)
+        assert report.commits >= 2  # groups were cut into several batches
+        got, want = _values(several, method), _values(once, method)
+        assert got.keys() == want.keys() and len(got) > 0
+        assert got == want, method  # identical, bit for bit
+
+
+def test_a_group_that_grew_after_credit_is_refused(store: Store) -> None:
+    store.append_trees(bel_shaped_batch(4, seed=1, tree_prefix="a"), key="a")
+    compute_credits(store, "tree_grpo", progress=False)
+    compute_credits(store, "grpo", progress=False)
+    # Same run, same tasks, another seed: the trees join the credited groups.
+    store.append_trees(bel_shaped_batch(4, seed=2, tree_prefix="b"), key="b")
+    version = store.version()
+    with pytest.raises(CreditError, match=r"4 group\(s\) gained trees after they were "
+                                          r"credited: \(run 'synthetic', sampler 'bel'"):
+        compute_credits(store, "tree_grpo", progress=False)
+    assert store.version() == version  # nothing committed
+    # Per-tree credit does not depend on other trees: the new trees just get theirs.
+    assert compute_credits(store, "grpo", progress=False).trees_done == 4
+    result = runner.invoke(app, ["credit", "--store", str(store.path), "--method", "tree_grpo"])
+    assert result.exit_code == 1 and "gained trees" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_credit_trees_is_the_store_code_path(store: Store) -> None:
+    batch = bel_shaped_batch(5, seed=4)
+    store.append_trees(batch, key="a")
+    compute_credits(store, "elpo", {"group": "task"}, progress=False)
+    rows = credit_trees(batch.to_trees(), "elpo", {"group": "task"})
+    assert rows.schema == CREDITS
+    stored = _values(store, "elpo")
+    got = {(t, n): v for t, n, v in zip(rows.column("tree_id").to_pylist(),
+                                        rows.column("node_id").to_pylist(),
+                                        rows.column("value").to_pylist(), strict=True)}
+    assert got == stored
+    assert credit_trees(batch.to_trees(), "grpo", GrpoParams(group="task")).num_rows == len(got)
+    with pytest.raises(CreditError, match="unknown method"):
+        credit_trees(batch.to_trees(), "nope")
+
+
+@st.composite
+def grouped_trees(draw: st.DrawFn) -> list[Tree]:
+    """Random trees in a few prompt groups: shared task ids across two runs and samplers."""
+    trees = draw(tree_lists(max_size=5, max_nodes=15))
+    out = []
+    for t in trees:
+        out.append(replace(t, task_id=draw(st.sampled_from(["u", "v"])),
+                           run_id=draw(st.sampled_from(["r1", "r2"])),
+                           sampler=draw(st.sampled_from(["bel", "random"])),
+                           policy_version="v0"))
+    return out
+
+
+HISTORY_CASES = [("grpo", {"group": "task"}), ("elpo", {"group": "task"}), ("tree_grpo", {}),
+                 ("caliper", {}), ("grpo", {})]
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(trees=grouped_trees(), data=st.data())
+def test_credit_is_independent_of_how_groups_are_batched(trees: list[Tree],
+                                                         data: st.DataObject) -> None:
+    # Credit of every tree is the same whether its prompt group is credited with all
+    # others at once or group by group, in any order (credit is a function of the group).
+    for method, params in HISTORY_CASES:
+        whole = _rows(credit_trees(trees, method, params))
+        keys = sorted({(t.run_id, t.sampler, t.policy_version, t.task_id) for t in trees})
+        order = data.draw(st.permutations(keys))
+        parts: dict[tuple[str, int], float] = {}
+        for key in order:
+            group = [t for t in trees if (t.run_id, t.sampler, t.policy_version, t.task_id)
+                     == key]
+            parts.update(_rows(credit_trees(group, method, params)))
+        assert parts == whole, method  # identical, bit for bit
+
+
+def _rows(table: pa.Table) -> dict[tuple[str, int], float]:
+    return {(t, n): v for t, n, v in zip(table.column("tree_id").to_pylist(),
+                                         table.column("node_id").to_pylist(),
+                                         table.column("value").to_pylist(), strict=True)}

@@ -15,13 +15,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from credit_helpers import by_row, node
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_store.testing import parent_structures
 from rollout_store.tree import Node, Tree
 from train.credit import ESTIMATORS
-from train.credit.base import TreeArrays, from_trees
+from train.credit.base import from_trees
 from train.credit.trace import (
     REF_LOGPROB,
     TraceParams,
@@ -38,14 +39,7 @@ SQRT2 = math.sqrt(2.0)
 def _node(nid: int, parent: int | None, n_act: int = 1, n_obs: int = 1,
           reward: float | None = None) -> Node:
     """A node with ``n_act`` action tokens and ``n_obs`` observation tokens."""
-    return Node(nid, parent, kind="prompt" if parent is None else "decision",
-                action_token_ids=[11] * n_act, action_logprobs=[-0.5] * n_act,
-                observation_token_ids=[22] * n_obs, terminal=reward is not None, reward=reward)
-
-
-def _by_node(batch: TreeArrays, values: np.ndarray) -> dict[tuple[str, int], float]:
-    return {(batch.tree_ids[t], int(i)): float(v)
-            for t, i, v in zip(batch.node_tree, batch.node_ids, values, strict=True)}
+    return node(nid, parent, [11] * n_act, [22] * n_obs, reward)
 
 
 @st.composite
@@ -85,17 +79,17 @@ def test_methods_unit_test_eps_1e3() -> None:
     u = Tree("u", [_node(0, None, 0, 3), _node(1, 0, 2, 2, reward=0.0)])
     batch = from_trees([t, u], extras={REF_LOGPROB: np.array([-5.1187, -1.5712,
                                                               -10.6570, -7.1061])})
-    delta = _by_node(batch, td_deltas(batch, 1e-3))
+    delta = by_row(batch, td_deltas(batch, 1e-3))
     assert round(delta[("t", 1)], 4) == 1.1806
     assert round(delta[("u", 1)], 4) == 0.4052
     # With eps = 0.1 the same transitions give 1.1387 and 0.4006 (METHODS).
-    delta = _by_node(batch, td_deltas(batch, 0.1))
+    delta = by_row(batch, td_deltas(batch, 0.1))
     assert round(delta[("t", 1)], 4) == 1.1387
     assert round(delta[("u", 1)], 4) == 0.4006
     # One trajectory per tree: A_out = 0 (constant group). T = 1, k = 0: the window is
     # delta_0 alone, so node 1 gets alpha_turn * delta_0 = 0.2 * 1.13869.
     credit = trace(batch, TraceParams())
-    node = _by_node(batch, credit.node)
+    node = by_row(batch, credit.node)
     assert node[("t", 1)] == pytest.approx(0.2 * math.log(5.2187 / 1.6712), abs=1e-12)
 
 
@@ -121,7 +115,7 @@ def test_branched_tree_by_hand() -> None:
     params = TraceParams(eps=1.0, gamma=0.5, horizon=2, out_scale=2.0, alpha_out=1.0,
                          alpha_turn=0.5, norm_eps=0.0)
     credit = trace(batch, params)
-    node = _by_node(batch, credit.node)
+    node = by_row(batch, credit.node)
     assert node[("h", 0)] == pytest.approx(0.0, abs=1e-12)
     assert node[("h", 1)] == pytest.approx(SQRT2 / 4 + LN2 / 2)  # 0.700127
     assert node[("h", 2)] == pytest.approx(1.5 * SQRT2 + LN2 / 2)  # 2.467894
@@ -299,14 +293,14 @@ def test_batch_order_slices_and_observation_tokens(trees: list[Tree], seed: int,
     batch = from_trees(trees, extras={REF_LOGPROB: lbar})
     credit = trace(batch, params)
     assert (credit.token[~batch.agent_mask] == 0).all()  # tool output never gets advantage
-    base = _by_node(batch, credit.node)
+    base = by_row(batch, credit.node)
 
     # batch order does not matter
     starts = np.cumsum([0] + [len(t.nodes) for t in trees])
     order = np.random.default_rng(perm_seed).permutation(len(trees))
     shuffled = from_trees([trees[i] for i in order], extras={REF_LOGPROB: np.concatenate(
         [lbar[starts[i]:starts[i + 1]] for i in order])})
-    other = _by_node(shuffled, trace(shuffled, params).node)
+    other = by_row(shuffled, trace(shuffled, params).node)
     assert other.keys() == base.keys()
     for key, value in base.items():
         assert other[key] == pytest.approx(value, rel=1e-9, abs=1e-9)

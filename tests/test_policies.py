@@ -29,9 +29,15 @@ from train.envs.calc import CalcEnv
 from train.envs.workflow import WorkflowEnv
 from train.envs.workflow_model import ACTION_TEXTS, ObsKey, WorkflowModel
 from train.envs.workflow_policy import TabularPolicy
-from train.policies import PolicyUnavailableError, load_policy
+from train.policies import (
+    PolicyRefError,
+    PolicyUnavailableError,
+    is_tiny_checkpoint,
+    load_policy,
+    load_policy_ref,
+)
 from train.policies.base import STOP_STRINGS, Policy, SampleConfig, Transcript
-from train.policies.hf import HFPolicy
+from train.policies.hf import HFPolicy, weights_version
 from train.policies.tabular import ACTION_VOCAB, TabularBackend, model_from_prompt
 from train.policies.tiny import (
     CALC_CALL_PREFIX,
@@ -467,3 +473,77 @@ def test_cli_policy_init_trains_into_band(tmp_path: Path, env: str) -> None:
     assert "(in the 20%-80% target band)" in result.output, result.output
     trained = load_policy("tiny", env, checkpoint=tmp_path / env)
     assert trained.policy_ref == str((tmp_path / env).resolve())
+
+
+# ---------------------------------------------------------------------------
+# Stored policy_ref: reload the exact weights that made a tree (issue 10 item 1)
+
+
+def test_policy_ref_resolver(tmp_path: Path, policy) -> None:  # type: ignore[no-untyped-def]
+    # A tiny checkpoint directory (what the tiny backend records as policy_ref) reloads
+    # as tiny, with exactly its weights; so does a trainer-style checkpoint carrying
+    # rtrees_policy.json with its policy_version.
+    tiny_dir = save_checkpoint(policy.model, policy.tokenizer, tmp_path / "tiny",
+                               {"env": "calc", "seed": 0})
+    assert is_tiny_checkpoint(tiny_dir)
+    loaded = load_policy(str(tiny_dir), "calc", device="cpu")  # the stored ref as a spec
+    assert loaded.policy_ref == str(tiny_dir.resolve())
+    assert loaded.policy_version == weights_version(tiny_dir)
+    again = load_policy_ref(loaded.policy_ref, "calc", version=loaded.policy_version,
+                            device="cpu")
+    assert again.policy_version == loaded.policy_version
+    for a, b in zip(policy.model.state_dict().values(),
+                    again.model.state_dict().values(), strict=True):  # type: ignore[attr-defined]
+        assert torch.equal(a, b)
+    trainer_dir = save_checkpoint(policy.model, policy.tokenizer, tmp_path / "step-3",
+                                  {"env": "calc", "policy_version": "run-a/v3"})
+    assert load_policy_ref(str(trainer_dir), "calc", version="run-a/v3",
+                           device="cpu").policy_version == "run-a/v3"
+    # A non-tiny HF checkpoint (another chat template) reloads as hf:PATH with env tools.
+    other = tmp_path / "hf"
+    shutil.copytree(tiny_dir, other)
+    (other / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert not is_tiny_checkpoint(other)
+    hf = load_policy_ref(str(other), "calc", device="cpu")
+    assert isinstance(hf, HFPolicy) and hf.renderer.tools  # the hf:PATH default
+    # Specs pass through; tabular records "tabular" while its policies are uniform.
+    tab = TabularBackend()
+    assert tab.policy_ref == "tabular"
+    assert load_policy_ref("tabular", "workflow", version=tab.policy_version
+                           ).policy_version == tab.policy_version
+    assert TabularBackend([_skewed_policy()]).policy_ref is None
+    # Named errors: other weights now, a rotated-away checkpoint, not a checkpoint.
+    with pytest.raises(PolicyRefError, match=r"now loads policy version .* not the 'v-old'"):
+        load_policy_ref(str(tiny_dir), "calc", version="v-old", device="cpu")
+    with pytest.raises(PolicyRefError, match=r"\(policy version 'run-a/v1'\) does not exist"):
+        load_policy_ref(str(tmp_path / "step-1"), "calc", version="run-a/v1")
+    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+        load_policy_ref(str(tmp_path), "calc")
+
+
+@pytest.mark.slow
+def test_cli_audit_ranking_default_policy_on_a_fresh_tiny_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default path: collect with the tiny policy, credit, audit WITHOUT --policy, so
+    # the reference rollouts reload each tree's stored policy_ref (the committed checkpoint).
+    _committed("calc")
+    monkeypatch.setenv("RTREES_CACHE_DIR", str(tmp_path / "cache"))
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    steps = [["collect", "--store", store, "--env", "calc", "--policy", "tiny", "--sampler",
+              "random", "--tasks", "3", "--n-total", "6", "--no-progress"],
+             ["credit", "--store", store, "--method", "grpo"],
+             ["audit", "ranking", "--store", store, "--methods", "grpo", "--k", "2",
+              "--out", out, "--bootstrap", "20"]]
+    for args in steps:
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, (args[0], result.output)
+    from rollout_store import Store, connect
+
+    con = connect(Store(store))
+    refs, trees = con.sql("SELECT count(*), count(DISTINCT r.policy_version) FROM "
+                          "mc_references r JOIN trees t USING (tree_id) "
+                          "WHERE r.policy_version = t.policy_version").fetchall()[0]
+    assert refs > 0 and trees == 1
+    assert con.sql("SELECT DISTINCT policy_ref FROM trees").fetchall() == [
+        (str(COMMITTED_DIR / "calc"),)]
+    assert (Path(out) / "report.md").is_file()

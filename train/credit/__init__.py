@@ -10,7 +10,7 @@ from train.credit import elpo as elpo  # "elpo" (METHODS E3-E8)
 from train.credit import grpo as grpo  # "grpo" (METHODS G1)
 from train.credit import slca as slca  # "slca" (METHODS S1, S5, S6)
 from train.credit import trace as trace  # "trace" (METHODS T1-T7)
-from train.credit import tree_grpo as tree_grpo  # "tree_grpo" (Tree-GRPO)
+from train.credit import tree_grpo as tree_grpo  # "tree_grpo" (METHODS G9-G11)
 from train.credit.base import ESTIMATORS, Credit, Estimator, Params, TreeArrays, register
 
 __all__ = ["ESTIMATORS", "Credit", "Estimator", "Params", "TreeArrays", "register"]

@@ -22,6 +22,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from typing import Any, Final, Generic, Literal, TypeVar
 
 import numpy as np
@@ -62,8 +63,9 @@ class TreeArrays:
     Node arrays are ``(N,)``, token arrays ``(T,)``, tree arrays ``(B,)``.
     ``reward`` is NaN except at leaves; each ``reward_parts`` array is NaN where
     the node has no such part. ``critical_node`` is the row of the localized
-    first irrecoverable step (BEL) or -1. ``task`` groups trees of one prompt
-    (Tree-GRPO's prompt-level group spans several trees). ``extras`` carries
+    first irrecoverable step (BEL) or -1. ``task`` numbers the prompt groups:
+    trees of one (run_id, sampler, policy_version, task_id) share a code
+    (``group_keys``; Tree-GRPO's prompt-level group spans several trees). ``extras`` carries
     method-specific inputs named in each estimator's docstring (e.g. TRACE's
     reference log-probabilities).
     """
@@ -104,6 +106,15 @@ class TreeArrays:
     def token_node(self) -> np.ndarray:
         """(T,) row of the node each token belongs to."""
         return np.repeat(np.arange(self.n_nodes), np.diff(self.token_offsets))
+
+    @cached_property
+    def levels(self) -> list[np.ndarray]:
+        """Rows of each depth, shallowest first, each level in row (preorder) order;
+        computed once per batch (see ``depth_levels``)."""
+        order = np.argsort(self.depth, kind="stable")
+        bounds = np.searchsorted(self.depth[order],
+                                 np.arange(int(self.depth.max(initial=-1)) + 2))
+        return [order[bounds[d]:bounds[d + 1]] for d in range(bounds.size - 1)]
 
     def roots(self) -> np.ndarray:
         """(B,) row of each tree's root (rows are sorted by tree, root first)."""
@@ -174,6 +185,15 @@ class Params:
     def params_hash(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
+    def spans_trees(self) -> bool:
+        """True when a tree's credit depends on other trees of its prompt group.
+
+        Such credit (grpo/elpo/trace ``group="task"``, tree_grpo) is computed over
+        whole prompt groups (METHODS "Prompt groups"); per-tree credit (False, the
+        default) can be computed tree by tree.
+        """
+        return False
+
 
 P = TypeVar("P", bound=Params)
 
@@ -198,6 +218,9 @@ class Estimator(Generic[P]):
                 raise ValueError(f"{self.name}: unknown parameter {key!r}; "
                                  f"known: {sorted(known)}")
             default = getattr(self.params_type(), key)
+            if default is None and str(known[key].type).startswith("str"):
+                kwargs[key] = raw  # a policy spec or version: never read as a number
+                continue
             kwargs[key] = _coerce(raw, default)
         return self.params_type(**kwargs)
 
@@ -244,14 +267,20 @@ def node_to_tokens(batch: TreeArrays, node_values: np.ndarray) -> np.ndarray:
 
 
 def subtree_sum(batch: TreeArrays, values: np.ndarray) -> np.ndarray:
-    """(N,) sum of ``values`` (N,) over each node's subtree, via prefix sums.
+    """(N,) sum of ``values`` (N,) over each node's subtree.
 
-    Valid because rows are in preorder: the subtree of ``v`` is rows
-    ``v : v + subtree_size[v]``.
+    Bottom-up, one vectorised step per depth level: the rows of a level are in
+    preorder, so each parent's children are contiguous there and one
+    ``np.add.reduceat`` sums them. A tree's sums are computed from its own values
+    only, in the same order whatever else is in the batch, so they do not depend
+    on how trees are batched (no prefix-sum differences across trees).
     """
-    csum = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
-    idx = np.arange(batch.n_nodes)
-    return csum[idx + batch.subtree_size] - csum[idx]
+    total = np.array(values, dtype=np.float64)
+    for rows in reversed(depth_levels(batch)[1:]):
+        par = batch.parent[rows]
+        starts = np.flatnonzero(np.concatenate([[True], par[1:] != par[:-1]]))
+        total[par[starts]] += np.add.reduceat(total[rows], starts)
+    return total
 
 
 def segment_stats(values: np.ndarray, groups: np.ndarray, n_groups: int,
@@ -272,16 +301,14 @@ def segment_stats(values: np.ndarray, groups: np.ndarray, n_groups: int,
 def path_sum(batch: TreeArrays, values: np.ndarray) -> np.ndarray:
     """(N,) sum of ``values`` (N,) over each node's root path (its ancestors and itself).
 
-    The dual of ``subtree_sum``: ``u`` is an ancestor-or-self of ``w`` exactly when
-    ``u <= w < u + subtree_size[u]`` (preorder), so adding ``values[u]`` on that
-    row range with a difference array and one cumsum gives every path sum.
+    The dual of ``subtree_sum``: top-down, one vectorised step per depth level
+    (``out[v] = out[parent(v)] + values[v]``), so a tree's sums never depend on
+    the other trees of the batch.
     """
-    n = batch.n_nodes
-    diff = np.zeros(n + 1, np.float64)
-    vals = np.asarray(values, np.float64)
-    np.add.at(diff, np.arange(n), vals)
-    np.add.at(diff, np.arange(n) + batch.subtree_size, -vals)
-    return np.cumsum(diff[:n])
+    out = np.array(values, dtype=np.float64)
+    for rows in depth_levels(batch)[1:]:
+        out[rows] += out[batch.parent[rows]]
+    return out
 
 
 def depth_levels(batch: TreeArrays) -> list[np.ndarray]:
@@ -290,10 +317,7 @@ def depth_levels(batch: TreeArrays) -> list[np.ndarray]:
     A loop over levels (never over nodes) walks paths top-down or bottom-up for
     the whole batch at once: the parents of ``levels[d]`` all lie in ``levels[d - 1]``.
     """
-    order = np.argsort(batch.depth, kind="stable")
-    bounds = np.searchsorted(batch.depth[order],
-                             np.arange(int(batch.depth.max(initial=-1)) + 2))
-    return [order[bounds[d]:bounds[d + 1]] for d in range(bounds.size - 1)]
+    return batch.levels
 
 
 # ----------------------------------------------------------------- building batches
@@ -374,7 +398,7 @@ def from_tables(trees: pa.Table, nodes: pa.Table,
     for b, cid in enumerate(crit_ids):
         if cid is not None:
             critical[b] = int(np.flatnonzero((node_tree == b) & (node_ids == cid))[0])
-    task_names = trees.column("task_id").to_pylist()
+    task_names = group_keys(trees)
     task_code = {t: i for i, t in enumerate(dict.fromkeys(task_names))}
     return TreeArrays(
         tree_ids=tuple(tree_ids), node_tree=node_tree, node_ids=node_ids, parent=parent,
@@ -387,6 +411,23 @@ def from_tables(trees: pa.Table, nodes: pa.Table,
         task=np.array([task_code[t] for t in task_names], np.int64),
         extras={k: _node_extra(k, v, order) for k, v in (extras or {}).items()},
     )
+
+
+GROUP_COLUMNS: Final[tuple[str, ...]] = ("run_id", "sampler", "policy_version", "task_id")
+"""The ``trees`` columns whose values together name a tree's prompt group."""
+
+
+def group_keys(trees: pa.Table) -> list[tuple[Any, ...]]:
+    """The prompt group of each row of ``trees``: (run_id, sampler, policy_version, task_id).
+
+    Trees of one task collected by different runs, samplers or policy versions
+    are different groups (METHODS "Prompt groups"). Columns absent from
+    ``trees`` are left out of the key; ``task_id`` is required.
+    """
+    if "task_id" not in trees.column_names:
+        raise ValueError("trees rows need a task_id column to form prompt groups")
+    cols = [trees.column(c).to_pylist() for c in GROUP_COLUMNS if c in trees.column_names]
+    return list(zip(*cols, strict=True))
 
 
 def _node_extra(name: str, values: np.ndarray, order: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""CALIPER: global GRPO credit plus localized leave-one-out credit (METHODS.md section 3, C4-C8).
+"""CALIPER: global GRPO credit plus localized leave-one-out credit (METHODS.md section 3, C4-C9).
 
 Every clause of section 3 is [R] (no public text or code); the readings below are ours.
 
@@ -48,7 +48,7 @@ from train.credit.base import (
     register,
     subtree_sum,
 )
-from train.credit.grpo import check_choice, check_nonneg, group_zscore, trajectory_mean
+from train.credit.groups import check_choice, check_nonneg, group_zscore, trajectory_mean
 
 AGREEMENT_KEY = "caliper_agreement"  # extras (N,) float: a_g of C5 at each branching node
 Y0_KEY = "caliper_y0"  # extras (N,) bool: marks y_0 among several explore children
@@ -263,10 +263,14 @@ def caliper(batch: TreeArrays, params: CaliperParams) -> Credit:
       otherwise it is None).
 
     Returns ``Credit``: ``token`` (T,) as above, 0 on observation tokens;
-    ``node`` (N,): Â_global(node), plus lambda_loc·w_p·A_loc (with C8's factor)
-    at group members, whether or not their changed region has tokens [R]: the
-    node-level combination, not a token mean, so a step's credit does not depend
-    on where in it the resample diverged.
+    ``node`` (N,) (C9): the credit of the node's last action token, i.e.
+    Â_global(node), plus lambda_loc·w_p·A_loc (with C8's factor) at a group
+    member whose changed region M_j is not empty (M_j always runs to the end of
+    the step, so it holds the last action token). A member whose step equals
+    y_0's (empty M_j) carries no local credit on any token, so none in its node
+    value either; a node without action tokens carries Â_global(node). The
+    value does not depend on where in the step the resample diverged, and
+    ranking audits that read node values see what the tokens are trained on.
     """
     full = full_trajectory_leaves(batch, params)
     adv = np.full(batch.n_nodes, np.nan)
@@ -280,10 +284,10 @@ def caliper(batch: TreeArrays, params: CaliperParams) -> Credit:
                      1.0 + params.gamma, 1.0)
     local_value = params.lambda_loc * g.w * g.a_loc * scale  # (M,)
 
-    node = a_global.copy()
-    node[g.member] += local_value
-    token = node_to_tokens(batch, a_global)
     length = g.stop - g.start
+    node = a_global.copy()
+    node[g.member] += np.where(length > 0, local_value, 0.0)  # C9: as its last action token
+    token = node_to_tokens(batch, a_global)
     region = _positions(batch.token_offsets[g.member] + g.start, length)  # (sum length,)
     token[region] += np.repeat(local_value, length)
 

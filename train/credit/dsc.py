@@ -51,6 +51,7 @@ from train.credit.base import (
     segment_stats,
     subtree_sum,
 )
+from train.credit.groups import root_child
 
 DSCMode = Literal["transport", "reuse"]
 """Which historical credit: the first-order transported means (D4-D5) or plain means (c_R)."""
@@ -67,6 +68,11 @@ class DSCParams(Params):
 
     mode: DSCMode = "transport"
     """"transport": Q_T(a) = mean_i T_i(a) (D5); "reuse": Q_R(a) = mean_i R_i (c_R)."""
+    target: str | None = None
+    """The target policy pi of D3 whose stored scores (``policy_scores``, kind ``action``)
+    give ``extras["dsc_ratio"]`` / ``["dsc_state"]``. ``rtrees credit --param
+    target=SPEC`` loads SPEC, scores what is missing and records the policy's *version*
+    here; None: the caller passes the extras."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("transport", "reuse"):
@@ -92,15 +98,8 @@ class Transported:
 
 # ----------------------------------------------------------------- tree helpers
 def root_action(batch: TreeArrays) -> np.ndarray:
-    """(N,) row of each node's depth-1 ancestor (itself at depth 1); -1 at roots.
-
-    In preorder the last row of depth <= 1 at or before a node of depth >= 1
-    is its depth-1 ancestor, so a running maximum finds it.
-    """
-    n = batch.n_nodes
-    marker = np.where(batch.depth <= 1, np.arange(n), -1)
-    last = np.maximum.accumulate(marker) if n else marker
-    return np.where(batch.depth >= 1, last, -1)
+    """(N,) row of each node's forced root action (its depth-1 ancestor); -1 at roots."""
+    return root_child(batch)
 
 
 def leaf_folds(batch: TreeArrays, leaves: np.ndarray) -> np.ndarray:

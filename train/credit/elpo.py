@@ -40,7 +40,7 @@ from train.credit.base import (
     node_to_tokens,
     register,
 )
-from train.credit.grpo import (
+from train.credit.groups import (
     check_choice,
     check_nonneg,
     group_zscore,
@@ -85,6 +85,9 @@ class ElpoParams(Params):
             raise ValueError(f"elpo: eps_low + eps_elc must be < 1 (the ratio's lower bound "
                              f"1 - eps_low - eps_elc must stay positive), got "
                              f"{self.eps_low + self.eps_elc!r}")
+
+    def spans_trees(self) -> bool:
+        return self.group == "task"
 
 
 def n_children(batch: TreeArrays) -> np.ndarray:

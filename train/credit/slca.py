@@ -6,21 +6,19 @@ carries the HierR parts ``reward_parts["r_tool"]`` (S2, S4) and
 trained with the group-normalised tool reward only, and its summary tokens with
 the summary reward only, so summary quality never leaks onto tool decisions.
 
-**Segments (S1).** A trajectory's policy tokens are its nodes' action tokens
-(``agent_mask``) in path order:
+**Segments (S1), as SLCA's own code splits ``response_mask``.** A trajectory's
+policy tokens are its nodes' action tokens (``agent_mask``) in path order; they
+form contiguous runs separated by observation tokens. The last run is the
+summary segment, the union of all earlier runs the tool segment (a single run:
+summary only). Segment codes of the environment (``tool_call``, ``text``, ...)
+play no part: a malformed turn's ``text`` tokens are tool tokens when a later
+run follows, and a trajectory cut at the step limit still has its last run as
+its summary, as in SLCA.
 
-* a *coded* trajectory (some agent token on it carries a ``tool_call``,
-  ``summary`` or ``answer`` segment code) routes ``tool_call`` tokens to the
-  tool segment and ``summary``/``answer`` tokens to the summary segment; its
-  other agent tokens (code ``text`` or none) belong to neither and get no
-  advantage from it [R: the codes are the environment's explicit statement];
-* an uncoded trajectory follows S1 on the token sequence: agent tokens form
-  contiguous runs separated by observation tokens; the last run is the summary,
-  the union of the earlier runs the tool segment (one run: summary only).
-
-A segment *exists* in a trajectory when it has at least one token there and
-the leaf has a finite reward part for it (a missing part means the segment is
-not scored) [R].
+A segment *exists* in a trajectory when it has at least one token there. Every
+trajectory leaf must carry both reward parts: a tree whose leaves lack them
+(not HierR-scored, e.g. calc trees) is refused with ``SlcaInputError`` naming
+the tree, node and part, never credited with silent zeros.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from train.credit.base import (
-    SEGMENT_CODE,
     Credit,
     Params,
     StdNorm,
@@ -40,10 +37,11 @@ from train.credit.base import (
     register,
     subtree_sum,
 )
-from train.credit.grpo import check_choice, check_nonneg, group_zscore
+from train.credit.groups import check_choice, check_nonneg, group_zscore
 
-TOOL_CODE = SEGMENT_CODE["tool_call"]
-SUMMARY_CODES = (SEGMENT_CODE["summary"], SEGMENT_CODE["answer"])
+
+class SlcaInputError(ValueError):
+    """Trees that SLCA cannot credit (leaves without the HierR reward parts)."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +71,7 @@ class SlcaParams(Params):
 class _Routes:
     """Where each trajectory's segments lie (arrays (N,), read at leaf rows)."""
 
-    coded: np.ndarray  # bool: the trajectory ending here is coded
-    tool_exists: np.ndarray  # bool: it has tool-segment tokens
+    tool_exists: np.ndarray  # bool: the trajectory ending here has tool-segment tokens
     sum_exists: np.ndarray  # bool: it has summary-segment tokens
     last: np.ndarray  # int64: deepest node with agent tokens on the root path (-1: none)
     above: np.ndarray  # int64: parent of the first node of the last run (-1: none)
@@ -85,16 +82,9 @@ def _routes(batch: TreeArrays) -> _Routes:
     """S1 for every trajectory at once; the run walk is one loop over depth levels."""
     n = batch.n_nodes
     parent = batch.parent
-    tn = batch.token_node
-    agent = batch.agent_mask
-    a_len = np.bincount(tn[agent], minlength=n)
+    a_len = np.bincount(batch.token_node[batch.agent_mask], minlength=n)
     has_a = a_len > 0
     has_o = (np.diff(batch.token_offsets) - a_len) > 0
-    tool_tok = agent & (batch.segment == TOOL_CODE)
-    sum_tok = agent & np.isin(batch.segment, SUMMARY_CODES)
-    path_tool = path_sum(batch, np.bincount(tn[tool_tok], minlength=n) > 0) > 0
-    path_summ = path_sum(batch, np.bincount(tn[sum_tok], minlength=n) > 0) > 0
-    coded = path_tool | path_summ
 
     # Runs along each root path. top: first node of the run holding this node's
     # actions; open_after: first node of the run still open after this node's
@@ -119,14 +109,22 @@ def _routes(batch: TreeArrays) -> _Routes:
     agent_on_path = path_sum(batch, has_a)
     earlier_run = (above >= 0) & (agent_on_path[np.maximum(above, 0)] > 0)
     joins = (parent >= 0) & (open_after[np.maximum(parent, 0)] >= 0)
-    return _Routes(coded=coded,
-                   tool_exists=np.where(coded, path_tool, earlier_run),
-                   sum_exists=np.where(coded, path_summ, last >= 0),
-                   last=last, above=above, joins_parent=joins)
+    return _Routes(tool_exists=earlier_run, sum_exists=last >= 0, last=last, above=above,
+                   joins_parent=joins)
 
 
 def _part(batch: TreeArrays, key: str) -> np.ndarray:
-    return batch.reward_parts.get(key, np.full(batch.n_nodes, np.nan))
+    """(N,) reward part ``key``; raises ``SlcaInputError`` at a leaf without it."""
+    value = batch.reward_parts.get(key, np.full(batch.n_nodes, np.nan))
+    missing = batch.is_leaf & ~np.isfinite(value)
+    if missing.any():
+        row = int(np.flatnonzero(missing)[0])
+        raise SlcaInputError(
+            f"slca needs the HierR reward parts at every leaf (S2-S3): tree "
+            f"{batch.tree_ids[batch.node_tree[row]]!r}, node {batch.node_ids[row]} has no "
+            f"{key!r} ({int(missing.sum())} such leaves); name the parts with "
+            "tool_part=/sum_part=, or credit these trees with another method")
+    return value
 
 
 def segment_advantages(batch: TreeArrays, params: SlcaParams,
@@ -137,6 +135,7 @@ def segment_advantages(batch: TreeArrays, params: SlcaParams,
     taken over the tree's trajectories where the segment exists. A trajectory
     without the segment, a group with fewer than 2 such members, or a
     zero-variance group gives 0. The optional KL term of S5 is not folded in.
+    Raises ``SlcaInputError`` when a leaf lacks a reward part.
     """
     r = routes if routes is not None else _routes(batch)
     leaf = batch.is_leaf
@@ -144,7 +143,7 @@ def segment_advantages(batch: TreeArrays, params: SlcaParams,
     for key, exists, lam in ((params.tool_part, r.tool_exists, params.lambda_tool),
                              (params.sum_part, r.sum_exists, params.lambda_sum)):
         value = _part(batch, key)
-        member = leaf & exists & np.isfinite(value)
+        member = leaf & exists
         adv = np.where(leaf, 0.0, np.nan)
         adv[member] = lam * group_zscore(value[member], batch.node_tree[member], params.std,
                                          params.eps, "zero")
@@ -156,59 +155,46 @@ def segment_advantages(batch: TreeArrays, params: SlcaParams,
 def slca(batch: TreeArrays, params: SlcaParams) -> Credit:
     """SLCA-GRPO credit (METHODS S1, S5, S6) for a batch of N nodes, T tokens, B trees.
 
-    Inputs: leaf ``reward_parts[tool_part]`` and ``[sum_part]`` (N,), per-token
-    ``segment`` codes and ``agent_mask`` (T,); the group is the tree.
+    Inputs: leaf ``reward_parts[tool_part]`` and ``[sum_part]`` (N,) (required at
+    every leaf), ``agent_mask`` (T,); the group is the tree.
 
-    * (S1) segments per trajectory: see the module docstring.
+    * (S1) segments per trajectory: runs of agent tokens (module docstring).
     * (S5) Â_tool,i and Â_sum,i: ``segment_advantages``.
     * (S6) A_{i,t} = Â_tool,i·1{t ∈ tool_i} + Â_sum,i·1{t ∈ summary_i}.
     * A node shared by several trajectories is trained once: token t of node v
-      gets the mean of A_{i,t} over all trajectories i through v (a trajectory
-      in which t is in neither segment contributes 0). A shared token can be
-      tool in one trajectory and summary in another (an uncoded node ending the
-      last run on one path only); it then mixes both, per trajectory.
+      gets the mean of A_{i,t} over all trajectories i through v. A shared node
+      can end the last run on one path and an earlier run on another (a node
+      without observation tokens followed by different children); it then mixes
+      both segments, per trajectory.
 
     Returns ``Credit``: ``token`` (T,) as above, 0 on observation tokens;
     ``node`` (N,) the mean advantage of the node's agent tokens (0 for a node
-    without any).
+    without any). Every agent token of a node gets the same value.
+    Raises ``SlcaInputError`` for leaves without the reward parts.
     """
     n = batch.n_nodes
     r = _routes(batch)
     adv_tool, adv_sum = segment_advantages(batch, params, r)
     leaf = np.flatnonzero(batch.is_leaf)
-    coded = r.coded[leaf]
     t_leaf, s_leaf = adv_tool[leaf], adv_sum[leaf]
 
-    # Per-node sums of trajectory advantages by route, each (N,).
-    coded_tool = np.zeros(n)
-    coded_tool[leaf] = np.where(coded, t_leaf, 0.0)
-    coded_sum = np.zeros(n)
-    coded_sum[leaf] = np.where(coded, s_leaf, 0.0)
-    # Uncoded: Â_sum on the last run, summed bottom-up from its last agent node
-    # along the run only (no subtraction, so a node outside every summary run
-    # gets exactly nothing from summary rewards); Â_tool on the path above it.
+    # Â_sum on the last run, summed bottom-up from its last agent node along the run
+    # only (no subtraction, so a node outside every summary run gets exactly nothing
+    # from summary rewards); Â_tool on the path above the run's first node.
     last, above = r.last[leaf], r.above[leaf]
-    fallback = ~coded & (last >= 0)
+    has_run = last >= 0
     run_sum = np.zeros(n)
-    np.add.at(run_sum, last[fallback], s_leaf[fallback])
+    np.add.at(run_sum, last[has_run], s_leaf[has_run])
     for rows in reversed(depth_levels(batch)[1:]):
         rows = rows[r.joins_parent[rows]]
         np.add.at(run_sum, batch.parent[rows], run_sum[rows])
-    cut = fallback & (above >= 0)
+    cut = has_run & (above >= 0)
     run_tool = np.zeros(n)
     np.add.at(run_tool, above[cut], t_leaf[cut])
 
     n_traj = subtree_sum(batch, batch.is_leaf.astype(np.float64))  # (N,) >= 1
-    per_node = np.stack([subtree_sum(batch, x) for x in (coded_tool, coded_sum)]) / n_traj
-    uncoded = (run_sum + subtree_sum(batch, run_tool)) / n_traj
-
-    tn = batch.token_node
-    seg = batch.segment
-    token = (per_node[0][tn] * (seg == TOOL_CODE) + per_node[1][tn] * np.isin(seg, SUMMARY_CODES)
-             + uncoded[tn])
-    token = np.where(batch.agent_mask, token, 0.0)
-    n_agent = np.bincount(tn[batch.agent_mask], minlength=n)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        node = np.where(n_agent > 0,
-                        np.bincount(tn, weights=token, minlength=n) / n_agent, 0.0)
+    per_node = (run_sum + subtree_sum(batch, run_tool)) / n_traj
+    token = np.where(batch.agent_mask, per_node[batch.token_node], 0.0)
+    node = np.where(np.bincount(batch.token_node[batch.agent_mask], minlength=n) > 0,
+                    per_node, 0.0)
     return Credit(node=node, token=token)

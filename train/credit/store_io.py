@@ -1,19 +1,43 @@
-"""Credit for stored trees: ``rtrees credit`` (issue 4).
+"""Credit for stored trees (``rtrees credit``) and for in-memory trees (``credit_trees``).
 
-``compute_credits`` finds every stored tree that has no credit yet for
-(method, params hash), streams those trees out of DuckDB ordered by task (so a
-prompt-level group such as Tree-GRPO's never straddles two batches), runs the
-vectorised estimator on each batch and commits one ``credits`` row per node.
-Commits are keyed by method, params hash and the batch's trees, and trees that
-already have credit are skipped, so running the command twice changes nothing
-and an interrupted run resumes where it stopped.
+Credit is a function of the stored data alone (docs/METHODS.md, "Prompt groups"):
+
+* A tree's *prompt group* is every stored tree with the same
+  (``run_id``, ``sampler``, ``policy_version``, ``task_id``): a group never mixes
+  runs, samplers or policy versions (``base.group_keys``).
+* Methods whose credit spans trees (``Params.spans_trees()``: grpo, elpo and
+  trace with ``group="task"``, tree_grpo) are computed over whole groups, each
+  group in one batch. Per-tree methods are computed tree by tree.
+* ``compute_credits`` credits every tree (per-tree methods) or every group
+  (prompt-group methods) that has no credit yet for (method, params hash),
+  streaming the trees out of DuckDB ordered by group, so a group never
+  straddles two batches. Commits are keyed by method, params hash and the
+  batch's trees; crediting in one call or in several gives identical values,
+  running the command twice changes nothing, and an interrupted run resumes.
+* **A group that grew after it was credited is refused.** If some trees of a
+  group have credit for (method, params hash) and others do not (trees joined
+  the group later, e.g. a second ``collect`` of the same run with another
+  seed), the group's stored credit was computed from fewer trees than it now
+  holds. Stored credit is never rewritten, so ``compute_credits`` raises
+  ``CreditError`` naming those groups before committing anything. Collect new
+  trees under a new ``run_id`` (a new group), or credit with other parameters.
+
+``credit_trees`` runs the same code path on in-memory trees and returns the
+``credits`` rows (the trainer commits them itself); the trees passed must hold
+whole prompt groups.
+
+trace and dsc read policy scores of stored text (``train.credit.scores``):
+``--param ref=SPEC`` (trace, T2) / ``--param target=SPEC`` (dsc, D3) loads SPEC,
+scores the trees that lack scores of its version into ``policy_scores`` (computed
+once per policy version), records the version in the params and credits from the
+stored scores.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -24,11 +48,23 @@ from rich.progress import Progress
 from rollout_store.reader import connect
 from rollout_store.schema import CREDITS, NODE_INPUT
 from rollout_store.store import Store, now_utc
+from rollout_store.tree import Tree, TreeBatch
 from train.credit import ESTIMATORS
-from train.credit.base import Credit, TreeArrays, from_tables
+from train.credit.base import Credit, Estimator, Params, TreeArrays, from_tables
+from train.credit.scores import (
+    ACTION,
+    GOLD,
+    ScoreError,
+    ScoreKind,
+    ensure_scores,
+    score_extras,
+    stored_scores,
+)
 
 _NODE_COLUMNS = [*NODE_INPUT.names, "depth", "preorder", "subtree_size"]
-_TREE_COLUMNS = ["tree_id", "task_id", "critical_node_id", "policy_version"]
+_TREE_COLUMNS = ["tree_id", "run_id", "sampler", "policy_version", "task_id",
+                 "critical_node_id"]
+_GROUP_ORDER = "run_id, sampler, policy_version NULLS FIRST, task_id"
 
 
 class CreditError(RuntimeError):
@@ -50,23 +86,53 @@ class CreditRunReport:
                 "already had it")
 
 
-def _batches(store: Store, method: str, params_hash: str, max_nodes: int
-             ) -> Iterator[tuple[pa.Table, pa.Table]]:
-    """(trees rows, nodes rows) of trees lacking credit, whole tasks per batch."""
+def _candidates(store: Store, method: str, params_hash: str, spans: bool) -> Any:
+    """A DuckDB connection holding TEMP TABLE ``todo``: the trees to credit now.
+
+    ``todo`` has ``_TREE_COLUMNS`` and ``_group`` (a dense group number), ordered
+    by group then tree. Raises ``CreditError`` for groups that grew after they
+    were credited (prompt-group methods only; module docstring).
+    """
     con = connect(store)
     con.execute(f"""
-        CREATE TEMP TABLE todo AS
-        SELECT {", ".join(_TREE_COLUMNS)} FROM trees
-        WHERE tree_id NOT IN (SELECT DISTINCT tree_id FROM credits
-                              WHERE method = $m AND method_params_hash = $h)
-        ORDER BY task_id, tree_id""", {"m": method, "h": params_hash})
+        CREATE TEMP TABLE cand AS
+        SELECT {", ".join(_TREE_COLUMNS)},
+               dense_rank() OVER (ORDER BY {_GROUP_ORDER}) AS _group,
+               tree_id IN (SELECT tree_id FROM credits
+                           WHERE method = $m AND method_params_hash = $h) AS _done
+        FROM trees""", {"m": method, "h": params_hash})
+    if spans:
+        grown = con.sql("""
+            SELECT run_id, sampler, policy_version, task_id, count(*) FILTER (WHERE _done),
+                   count(*) FILTER (WHERE NOT _done)
+            FROM cand GROUP BY run_id, sampler, policy_version, task_id
+            HAVING bool_or(_done) AND bool_or(NOT _done)
+            ORDER BY ALL""").fetchall()
+        if grown:
+            shown = "; ".join(f"(run {r!r}, sampler {s!r}, policy_version {v!r}, task {t!r}): "
+                              f"{d} credited, {n} new" for r, s, v, t, d, n in grown[:3])
+            more = f" and {len(grown) - 3} more" if len(grown) > 3 else ""
+            raise CreditError(
+                f"{method} [{params_hash}] credit spans each prompt group, and "
+                f"{len(grown)} group(s) gained trees after they were credited: {shown}{more}. "
+                "Stored credit is never rewritten; collect new trees under a new run_id, "
+                "or credit with other parameters")
+    con.execute("CREATE TEMP TABLE todo AS SELECT * EXCLUDE (_done) FROM cand "
+                "WHERE NOT _done ORDER BY _group, tree_id")
+    return con
+
+
+def _batches(store: Store, method: str, params_hash: str, spans: bool, max_nodes: int
+             ) -> Iterator[tuple[pa.Table, pa.Table]]:
+    """(trees rows, nodes rows) of the trees to credit, whole groups per batch."""
+    con = _candidates(store, method, params_hash, spans)
     todo = con.sql("SELECT * FROM todo").to_arrow_table()
     if todo.num_rows == 0:
         return
     cols = ", ".join(f"n.{c}" for c in _NODE_COLUMNS)
     reader = con.sql(f"""
-        SELECT {cols}, t.task_id AS _task FROM nodes n JOIN todo t USING (tree_id)
-        ORDER BY t.task_id, n.tree_id, n.preorder""").to_arrow_reader(65_536)
+        SELECT {cols}, t._group FROM nodes n JOIN todo t USING (tree_id)
+        ORDER BY t._group, n.tree_id, n.preorder""").to_arrow_reader(65_536)
     pending: list[pa.RecordBatch] = []
     n_pending = 0
     for batch in reader:
@@ -74,9 +140,9 @@ def _batches(store: Store, method: str, params_hash: str, max_nodes: int
         n_pending += batch.num_rows
         if n_pending >= max_nodes:
             table = pa.Table.from_batches(pending)
-            tasks = table.column("_task")
-            last = tasks[-1]
-            done_mask = pc.not_equal(tasks, last)  # the last task may continue
+            groups = table.column("_group")
+            last = groups[-1]
+            done_mask = pc.not_equal(groups, last)  # the last group may continue
             ready, rest = table.filter(done_mask), table.filter(pc.invert(done_mask))
             pending, n_pending = rest.to_batches(), rest.num_rows
             if ready.num_rows:
@@ -88,7 +154,7 @@ def _batches(store: Store, method: str, params_hash: str, max_nodes: int
 def _with_trees(todo: pa.Table, nodes: pa.Table) -> tuple[pa.Table, pa.Table]:
     ids = pc.unique(nodes.column("tree_id"))
     trees = todo.filter(pc.is_in(todo.column("tree_id"), value_set=ids))
-    return trees, nodes.drop_columns(["_task"])
+    return trees.drop_columns(["_group"]), nodes.drop_columns(["_group"])
 
 
 def stored_extras(nodes: pa.Table) -> dict[str, np.ndarray]:
@@ -134,18 +200,115 @@ def credit_rows(batch: TreeArrays, credit: Credit, trees: pa.Table, method: str,
     }, schema=CREDITS)
 
 
-def compute_credits(store: Store, method: str, params: dict[str, str] | None = None,
-                    run_id: str | None = None, max_nodes: int = 200_000,
-                    progress: bool = True) -> CreditRunReport:
-    """Compute and commit ``method`` credit for every stored tree that lacks it."""
+def resolve_method(method: str, params: Mapping[str, str] | Params | None = None
+                   ) -> tuple[Estimator[Any], Any]:
+    """The registered estimator and its params (``KEY=VALUE`` strings or a params object)."""
     if method not in ESTIMATORS:
         raise CreditError(f"unknown method {method!r}; choose from {sorted(ESTIMATORS)}")
     estimator = ESTIMATORS[method]
+    if isinstance(params, Params):
+        if not isinstance(params, estimator.params_type):
+            raise CreditError(f"{method} takes {estimator.params_type.__name__}, "
+                              f"got {type(params).__name__}")
+        return estimator, params
     try:
-        p: Any = estimator.parse_params(params or {})
+        return estimator, estimator.parse_params(dict(params or {}))
     except (ValueError, TypeError) as exc:
         raise CreditError(str(exc)) from exc
-    params_hash, params_json = p.params_hash(), p.to_json()
+
+
+# Methods whose inputs are policy scores of stored text: (params field naming the
+# scoring policy, kind of ``policy_scores`` rows) (train.credit.scores).
+SCORED: dict[str, tuple[str, ScoreKind]] = {"trace": ("ref", GOLD), "dsc": ("target", ACTION)}
+
+
+def _score_source(method: str, p: Any) -> tuple[ScoreKind, str] | None:
+    """(kind, scoring policy version) when ``p`` names a scoring policy, else None."""
+    if method not in SCORED:
+        return None
+    field, kind = SCORED[method]
+    value = getattr(p, field)
+    return None if value is None else (kind, str(value))
+
+
+def _credit_tables(trees: pa.Table, nodes: pa.Table, estimator: Estimator[Any], p: Any,
+                   run_id: str, scores: pa.Table | None = None) -> pa.Table:
+    """``credits`` rows for whole trees given as ``trees`` / ``nodes`` rows (one batch).
+
+    The one code path of ``compute_credits`` and ``credit_trees``; ``scores`` are the
+    ``policy_scores`` rows of these trees for a scored method (trace, dsc).
+    """
+    extras = stored_extras(nodes)
+    source = _score_source(estimator.name, p)
+    if source is not None and scores is not None:
+        extras.update(score_extras(nodes, scores, *source))
+    batch = from_tables(trees, nodes, extras)
+    try:
+        credit = estimator(batch, p)
+    except KeyError as exc:
+        hint = ""
+        if estimator.name in SCORED:
+            hint = (f"; pass --param {SCORED[estimator.name][0]}=SPEC to score them from the "
+                    "store with that policy")
+        raise CreditError(f"{estimator.name} needs input {exc} that stored trees do not "
+                          f"carry (see the estimator's docstring){hint}") from exc
+    except ValueError as exc:
+        raise CreditError(f"{estimator.name}: {exc}") from exc
+    return credit_rows(batch, credit, trees, estimator.name, p.to_json(), p.params_hash(),
+                       run_id)
+
+
+def credit_trees(trees: Sequence[Tree], method: str,
+                 params: Mapping[str, str] | Params | None = None,
+                 run_id: str | None = None, scores: pa.Table | None = None) -> pa.Table:
+    """``credits`` rows (``schema.CREDITS``, one per node) for in-memory trees.
+
+    The same code path as ``rtrees credit`` (``compute_credits``): trees are
+    validated, grouped by (run_id, sampler, policy_version, task_id), credited
+    with ``method`` and ``params`` (``KEY=VALUE`` strings or the estimator's
+    params object) and turned into rows; nothing is committed. For a method
+    whose credit spans prompt groups (``Params.spans_trees()``) pass every tree
+    of each group at once. ``run_id`` defaults to ``credit-METHOD-HASH``.
+    ``scores``: for trace / dsc, the ``policy_scores`` rows of these trees
+    (``scores.score_trees`` with the frozen reference / target policy, or the stored
+    ones); the params' ``ref`` / ``target`` must then be that policy's version.
+    Raises ``CreditError`` (unknown method or parameter, missing inputs).
+    """
+    estimator, p = resolve_method(method, params)
+    if not trees:
+        return CREDITS.empty_table()
+    batch = TreeBatch.from_trees(list(trees))
+    try:
+        structure = batch.validate()
+    except ValueError as exc:
+        raise CreditError(str(exc)) from exc
+    nodes = batch.nodes
+    for name, values in (("depth", structure.depth), ("preorder", structure.preorder),
+                         ("subtree_size", structure.subtree_size)):
+        nodes = nodes.append_column(name, pa.array(values, pa.int32()))
+    return _credit_tables(batch.trees, nodes, estimator, p,
+                          run_id or f"credit-{method}-{p.params_hash()}", scores)
+
+
+def compute_credits(store: Store, method: str, params: Mapping[str, str] | None = None,
+                    run_id: str | None = None, max_nodes: int = 200_000,
+                    progress: bool = True) -> CreditRunReport:
+    """Compute and commit ``method`` credit for every stored tree (or group) that lacks it.
+
+    See the module docstring: prompt-group methods credit whole groups and
+    refuse groups that grew after they were credited (``CreditError``).
+    """
+    estimator, p = resolve_method(method, params)
+    source = _score_source(method, p)
+    if source is not None:  # score what is missing; the params record the policy version
+        field = SCORED[method][0]
+        try:
+            version, _ = ensure_scores(store, source[0], str(getattr(p, field)), progress)
+        except ScoreError as exc:
+            raise CreditError(f"{method}: {exc}") from exc
+        p = replace(p, **{field: version})
+        source = (source[0], version)
+    params_hash = p.params_hash()
     run_id = run_id or f"credit-{method}-{params_hash}"
     report = CreditRunReport(method, params_hash)
     con = connect(store)
@@ -156,15 +319,10 @@ def compute_credits(store: Store, method: str, params: dict[str, str] | None = N
     report.trees_skipped = int(done_before)
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"credit {method}", total=max(total - done_before, 0))
-        for trees, nodes in _batches(store, method, params_hash, max_nodes):
-            batch = from_tables(trees, nodes, stored_extras(nodes))
-            try:
-                credit = estimator(batch, p)
-            except KeyError as exc:
-                raise CreditError(f"{method} needs input {exc} that stored trees do not "
-                                  "carry (see the estimator's docstring)") from exc
-            rows = credit_rows(batch, credit, trees, method, params_json, params_hash, run_id)
+        for trees, nodes in _batches(store, method, params_hash, p.spans_trees(), max_nodes):
             ids = trees.column("tree_id").to_pylist()
+            scores = None if source is None else stored_scores(store, ids, *source)
+            rows = _credit_tables(trees, nodes, estimator, p, run_id, scores)
             digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
             store.append_credits(rows, key=f"credit:{method}:{params_hash}:{digest}")
             report.trees_done += len(ids)

@@ -73,6 +73,11 @@ class TraceParams(Params):
     """G1: epsilon added to the population std of A_out's z-score."""
     group: GroupBy = "tree"
     """A_out's group: the tree's trajectories ("tree") or all trees of a task ("task")."""
+    ref: str | None = None
+    """The frozen reference policy of T2 whose stored scores (``policy_scores``, kind
+    ``gold_answer``) give ``extras["trace_ref_logprob"]``. ``rtrees credit --param
+    ref=SPEC`` loads SPEC, scores what is missing and records the policy's *version*
+    here (so the params hash names the weights); None: the caller passes the extras."""
 
     def __post_init__(self) -> None:
         if not self.eps > 0:
@@ -86,6 +91,9 @@ class TraceParams(Params):
             raise ValueError(f"norm_eps must be >= 0, got {self.norm_eps}")
         if self.group not in ("tree", "task"):
             raise ValueError(f"group must be 'tree' or 'task', got {self.group!r}")
+
+    def spans_trees(self) -> bool:
+        return self.group == "task"
 
 
 # ----------------------------------------------------------------- pure helpers

@@ -18,6 +18,17 @@
               (``train.policies.tabular``); kw ``policies``
 ============  ==============================================================
 
+A stored ``trees.policy_ref`` is a spec too (``load_policy_ref``; ``load_policy``
+accepts one): ``tiny`` / ``hf:PATH`` / ``vllm:PATH`` / ``tabular``, or a plain
+checkpoint directory, which is what the tiny and hf backends and the trainer's
+checkpoints record (``policy_ref`` = the resolved directory). A directory holding
+the tiny chat template (a committed or cached tiny checkpoint, or a trainer
+checkpoint of the tiny model) reloads as ``tiny`` with that checkpoint; any other
+checkpoint directory reloads as ``hf:PATH`` with the environment's tools. Given
+the tree's ``policy_version``, the reloaded weights must have that version, else
+``PolicyRefError`` names both; a directory that no longer exists (a trainer
+checkpoint rotated away) also raises ``PolicyRefError`` naming the version.
+
 Heavy modules (torch, transformers, vllm) are imported only by the backend asked for.
 """
 
@@ -36,6 +47,11 @@ SPECS = ("tiny", "hf:PATH", "vllm:PATH", "tabular")
 class PolicyUnavailableError(RuntimeError):
     """A backend whose optional dependency (vLLM) or checkpoint is missing; the message
     says what to install or run."""
+
+
+class PolicyRefError(PolicyUnavailableError):
+    """A stored ``policy_ref`` that no longer reloads the weights that made the trees
+    (the checkpoint is gone, or holds other weights); the message names the version."""
 
 
 def env_tools(env: str) -> list[dict[str, Any]] | None:
@@ -98,7 +114,60 @@ def load_policy(spec: str, env: str, **kw: Any) -> Policy:
         from train.policies.tabular import TabularBackend
 
         return TabularBackend(**kw)
-    raise ValueError(f"unknown policy spec {spec!r}; expected one of {', '.join(SPECS)}")
+    if looks_like_path(spec):
+        return load_policy_ref(spec, env, **kw)
+    raise ValueError(f"unknown policy spec {spec!r}; expected one of {', '.join(SPECS)}, "
+                     "or a checkpoint directory")
+
+
+def looks_like_path(spec: str) -> bool:
+    """True for a spec that names a directory rather than a backend (a stored policy_ref)."""
+    return "/" in spec or spec.startswith(".") or Path(spec).is_dir()
+
+
+def is_tiny_checkpoint(path: Path) -> bool:
+    """A checkpoint directory whose chat template is the tiny policy's (``tiny.CHAT_TEMPLATE``)."""
+    template = path / "chat_template.jinja"
+    if not template.is_file():
+        return False
+    from train.policies.tiny import CHAT_TEMPLATE
+
+    return template.read_text().strip() == CHAT_TEMPLATE
+
+
+def load_policy_ref(ref: str, env: str, version: str | None = None, **kw: Any) -> Policy:
+    """The policy a stored ``trees.policy_ref`` names, with exactly the weights it recorded.
+
+    ``ref`` is a spec (``tiny``, ``hf:PATH``, ...) or a checkpoint directory (module
+    docstring). ``version``, the tree's ``policy_version``, when given must equal the
+    reloaded policy's version. Raises ``PolicyRefError`` for a directory that no longer
+    exists or that now holds other weights, ``FileNotFoundError`` for a directory that
+    is not a checkpoint.
+    """
+    named = f" (policy version {version!r})" if version is not None else ""
+    kind = ref.partition(":")[0]
+    if ref in ("tiny", "tabular") or (kind in ("hf", "vllm") and ":" in ref):
+        policy = load_policy(ref, env, **kw)
+    else:
+        path = Path(ref)
+        if not path.exists():
+            raise PolicyRefError(
+                f"policy_ref {ref!r}{named} does not exist any more (a training run keeps "
+                "only some checkpoints); pass --policy SPEC to use another policy")
+        from train.policies.tiny import is_checkpoint, load_tiny_policy
+
+        if not is_checkpoint(path):
+            raise FileNotFoundError(f"policy_ref {ref!r} is not a checkpoint directory "
+                                    "(no config.json and *.safetensors)")
+        if is_tiny_checkpoint(path):
+            policy = load_tiny_policy(env, checkpoint=path, **kw)
+        else:
+            policy = load_policy(f"hf:{path}", env, **kw)
+    if version is not None and str(policy.policy_version) != version:
+        raise PolicyRefError(
+            f"policy_ref {ref!r} now loads policy version {policy.policy_version!r}, not the "
+            f"{version!r} that made the trees; pass --policy SPEC to use another policy")
+    return policy
 
 
 def describe_policy(spec: str, env: str, **kw: Any) -> dict[str, Any]:
@@ -131,5 +200,6 @@ def describe_policy(spec: str, env: str, **kw: Any) -> dict[str, Any]:
     return info
 
 
-__all__ = ["INSTALL_HINT", "SPECS", "PolicyUnavailableError", "describe_policy", "env_tools",
-           "load_policy"]
+__all__ = ["INSTALL_HINT", "SPECS", "PolicyRefError", "PolicyUnavailableError",
+           "describe_policy", "env_tools", "is_tiny_checkpoint", "load_policy", "load_policy_ref",
+           "looks_like_path"]

@@ -34,7 +34,9 @@ every continuation whose tokens are the canonical tokenization of its text.
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -216,7 +218,19 @@ class HFPolicy:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                          dtype=dtype or "auto")
         model = model.to(device)  # type: ignore[arg-type]  # (transformers' .to stub)
+        meta = path / "rtrees_policy.json"  # a training checkpoint names its version
+        if "version" not in kw and meta.is_file():
+            version = json.loads(meta.read_text()).get("policy_version")
+            if isinstance(version, str):
+                kw["version"] = version
         return cls(model, tokenizer, ref=str(path.resolve()), **kw)
+
+    def published(self, ref: str | None, version: str) -> HFPolicy:
+        """This policy (same model object, tokenizer and rendering) under another identity:
+        the trainer publishes each weight version as ``policy_version`` / ``policy_ref``."""
+        other = copy.copy(self)
+        other._ref, other._version = ref, version
+        return other
 
     # ----- identity -------------------------------------------------------------------
 

@@ -117,7 +117,12 @@ class TabularBackend:
 
     @property
     def policy_ref(self) -> str | None:
-        return None
+        """``"tabular"`` while every registered policy is uniform (``load_policy("tabular")``
+        then reloads exactly these logits); None once any holds learned logits, which
+        live in memory only."""
+        if any(policy.state_dict() for policy in self._policies.values()):
+            return None
+        return "tabular"
 
     # ----- protocol -------------------------------------------------------------------
 
