@@ -727,3 +727,74 @@ def test_collect_with_worker_processes(tmp_path: Path) -> None:
                      workers=2, commit_trees=2, progress=False)
     assert (report.trees, report.commits) == (6, 3)
     assert _nodes_by_tree(one) == _nodes_by_tree(two)
+
+
+# ----------------------------------------------------------------- the continuation primitive
+def _stochastic_task(seed: int = 3) -> Task:
+    tasks = WorkflowEnv.generate_tasks(8, seed=seed, deterministic=False)
+    return max(tasks, key=lambda t: t.max_steps)
+
+
+def test_continuing_restores_reseeds_and_cuts_at_the_limit() -> None:
+    from train.sampling.base import Continuing
+
+    env = WorkflowEnv()
+    task = _stochastic_task()
+    prompt = env.reset(task)
+    start = env.snapshot()
+    fast = ACTION_TEXTS["fast"]
+
+    def run(key: int, limit: int) -> Continuing:
+        c = Continuing.begin(env, start, key, [("prompt", prompt)], depth=1, max_steps=limit)
+        while not c.over:
+            c.step(fast if "fast" in env.valid_actions() else env.valid_actions()[0])
+        return c
+
+    a, b = run(7, 3), run(7, 3)
+    assert a.turns == b.turns  # same key: same outcome stream after the restore
+    assert a.steps == len(a.turns[1:]) // 2 <= 2 and a.depth == 1 + a.steps
+    assert a.truncated == (not a.done) and (a.done or a.depth == 3)
+    outcomes = {tuple(t for _, t in run(key, 40).turns) for key in range(12)}
+    assert len(outcomes) > 1  # other keys: other tool outcomes (stochastic task)
+    c = Continuing.begin(env, start, None, max_steps=None)
+    assert not c.at_limit and c.reward == 0.0 and env.state == env.model.initial_state()
+
+
+def test_phase_seeds_share_the_explore_phase() -> None:
+    tasks = WorkflowEnv.generate_tasks(4, seed=11, deterministic=False)
+    policy = TabularAdapter(tabular_policies(tasks))
+    sampler = BelSampler(BelConfig(b_max=None, x_min=2, x_max=2, n_initial=6))
+    env = WorkflowEnv()
+    for task in tasks:
+        plain = sampler.sample_tree(env, policy, task, 14, seed=5)
+        same = sampler.sample_tree(env, policy, task, 14, seed=5, phase_seeds={})
+        assert [n.action_text for n in plain.nodes] == [n.action_text for n in same.nodes]
+        trees = [sampler.sample_tree(env, policy, task, 14, seed=5,
+                                     phase_seeds={"probe": p, "fill": p}) for p in (1, 2)]
+        explore = [[(n.node_id, n.action_text, n.observation_text) for n in t.nodes
+                    if n.phase == "explore"] for t in (plain, *trees)]
+        assert explore[0] == explore[1] == explore[2]  # one explore phase for all
+        assert all(t.seed == 5 for t in trees)
+
+
+def test_policy_refresh_forces_the_route_and_is_reproducible() -> None:
+    from train.policies.tabular import TabularBackend
+    from train.sampling.refresh import PolicyRefresh, RefreshSampler, refresh_protocol
+
+    env = WorkflowEnv()
+    task = _stochastic_task(5)
+    prompt = env.reset(task)
+    snapshot = env.snapshot()
+    actions = env.valid_actions()
+    draw = PolicyRefresh(env, TabularBackend(), [("prompt", prompt)], snapshot, actions,
+                         max_steps=task.max_steps, seed=1)
+    first, again = draw(0, 3), draw(0, 3)
+    assert first == again and first.turns[1] == ("action", actions[0])
+    assert 1 <= first.steps <= task.max_steps and first.reward in (0.0, 1.0)
+    assert {draw(1, k).turns[1][1] for k in range(3)} == {actions[1]}
+    sampler = RefreshSampler(draw)
+    res = refresh_protocol(np.full(len(actions), 0.5), np.full(len(actions), 0.05),
+                           np.full(len(actions), 4), range(len(actions)), sampler,
+                           cap_steps=60)
+    assert res.steps == sum(t.steps for t in sampler.cache.values()) or res.incomplete
+    assert res.n_new.sum() == len(sampler.cache) > 0

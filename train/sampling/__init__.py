@@ -1,9 +1,11 @@
 """Samplers: one task and a rollout budget ``n_total`` in, one rollout ``Tree`` out (issue 6).
 
 ``make_sampler(name, **params)`` builds one by name (``SAMPLERS``); each
-sampler's budget rules are in its module docstring, the shared rollout engine
-and node model in ``train.sampling.base``, the collection job in
-``train.sampling.collect``.
+sampler's budget rules are in its module docstring, the shared rollout engine,
+node model and the one continuation primitive (``Continuing``, ``sample_round``,
+``mix_seed``) in ``train.sampling.base``, the collection job in
+``train.sampling.collect``, the Mean@k references in ``train.sampling.references``
+and the DSC refresh protocol in ``train.sampling.refresh``.
 
 >>> from train.envs import make_env
 >>> from train.sampling import make_sampler
@@ -22,12 +24,17 @@ from train.sampling.base import (
     SAMPLER_NAMES,
     Budget,
     BudgetError,
+    ContinuationError,
+    Continuing,
+    NodeStart,
     Sampler,
     SamplerConfig,
     SamplerName,
     TreeBuilder,
     action_segments,
     head_entropy,
+    mix_seed,
+    sample_round,
 )
 from train.sampling.bel import BelConfig, BelSampler, entropy_gap
 from train.sampling.caliper import CaliperConfig, CaliperSampler, CaliperState, caliper_extras
@@ -76,9 +83,32 @@ def make_sampler(name: str, **params: Any) -> Sampler:
 
 
 __all__ = [
-    "SAMPLERS", "SAMPLER_NAMES", "BelConfig", "BelSampler", "Budget", "BudgetError",
-    "CaliperConfig", "CaliperSampler", "CaliperState", "EntropyConfig", "EntropySampler",
-    "GroupSampler", "RandomBranchConfig", "RandomBranchSampler", "Sampler", "SamplerConfig",
-    "SamplerName", "TreeBuilder", "action_segments", "caliper_extras", "entropy_gap",
-    "head_entropy", "make_sampler",
+    "SAMPLERS",
+    "SAMPLER_NAMES",
+    "BelConfig",
+    "BelSampler",
+    "Budget",
+    "BudgetError",
+    "CaliperConfig",
+    "CaliperSampler",
+    "CaliperState",
+    "ContinuationError",
+    "Continuing",
+    "EntropyConfig",
+    "EntropySampler",
+    "GroupSampler",
+    "NodeStart",
+    "RandomBranchConfig",
+    "RandomBranchSampler",
+    "Sampler",
+    "SamplerConfig",
+    "SamplerName",
+    "TreeBuilder",
+    "action_segments",
+    "caliper_extras",
+    "entropy_gap",
+    "head_entropy",
+    "make_sampler",
+    "mix_seed",
+    "sample_round",
 ]

@@ -12,7 +12,8 @@ Node model (DESIGN.md section 3):
   a ``<tool_response>`` (an error response counts: it is feedback too), and
   ``"decision"`` otherwise (the first step after the prompt, or a step after an
   observation that is not tool feedback) [R];
-* ``segments`` split the action tokens by the text they decode to: the
+* ``segments`` (computed in ``train.sampling.segments``) split the action tokens
+  by the text they decode to: the
   ``<tool_call>...</tool_call>`` blocks are ``tool_call``, the
   ``<answer>...</answer>`` blocks ``answer``, and the rest is ``summary`` in a
   step that answers and ``text`` (reasoning) in any other step [R];
@@ -40,30 +41,44 @@ regenerates. Rollouts run in lockstep: each round asks the policy for the next
 step of every live rollout at once (one ``sample`` call per distinct ``n``), so
 a batched backend sees the whole frontier; the environment is restored from the
 branch's last snapshot before each step (skipped when it is already there).
+
+The continuation primitive. Every piece of code that continues an episode from a
+node (``TreeBuilder``, the Mean@k reference job ``train.sampling.references``, the
+DSC refresh ``train.sampling.refresh`` and the studies of ``train.studies``) does it
+through ``Continuing``: ``Continuing.begin`` restores the node's snapshot and calls
+the environment's ``reseed(key)`` hook (one key per rollout, from ``mix_seed``, the
+one seeding scheme), ``step`` takes one action and extends the transcript, and the
+step limit is the one rule of ``Continuing.at_limit``: a rollout is cut (truncated)
+when it is not done and its depth (the node's depth plus the steps taken) reached
+``max_steps``. ``sample_round`` is the lockstep policy call (one ``sample`` per distinct
+``n``); ``load_starts`` reads the ``NodeStart`` of stored nodes (``step_limit``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-import re
+import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
-from rollout_store.schema import SegmentKind
-from rollout_store.tree import Node, Segment, Tree
-from train.envs.base import Environment, Task, parse_action
+from rollout_store.snapshots import decompress
+from rollout_store.tree import Node, Tree
+from train.envs.base import Environment, StepResult, Task, parse_action
 from train.policies.base import Continuation, Policy, SampleConfig, Turn
+from train.sampling.segments import action_segments, head_entropy, token_char_starts
+
+if TYPE_CHECKING:
+    import duckdb
+    import pyarrow as pa
 
 SamplerName = Literal["group", "random", "entropy", "bel", "caliper"]
 SAMPLER_NAMES: tuple[SamplerName, ...] = ("group", "random", "entropy", "bel", "caliper")
 
 _MASK63 = (1 << 63) - 1
-_BLOCK_RE = re.compile(r"<tool_call>.*?</tool_call>|<answer>.*?</answer>", re.DOTALL)
 
 
 def mix_seed(*parts: int | str) -> int:
@@ -132,70 +147,196 @@ class _Branch:
     start: int  # index of the start that spawned it
     node: int  # the branch's last node
     phase: str
-    reseed_key: int | None  # set until the branch's first step is taken
+    rollout: Continuing  # the continuation (its env is the builder's one env)
 
 
-def head_entropy(node: Node, n_tokens: int | None = None) -> float:
-    """Mean entropy of the first ``n_tokens`` action tokens of ``node`` (all when None);
-    NaN for a node without tokens."""
-    ent = node.action_entropies if n_tokens is None else node.action_entropies[:n_tokens]
-    return float(np.mean(ent)) if len(ent) else math.nan
+# ----- the continuation primitive ---------------------------------------------------------
+
+DEFAULT_MAX_STEPS = 32
+"""The step limit of a stored tree that records none (``step_limit``)."""
 
 
-def token_char_starts(policy: Policy, cont: Continuation) -> list[int]:
-    """Character offset in ``cont.text`` where each token starts.
+class ContinuationError(RuntimeError):
+    """A node cannot be continued (no snapshot, a corrupt one)."""
 
-    In order of preference: the policy's ``token_texts()`` (each token id decoded
-    alone, as ``HFPolicy`` offers) summed up; its ``decode(token_ids) -> str``
-    applied to growing prefixes; one token per character when the counts match
-    (a character tokenizer); else tokens spread evenly over the text [R: an
-    approximation that moves segment borders by a token or so]. Offsets are
-    clamped to the text (a trailing EOS token decodes to nothing in ``text``).
+
+def reseed_env(env: Environment, key: int | None) -> None:
+    """Call the environment's optional ``reseed(key)`` hook (a fresh outcome stream); a
+    deterministic environment has no such hook and needs none."""
+    reseed = getattr(env, "reseed", None)
+    if key is not None and callable(reseed):
+        reseed(key)
+
+
+@dataclass
+class Continuing:
+    """One rollout continued from a node (module docstring, "The continuation primitive").
+
+    ``turns`` is the transcript so far (the node's path, then every step taken),
+    ``depth`` the steps from the root (the node's depth plus the steps taken),
+    ``max_steps`` the episode's step limit (None: no limit), ``steps`` the steps
+    taken by this rollout, ``last`` the last ``StepResult``.
     """
-    ids, text = cont.token_ids, cont.text
-    n = len(ids)
-    if not n:
-        return []
-    token_texts = getattr(policy, "token_texts", None)
-    if callable(token_texts):
-        table = token_texts()
-        if all(0 <= i < len(table) for i in ids):
-            lengths = np.cumsum([0] + [len(table[i]) for i in ids[:-1]])
-            return [min(int(x), len(text)) for x in lengths]
-    decode = getattr(policy, "decode", None)
-    if callable(decode):
-        try:
-            return [min(len(str(decode(ids[:i]))), len(text)) for i in range(n)]
-        except Exception:  # a decode that cannot do prefixes: fall back
-            pass
-    if n == len(text):
-        return list(range(n))
-    return [(i * len(text)) // n for i in range(n)]
+
+    env: Environment
+    turns: list[Turn]
+    depth: int
+    max_steps: int | None
+    steps: int = 0
+    last: StepResult | None = None
+
+    @classmethod
+    def begin(cls, env: Environment, state: bytes | None, key: int | None,
+              turns: Sequence[Turn] = (), depth: int = 0,
+              max_steps: int | None = None) -> Continuing:
+        """Restore ``state`` (a node's snapshot; None: continue where ``env`` is) and
+        reseed with ``key``: the start of every rollout from a node."""
+        if state is not None:
+            env.restore(state)
+        reseed_env(env, key)
+        return cls(env, list(turns), depth, max_steps)
+
+    @property
+    def done(self) -> bool:
+        """The environment ended the episode on the last step."""
+        return self.last is not None and self.last.done
+
+    @property
+    def at_limit(self) -> bool:
+        """The depth reached the step limit (no further step is allowed)."""
+        return self.max_steps is not None and self.depth >= self.max_steps
+
+    @property
+    def truncated(self) -> bool:
+        """Cut by the step limit: not done, and at the limit."""
+        return not self.done and self.at_limit
+
+    @property
+    def over(self) -> bool:
+        """Done or truncated: the rollout ended (a leaf)."""
+        return self.done or self.at_limit
+
+    @property
+    def reward(self) -> float:
+        """The last step's ``reward_parts["reward"]`` (0 before any step)."""
+        return float(self.last.reward_parts["reward"]) if self.last is not None else 0.0
+
+    def step(self, action: str) -> StepResult:
+        """Take ``action``; extend the transcript by the action and its observation."""
+        result = self.env.step(action)
+        self.depth += 1
+        self.steps += 1
+        self.turns += [("action", action), ("observation", result.observation)]
+        self.last = result
+        return result
 
 
-def action_segments(text: str, char_starts: Sequence[int]) -> list[Segment]:
-    """Token spans of an action: ``tool_call`` / ``answer`` blocks, the rest ``summary``
-    (in a step that answers) or ``text`` (elsewhere). Every token is in one segment."""
-    n = len(char_starts)
-    if n == 0:
-        return []
-    blocks = [(m.start(), m.end(), "tool_call" if m.group().startswith("<tool_call>")
-               else "answer") for m in _BLOCK_RE.finditer(text)]
-    rest: SegmentKind = "summary" if any(k == "answer" for *_, k in blocks) else "text"
-    labels: list[SegmentKind] = []
-    b = 0
-    for c in char_starts:
-        while b < len(blocks) and blocks[b][1] <= c:
-            b += 1
-        inside = b < len(blocks) and blocks[b][0] <= c < blocks[b][1]
-        labels.append(blocks[b][2] if inside else rest)  # type: ignore[arg-type]
-    segments: list[Segment] = []
-    start = 0
-    for i in range(1, n + 1):
-        if i == n or labels[i] != labels[start]:
-            segments.append(Segment(labels[start], start, i))
-            start = i
-    return segments
+def sample_round(policy: Policy, requests: Sequence[tuple[int, Sequence[Turn]]],
+                 config_for: Callable[[int], SampleConfig]) -> list[list[Continuation]]:
+    """One lockstep round: ``n`` continuations of each ``(n, transcript)`` request, with one
+    ``policy.sample`` call per distinct ``n`` (ascending; ``config_for(n)`` gives its
+    ``SampleConfig``), so a batched backend sees the whole frontier. Rows in request
+    order."""
+    out: list[list[Continuation]] = [[] for _ in requests]
+    for n in sorted({n for n, _ in requests}):
+        rows = [i for i, (m, _) in enumerate(requests) if m == n]
+        got = policy.sample([requests[i][1] for i in rows], config_for(n))
+        if len(got) != len(rows) or any(len(o) != n for o in got):
+            raise RuntimeError(f"policy returned {[len(o) for o in got]} continuations "
+                               f"for {len(rows)} transcripts with n={n}")
+        for i, o in zip(rows, got, strict=True):
+            out[i] = o
+    return out
+
+
+@dataclass(frozen=True)
+class NodeStart:
+    """A stored node to continue from: its transcript, environment snapshot (None for a
+    leaf), depth, the tree's step limit, and its reward when it is a leaf."""
+
+    tree_id: str
+    node_id: int
+    transcript: tuple[Turn, ...]
+    state: bytes | None
+    depth: int
+    max_steps: int
+    leaf_reward: float | None
+
+    @property
+    def steps_left(self) -> int:
+        return self.max_steps - self.depth
+
+    def begin(self, env: Environment, key: int | None) -> Continuing:
+        """``Continuing.begin`` from this node."""
+        if self.state is None:
+            raise ContinuationError(f"tree {self.tree_id!r} node {self.node_id}: a leaf has "
+                                    "no snapshot to continue from")
+        return Continuing.begin(env, self.state, key, self.transcript, self.depth,
+                                self.max_steps)
+
+
+def step_limit(env_config: str | None, override: int | None = None) -> int:
+    """The step limit of a stored tree: ``override``, else ``env_config.max_steps`` (what
+    ``TreeBuilder`` records: ``Task.max_steps``), else the task config's ``horizon``,
+    else ``DEFAULT_MAX_STEPS``."""
+    if override is not None:
+        return override
+    try:
+        cfg = json.loads(env_config) if env_config else {}
+    except json.JSONDecodeError:
+        cfg = {}
+    if isinstance(cfg, dict):
+        for value in (cfg.get("max_steps"), (cfg.get("task") or {}).get("horizon")
+                      if isinstance(cfg.get("task"), dict) else None, cfg.get("horizon")):
+            if isinstance(value, int) and value > 0:
+                return value
+    return DEFAULT_MAX_STEPS
+
+
+def load_starts(con: duckdb.DuckDBPyConnection, nodes: pa.Table,
+                max_steps: int | None = None) -> list[NodeStart]:
+    """The ``NodeStart`` of each stored node of ``nodes`` (columns tree_id, node_id,
+    env_config), in the order given. A node's path is found with the nested-set
+    columns: its ancestors ``a`` have ``a.preorder <= c.preorder < a.preorder +
+    a.subtree_size``. Snapshots are decompressed and sha256-checked."""
+    con.register("_start_batch", nodes.select(["tree_id", "node_id", "env_config"]))
+    info = con.sql("""
+        SELECT b.tree_id, b.node_id, b.env_config, c.depth, c.reward, s.state, s.state_hash,
+               c.snapshot_id
+        FROM _start_batch b JOIN nodes c USING (tree_id, node_id)
+        LEFT JOIN snapshots s ON s.tree_id = c.tree_id AND s.snapshot_id = c.snapshot_id
+        """).fetchall()
+    paths = con.sql("""
+        SELECT b.tree_id, b.node_id, a.parent_id IS NULL AS is_root, a.action_text,
+               a.observation_text
+        FROM _start_batch b JOIN nodes c USING (tree_id, node_id)
+        JOIN nodes a ON a.tree_id = c.tree_id AND a.preorder <= c.preorder
+                    AND c.preorder < a.preorder + a.subtree_size
+        ORDER BY b.tree_id, b.node_id, a.depth""").fetchall()
+    turns: dict[tuple[str, int], list[Turn]] = {}
+    for tree_id, node_id, is_root, action, observation in paths:
+        out = turns.setdefault((tree_id, node_id), [])
+        if is_root:
+            out.append(("prompt", observation or ""))
+        else:
+            out += [("action", action or ""), ("observation", observation or "")]
+    by_key = {(r[0], r[1]): r for r in info}
+    starts = []
+    for tree_id, node_id in zip(nodes.column("tree_id").to_pylist(),
+                                nodes.column("node_id").to_pylist(), strict=True):
+        _, _, env_config, depth, reward, blob, state_hash, sid = by_key[(tree_id, node_id)]
+        state = None
+        if reward is None:
+            if blob is None:
+                raise ContinuationError(f"tree {tree_id!r} node {node_id}: no environment "
+                                        f"snapshot (snapshot_id {sid!r}) to continue from")
+            try:
+                state = decompress(blob, state_hash)
+            except ValueError as exc:
+                raise ContinuationError(f"tree {tree_id!r} node {node_id}: {exc}") from exc
+        starts.append(NodeStart(tree_id, int(node_id), tuple(turns[(tree_id, node_id)]), state,
+                                int(depth), step_limit(env_config, max_steps), reward))
+    return starts
 
 
 class TreeBuilder:
@@ -205,13 +346,21 @@ class TreeBuilder:
     nodes back (``node``, ``path``, ``children``, ``leaf_reward``) and finish
     with ``finish``. ``rng`` is the sampler's own random source (seeded per tree).
     ``env_steps`` / ``restores`` / ``policy_calls`` count the work done.
+
+    ``phase_seeds`` seeds the ``run`` calls whose first start has one of its phases
+    (their rollouts' reseed keys and their policy calls) with its seed instead of
+    ``seed``: trees that share ``seed`` then share their other phases and differ in
+    those (the localization study: one explore phase, independent probes).
     """
 
     def __init__(self, env: Environment, policy: Policy, task: Task, n_total: int, *,
                  sampler: str, config: SamplerConfig, seed: int, tree_id: str,
-                 run_id: str = "default") -> None:
+                 run_id: str = "default", phase_seeds: Mapping[str, int] | None = None
+                 ) -> None:
         self.env, self.policy, self.task, self.config = env, policy, task, config
         self.sampler, self.seed, self.tree_id, self.run_id = sampler, seed, tree_id, run_id
+        self.phase_seeds = dict(phase_seeds or {})
+        self._run_seed = seed
         self.budget = Budget(n_total)
         self.rng = np.random.default_rng(mix_seed(seed, "sampler"))
         self.critical_node_id: int | None = None
@@ -289,6 +438,8 @@ class TreeBuilder:
         """
         pending: list[tuple[int, int, str, int]] = []
         leaves: list[list[int]] = []
+        if starts:
+            self._run_seed = self.phase_seeds.get(starts[0][2], self.seed)
 
         def add(new: Sequence[Start]) -> None:
             for node_id, n, phase in new:
@@ -303,37 +454,22 @@ class TreeBuilder:
         active: list[_Branch] = []
         while pending or active:
             # one policy call per distinct n: new starts sample n branches, live ones 1
-            requests: list[tuple[int, _Branch | tuple[int, str, int]]] = []
-            for node_id, n, phase, idx in pending:
-                requests.append((n, (node_id, phase, idx)))
-            for br in active:
-                requests.append((1, br))
+            owners: list[_Branch | tuple[int, str, int]] = [
+                *((node_id, phase, idx) for node_id, _, phase, idx in pending), *active]
+            requests = [(n, self._turns[node_id]) for node_id, n, _, _ in pending]
+            requests += [(1, self._turns[br.node]) for br in active]
             pending = []
-            conts: list[list[Continuation]] = [[] for _ in requests]
-            for n in sorted({n for n, _ in requests}):
-                rows = [i for i, (m, _) in enumerate(requests) if m == n]
-                transcripts = [self._turns[self._owner_node(requests[i][1])] for i in rows]
-                out = self.policy.sample(transcripts, self._sample_config(n))
-                if len(out) != len(rows) or any(len(o) != n for o in out):
-                    raise RuntimeError(f"policy returned {[len(o) for o in out]} continuations "
-                                       f"for {len(rows)} transcripts with n={n}")
-                for i, o in zip(rows, out, strict=True):
-                    conts[i] = o
+            conts = sample_round(self.policy, requests, self._sample_config)
             active = []
-            for (_, owner), cont_list in zip(requests, conts, strict=True):
+            for owner, cont_list in zip(owners, conts, strict=True):
                 for cont in cont_list:
-                    if isinstance(owner, _Branch):
-                        br = owner
-                    else:
-                        node_id, phase, idx = owner
-                        br = _Branch(idx, node_id, phase, mix_seed(self.seed, "rollout",
-                                                                   self._n_rollouts))
-                        self._n_rollouts += 1
+                    br = owner if isinstance(owner, _Branch) else self._begin(*owner)
                     child = self._step(br, cont)
                     if child.reward is not None:
                         leaves[br.start].append(child.node_id)
                     else:
-                        active.append(_Branch(br.start, child.node_id, br.phase, None))
+                        br.node = child.node_id
+                        active.append(br)
                     if on_step is not None:
                         add(on_step(child))  # charged now: later hooks see the budget left
         return leaves
@@ -356,15 +492,23 @@ class TreeBuilder:
 
     # ----- internals ----------------------------------------------------------------------
 
-    @staticmethod
-    def _owner_node(owner: _Branch | tuple[int, str, int]) -> int:
-        return owner.node if isinstance(owner, _Branch) else owner[0]
+    def _begin(self, node_id: int, phase: str, start: int) -> _Branch:
+        """A new rollout from ``node_id``: restore its snapshot, reseed (the primitive)."""
+        key = mix_seed(self._run_seed, "rollout", self._n_rollouts)
+        self._n_rollouts += 1
+        rollout = Continuing.begin(self.env, self.snapshot_of(node_id), key,
+                                   self._turns[node_id], self._depth[node_id],
+                                   self.task.max_steps)
+        self.restores += 1
+        self._env_at = node_id
+        return _Branch(start, node_id, phase, rollout)
 
     def _sample_config(self, n: int) -> SampleConfig:
         self.policy_calls += 1
         c = self.config
         return SampleConfig(n=n, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                            top_p=c.top_p, seed=mix_seed(self.seed, "call", self.policy_calls))
+                            top_p=c.top_p,
+                            seed=mix_seed(self._run_seed, "call", self.policy_calls))
 
     def _encode(self, text: str) -> list[int]:
         """The observation's token ids when the policy can encode text (``encode``), else []."""
@@ -384,17 +528,13 @@ class TreeBuilder:
 
     def _step(self, br: _Branch, cont: Continuation) -> Node:
         parent = self._nodes[br.node]
-        if self._env_at != parent.node_id or br.reseed_key is not None:
+        if self._env_at != parent.node_id:  # another branch stepped the shared env
             self.env.restore(self.snapshot_of(parent.node_id))
             self.restores += 1
-        reseed = getattr(self.env, "reseed", None)
-        if br.reseed_key is not None and callable(reseed):
-            reseed(br.reseed_key)
-        result = self.env.step(cont.text)
+        rollout = br.rollout
+        result = rollout.step(cont.text)
         self.env_steps += 1
-        depth = self._depth[parent.node_id] + 1
-        truncated = not result.done and depth >= self.task.max_steps
-        leaf = result.done or truncated
+        depth, truncated, leaf = rollout.depth, rollout.truncated, rollout.over
         feedback = parent.parent_id is not None and "<tool_response>" in parent.observation_text
         node = Node(
             node_id=len(self._nodes), parent_id=parent.node_id,
@@ -411,9 +551,7 @@ class TreeBuilder:
             tool_calls=int(parse_action(cont.text).kind == "tool_call"),
             phase=br.phase, meta={"truncated": True} if truncated else None,
         )
-        turns = (*self._turns[parent.node_id], ("action", cont.text),
-                 ("observation", result.observation))
-        self._add(node, self.env.snapshot(), depth, turns)
+        self._add(node, self.env.snapshot(), depth, tuple(rollout.turns))
         self._env_at = node.node_id
         return node
 
@@ -439,11 +577,13 @@ class Sampler(ABC):
         """Spend ``builder.budget`` on rollouts (and set ``critical_node_id`` / ``meta``)."""
 
     def sample_tree(self, env: Environment, policy: Policy, task: Task, n_total: int, *,
-                    seed: int, tree_id: str | None = None, run_id: str = "default") -> Tree:
-        """One tree of ``task`` with exactly ``n_total`` rollouts."""
+                    seed: int, tree_id: str | None = None, run_id: str = "default",
+                    phase_seeds: Mapping[str, int] | None = None) -> Tree:
+        """One tree of ``task`` with exactly ``n_total`` rollouts (``phase_seeds``: see
+        ``TreeBuilder``)."""
         builder = TreeBuilder(env, policy, task, n_total, sampler=self.name, config=self.config,
                               seed=seed, tree_id=tree_id or f"{run_id}/{task.task_id}",
-                              run_id=run_id)
+                              run_id=run_id, phase_seeds=phase_seeds)
         self.grow(builder)
         if builder.budget.remaining:
             raise BudgetError(f"{self.name} left {builder.budget.remaining} of {n_total} "
@@ -452,3 +592,9 @@ class Sampler(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"
+
+
+__all__ = ["DEFAULT_MAX_STEPS", "SAMPLER_NAMES", "Budget", "BudgetError", "ContinuationError",
+           "Continuing", "NodeStart", "OnStep", "Sampler", "SamplerConfig", "SamplerName", "Start",
+           "TreeBuilder", "action_segments", "head_entropy", "load_starts", "mix_seed",
+           "reseed_env", "sample_round", "step_limit", "token_char_starts"]

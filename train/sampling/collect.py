@@ -17,7 +17,15 @@
   its own environment, policy and sampler, so ``env`` and ``policy`` must then
   be a registry name / policy spec or a picklable factory) and commits in the
   parent as chunks finish. A caliper sampler then keeps one ``CaliperState``
-  per worker, and the parent's sampler object is not updated.
+  per worker, and the parent's sampler object is not updated;
+* ``ray="auto"|"local"|ADDRESS`` runs the same chunks on ``workers`` Ray actors
+  instead (``train/sampling/ray_collect.py``, the ``ray`` extra): each actor holds its
+  own environment, policy and sampler and commits its chunks itself (the store's
+  concurrent appends) under the same ``commit_key``; a chunk whose actor died is rerun
+  on a fresh actor, which first skips the trees its dead predecessor committed.
+
+Every executor runs ``_sample_chunk``; a chunk is the same ``commit_trees`` tasks, and
+so the same commit key, whichever executor runs it.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import hashlib
 import multiprocessing
+import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -75,6 +85,17 @@ class CollectReport:
     nodes: int = 0
     seconds: float = 0.0
     by_phase: dict[str, int] = field(default_factory=dict)
+    retries: int = 0  # chunks rerun after their Ray actor died
+
+    def add(self, chunk: ChunkResult) -> None:
+        """Count one committed chunk."""
+        self.commits += 1
+        self.trees += chunk.trees
+        self.nodes += chunk.nodes
+        self.retries += chunk.attempt
+        for phase, n in chunk.by_phase.items():
+            self.by_phase[phase] = self.by_phase.get(phase, 0) + n
+            self.rollouts += n
 
     @property
     def trees_per_minute(self) -> float:
@@ -85,7 +106,33 @@ class CollectReport:
         return (f"run {self.run_id} seed {self.seed}: {self.trees} trees committed in "
                 f"{self.commits} commits ({self.skipped} of {self.n_tasks} tasks already "
                 f"stored); {self.nodes} nodes, {self.rollouts} rollouts ({phases}); "
-                f"{self.seconds:.1f} s, {self.trees_per_minute:.1f} trees/min")
+                f"{self.seconds:.1f} s, {self.trees_per_minute:.1f} trees/min"
+                + (f"; {self.retries} chunks retried after a worker died" if self.retries
+                   else ""))
+
+
+@dataclass
+class ChunkResult:
+    """What committing one chunk of trees stored (small: a Ray actor sends it back)."""
+
+    tree_ids: list[str]
+    nodes: int
+    by_phase: dict[str, int]
+    already_stored: bool = False  # a rerun found the chunk committed by its dead first run
+    attempt: int = 0  # 0: first run of the chunk; k: its k-th rerun
+
+    @property
+    def trees(self) -> int:
+        return len(self.tree_ids)
+
+    @classmethod
+    def of(cls, trees: Sequence[Tree], already_stored: bool = False) -> ChunkResult:
+        by_phase: dict[str, int] = {}
+        for t in trees:
+            for phase, n in t.rollouts_by_phase.items():
+                by_phase[phase] = by_phase.get(phase, 0) + n
+        return cls([t.tree_id for t in trees], sum(len(t.nodes) for t in trees), by_phase,
+                   already_stored)
 
 
 def stored_tree_ids(store: Store, run_id: str) -> set[str]:
@@ -131,14 +178,59 @@ def _sample_chunk(env: Environment, policy: Policy, sampler: Sampler, tasks: Seq
     return trees
 
 
+def commit_chunk(store: Store, trees: Sequence[Tree], run_id: str, seed: int) -> ChunkResult:
+    """Commit one chunk under its idempotency key (a retry of a landed commit stores nothing)."""
+    landed = store.append_trees(list(trees), key=commit_key(run_id, seed,
+                                                            [t.tree_id for t in trees]))
+    return ChunkResult.of(trees, already_stored=landed.already_committed)
+
+
+def sample_and_commit_chunk(store: Store, env: Environment, policy: Policy, sampler: Sampler,
+                            tasks: Sequence[Task], n_total: int, seed: int, run_id: str, *,
+                            rerun: bool = False) -> ChunkResult:
+    """``_sample_chunk`` then ``commit_chunk``: the unit of work of a Ray actor.
+
+    ``rerun``: the chunk's previous worker died, possibly after its commit landed; if
+    the chunk's trees are stored they are read back instead of sampled again (a chunk
+    commits atomically: all of them or none; a part stored fails the commit loudly).
+    Sampling again and relying on the commit key alone would do for every sampler but
+    ``caliper``, whose trees depend on the tasks its worker ran before, so a new
+    worker's trees differ.
+    """
+    if rerun:
+        ids = [tree_id_for(run_id, seed, t.task_id) for t in tasks]
+        if set(ids) <= set(store.stored_tree_ids().to_pylist()):
+            from rollout_store import read_trees
+
+            return ChunkResult.of(read_trees(store, ids), already_stored=True)
+    trees = _sample_chunk(env, policy, sampler, tasks, n_total, seed, run_id)
+    return commit_chunk(store, trees, run_id, seed)
+
+
+def worker_specs(env: EnvSpec, policy: PolicySpec, what: str
+                 ) -> tuple[str, str | PolicyFactory]:
+    """Workers build their own environment and policy: refuse objects they cannot rebuild."""
+    if not isinstance(env, str) or not (isinstance(policy, str) or (
+            callable(policy) and not hasattr(policy, "sample"))):
+        raise ValueError(f"{what} needs env as a registry name and policy as a spec string "
+                         "or a picklable factory")
+    return env, policy
+
+
 # ----- worker processes -------------------------------------------------------------------
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(env: str, policy: str | PolicyFactory, sampler: Sampler) -> None:
+def _init_worker(env: str, policy: str | PolicyFactory, sampler: Sampler, threads: int
+                 ) -> None:
     _WORKER["env"] = make_env(env)
     _WORKER["policy"] = resolve_policy(policy, env)
     _WORKER["sampler"] = sampler
+    if "torch" in sys.modules:
+        # Each worker's share of the cores, as Ray gives an actor (OMP_NUM_THREADS=num_cpus):
+        # torch's default of one thread per core in every worker oversubscribes the
+        # machine (measured: 2 workers x 2 threads on 2 busy cores, 0.5x one process).
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def _worker_chunk(tasks: list[Task], n_total: int, seed: int, run_id: str) -> list[Tree]:
@@ -169,12 +261,15 @@ def _progress(enabled: bool, total: int, description: str) -> Iterator[Callable[
 def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampler,
             tasks: Sequence[Task], n_total: int, seed: int, run_id: str, *, workers: int = 1,
             commit_trees: int = 16, progress: bool = True,
-            sampler_params: dict[str, Any] | None = None) -> CollectReport:
+            sampler_params: dict[str, Any] | None = None,
+            ray: str | None = None) -> CollectReport:
     """Sample one tree per task with ``sampler`` and commit them (see the module docstring).
 
     ``env``: an ``Environment`` or a registry name; ``policy``: a ``Policy``, a
     ``load_policy`` spec string, or a factory ``env_name -> Policy``;
-    ``sampler``: a ``Sampler`` or a name (with ``sampler_params``).
+    ``sampler``: a ``Sampler`` or a name (with ``sampler_params``); ``ray``: None (this
+    machine), or where ``workers`` Ray actors run: ``auto``, ``local`` or a cluster
+    address (``ray_collect.connect``).
     """
     if n_total < 1:
         raise ValueError(f"n_total must be >= 1, got {n_total}")
@@ -194,14 +289,19 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
     chunks = [list(todo[i:i + commit_trees]) for i in range(0, len(todo), commit_trees)]
 
     def commit(trees: list[Tree]) -> None:
-        store.append_trees(trees, key=commit_key(run_id, seed, [t.tree_id for t in trees]))
-        report.commits += 1
-        report.trees += len(trees)
-        for t in trees:
-            report.nodes += len(t.nodes)
-            for phase, n in t.rollouts_by_phase.items():
-                report.by_phase[phase] = report.by_phase.get(phase, 0) + n
-                report.rollouts += n
+        report.add(commit_chunk(store, trees, run_id, seed))
+
+    if ray is not None:
+        env_name, pol_spec = worker_specs(env, policy, "ray")
+        from train.sampling.ray_collect import run_chunks_on_ray  # ray is an optional extra
+
+        with _progress(progress, len(todo), f"collect {samp.name} on ray") as advance:
+            for done_chunk in run_chunks_on_ray(ray, workers, store, env_name, pol_spec, samp,
+                                                chunks, n_total, seed, run_id):
+                report.add(done_chunk)
+                advance(done_chunk.trees)
+        report.seconds = time.perf_counter() - start
+        return report
 
     with _progress(progress, len(todo), f"collect {samp.name}") as advance:
         if workers == 1 or len(chunks) <= 1:
@@ -212,13 +312,12 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
                 commit(_sample_chunk(env_obj, pol, samp, chunk, n_total, seed, run_id,
                                      on_tree=lambda: advance(1)))
         else:
-            if not isinstance(env, str) or not (isinstance(policy, str) or (
-                    callable(policy) and not hasattr(policy, "sample"))):
-                raise ValueError("workers > 1 needs env as a registry name and policy as a "
-                                 "spec string or a picklable factory")
+            env_name, pol_spec = worker_specs(env, policy, "workers > 1")
             ctx = multiprocessing.get_context("spawn")
             with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                        initargs=(env, policy, samp)) as pool:
+                                        initargs=(env_name, pol_spec, samp,
+                                                  max(1, (os.cpu_count() or 1) // workers))
+                                        ) as pool:
                 futures = [pool.submit(_worker_chunk, chunk, n_total, seed, run_id)
                            for chunk in chunks]
                 try:

@@ -8,8 +8,10 @@ them, never running anything itself (DESIGN.md sections 1 and 6).
 
 One reference, for a child c of a stored tree:
 
-* the environment is restored from c's snapshot (the state right after c's step;
-  ``snapshots`` table, zstd + sha256-checked), once per rollout, and when the
+* every rollout is the continuation primitive of ``train.sampling.base``
+  (``NodeStart.begin`` / ``Continuing``): the environment is restored from c's
+  snapshot (the state right after c's step; ``snapshots`` table, zstd +
+  sha256-checked, read by ``load_starts``), once per rollout, and when the
   environment has ``reseed(key)`` it is called before each rollout with a key
   derived from the job's seed and the rollout index, so the k rollouts draw
   independent tool outcomes. [R] The key is salted (``mix_seed(seed,
@@ -21,9 +23,9 @@ One reference, for a child c of a stored tree:
   rollouts is one ``sample`` call with ``n = k`` (a shared prefix), later steps
   one ``n = 1`` call over every live rollout of the chunk (lockstep);
 * a rollout ends when the environment says ``done`` or when the tree's step
-  limit is reached: ``max_steps`` (config), else ``trees.env_config.max_steps``
-  (what the samplers record), else ``horizon`` in the task config, else
-  ``DEFAULT_MAX_STEPS``; c's depth counts against it. Success is a final reward
+  limit is reached (``base.step_limit``: ``max_steps`` (config), else
+  ``trees.env_config.max_steps``, else ``horizon`` in the task config, else
+  ``DEFAULT_MAX_STEPS``); c's depth counts against it. Success is a final reward
   >= ``success_threshold`` (default 1.0); a cut rollout fails;
 * a child that is itself a leaf (it has a reward) needs no rollouts: its k
   rollouts would all end where it ended, so successes = k or 0.
@@ -57,28 +59,28 @@ import pyarrow as pa
 
 from rollout_store.reader import connect
 from rollout_store.schema import MC_REFERENCES
-from rollout_store.snapshots import decompress
 from rollout_store.store import Store, now_utc
 from train.envs import Environment, make_env
-from train.policies.base import Policy, SampleConfig, Turn
+from train.policies.base import Policy, SampleConfig
+from train.sampling.base import (
+    DEFAULT_MAX_STEPS,
+    ContinuationError,
+    Continuing,
+    NodeStart,
+    load_starts,
+    mix_seed,
+    sample_round,
+)
 from train.sampling.collect import PolicySpec, resolve_policy
 
 if TYPE_CHECKING:
     import duckdb
 
-DEFAULT_MAX_STEPS = 32
-_MASK63 = (1 << 63) - 1
+Start = NodeStart  # the name this module used before the primitive moved to base.py
 
 
-
-class ReferenceJobError(RuntimeError):
+class ReferenceJobError(ContinuationError):
     """References cannot be sampled as asked (no snapshot, no policy, version mismatch)."""
-
-
-def mix_seed(*parts: int | str) -> int:
-    """A 63-bit seed from integers and strings (stable across processes and runs)."""
-    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & _MASK63
 
 
 @dataclass(frozen=True)
@@ -146,27 +148,6 @@ class ReferenceReport:
                 f"{self.reused} reused, {self.commits} commits in {self.seconds:.1f} s")
 
 
-@dataclass(frozen=True)
-class Start:
-    """One child to reference: where to restore, what to continue, how far."""
-
-    tree_id: str
-    node_id: int
-    transcript: tuple[Turn, ...]
-    state: bytes | None  # the environment snapshot after the child's step
-    steps_left: int
-    leaf_reward: float | None  # the child's reward when it is a leaf
-
-
-@dataclass
-class _Rollout:
-    start: int  # index into the chunk
-    env: Environment
-    turns: list[Turn]
-    action: str
-    steps: int = 0
-
-
 # ----- which children ----------------------------------------------------------------------
 
 
@@ -209,69 +190,6 @@ def reference_children(con: duckdb.DuckDBPyConnection, k: int,
     return table
 
 
-def _step_limit(env_config: str | None, override: int | None) -> int:
-    if override is not None:
-        return override
-    try:
-        cfg = json.loads(env_config) if env_config else {}
-    except json.JSONDecodeError:
-        cfg = {}
-    if isinstance(cfg, dict):
-        for value in (cfg.get("max_steps"), (cfg.get("task") or {}).get("horizon")
-                      if isinstance(cfg.get("task"), dict) else None, cfg.get("horizon")):
-            if isinstance(value, int) and value > 0:
-                return value
-    return DEFAULT_MAX_STEPS
-
-
-def load_starts(con: duckdb.DuckDBPyConnection, children: pa.Table,
-                max_steps: int | None = None) -> list[Start]:
-    """Transcripts, snapshots and step budgets of ``children`` (columns tree_id, node_id,
-    env_config), in the order given. The path of a child is found with the nested-set
-    columns: its ancestors ``a`` have ``a.preorder <= c.preorder < a.preorder +
-    a.subtree_size``."""
-    con.register("_ref_batch", children.select(["tree_id", "node_id", "env_config"]))
-    info = con.sql("""
-        SELECT b.tree_id, b.node_id, b.env_config, c.depth, c.reward, s.state, s.state_hash,
-               c.snapshot_id
-        FROM _ref_batch b JOIN nodes c USING (tree_id, node_id)
-        LEFT JOIN snapshots s ON s.tree_id = c.tree_id AND s.snapshot_id = c.snapshot_id
-        """).fetchall()
-    paths = con.sql("""
-        SELECT b.tree_id, b.node_id, a.parent_id IS NULL AS is_root, a.action_text,
-               a.observation_text
-        FROM _ref_batch b JOIN nodes c USING (tree_id, node_id)
-        JOIN nodes a ON a.tree_id = c.tree_id AND a.preorder <= c.preorder
-                    AND c.preorder < a.preorder + a.subtree_size
-        ORDER BY b.tree_id, b.node_id, a.depth""").fetchall()
-    turns: dict[tuple[str, int], list[Turn]] = {}
-    for tree_id, node_id, is_root, action, observation in paths:
-        out = turns.setdefault((tree_id, node_id), [])
-        if is_root:
-            out.append(("prompt", observation or ""))
-        else:
-            out.append(("action", action or ""))
-            out.append(("observation", observation or ""))
-    by_key = {(r[0], r[1]): r for r in info}
-    starts = []
-    for tree_id, node_id in zip(children.column("tree_id").to_pylist(),
-                                children.column("node_id").to_pylist(), strict=True):
-        _, _, env_config, depth, reward, blob, state_hash, sid = by_key[(tree_id, node_id)]
-        state = None
-        if reward is None:
-            if blob is None:
-                raise ReferenceJobError(f"tree {tree_id!r} node {node_id}: no environment "
-                                     f"snapshot (snapshot_id {sid!r}) to continue from")
-            try:
-                state = decompress(blob, state_hash)
-            except ValueError as exc:
-                raise ReferenceJobError(f"tree {tree_id!r} node {node_id}: {exc}") from exc
-        steps_left = _step_limit(env_config, max_steps) - int(depth)
-        starts.append(Start(tree_id, int(node_id), tuple(turns[(tree_id, node_id)]), state,
-                            steps_left, reward))
-    return starts
-
-
 # ----- sampling ----------------------------------------------------------------------------
 
 
@@ -283,7 +201,7 @@ class _Counters:
 
 
 def run_references(policy: Policy, env_factory: Callable[[], Environment],
-                   starts: Sequence[Start], config: ReferenceConfig,
+                   starts: Sequence[NodeStart], config: ReferenceConfig,
                    counters: _Counters | None = None,
                    on_chunk: Callable[[int], None] | None = None) -> list[int]:
     """Successes out of ``config.k`` rollouts from each start (see the module docstring).
@@ -322,61 +240,50 @@ def run_references(policy: Policy, env_factory: Callable[[], Environment],
     return successes
 
 
-def _sample(policy: Policy, transcripts: Sequence[Sequence[Turn]], n: int,
-            config: ReferenceConfig, seed: int, counters: _Counters) -> list[list[str]]:
-    out = policy.sample(transcripts, SampleConfig(
-        n=n, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-        top_p=config.top_p, seed=seed))
-    counters.policy_calls += 1
-    if len(out) != len(transcripts) or any(len(o) != n for o in out):
-        raise ReferenceJobError(f"policy returned {[len(o) for o in out]} continuations for "
-                             f"{len(transcripts)} transcripts with n={n}")
-    return [[c.text for c in o] for o in out]
-
-
 def _run_chunk(policy: Policy, env_factory: Callable[[], Environment], pool: list[Environment],
-               chunk: Sequence[Start], config: ReferenceConfig,
+               chunk: Sequence[NodeStart], config: ReferenceConfig,
                counters: _Counters) -> list[int]:
-    """k lockstep rollouts from each start of ``chunk``; successes per start."""
+    """k lockstep rollouts from each start of ``chunk`` (the continuation primitive; the
+    first round one ``n = k`` call, then ``n = 1`` over the live rollouts); successes per
+    start."""
     anchor = f"{chunk[0].tree_id}/{chunk[0].node_id}"
-    firsts = _sample(policy, [s.transcript for s in chunk], config.k, config,
-                     mix_seed(config.seed, "mc-reference", anchor, 0), counters)
-    rollouts: list[_Rollout] = []
-    for j, (start, actions) in enumerate(zip(chunk, firsts, strict=True)):
-        for i, action in enumerate(actions):
-            if len(pool) <= len(rollouts):
-                pool.append(env_factory())
-            env = pool[len(rollouts)]
-            assert start.state is not None
-            env.restore(start.state)
-            reseed = getattr(env, "reseed", None)
-            if callable(reseed):
-                reseed(mix_seed(config.seed, "mc-reference", i))
-            rollouts.append(_Rollout(j, env, list(start.transcript), action))
-    counters.rollouts += len(rollouts)
-    wins = [0] * len(chunk)
-    active = rollouts
     step = 0
+
+    def config_for(n: int) -> SampleConfig:
+        counters.policy_calls += 1
+        return SampleConfig(n=n, max_new_tokens=config.max_new_tokens,
+                            temperature=config.temperature, top_p=config.top_p,
+                            seed=mix_seed(config.seed, "mc-reference", anchor, step))
+
+    firsts = sample_round(policy, [(config.k, s.transcript) for s in chunk], config_for)
+    owner: list[int] = []
+    active: list[Continuing] = []
+    actions: list[str] = []
+    for j, (start, conts) in enumerate(zip(chunk, firsts, strict=True)):
+        for i, cont in enumerate(conts):
+            if len(pool) <= len(active):
+                pool.append(env_factory())
+            active.append(start.begin(pool[len(active)], mix_seed(config.seed, "mc-reference",
+                                                                  i)))
+            owner.append(j)
+            actions.append(cont.text)
+    counters.rollouts += len(active)
+    wins = [0] * len(chunk)
     while active:
-        live = []
-        for r in active:
-            result = r.env.step(r.action)
+        live, live_owner = [], []
+        for r, j, action in zip(active, owner, actions, strict=True):
+            r.step(action)
             counters.env_steps += 1
-            r.steps += 1
-            r.turns += [("action", r.action), ("observation", result.observation)]
-            if result.done:
-                wins[r.start] += int(float(result.reward_parts["reward"])
-                                     >= config.success_threshold)
-            elif r.steps < chunk[r.start].steps_left:
+            if r.done:
+                wins[j] += int(r.reward >= config.success_threshold)
+            elif not r.at_limit:  # else: cut at the step limit, a failure
                 live.append(r)
-            # else: cut at the step limit, a failure
-        active = live
+                live_owner.append(j)
+        active, owner = live, live_owner
         step += 1
         if active:
-            nexts = _sample(policy, [r.turns for r in active], 1, config,
-                            mix_seed(config.seed, "mc-reference", anchor, step), counters)
-            for r, a in zip(active, nexts, strict=True):
-                r.action = a[0]
+            nexts = sample_round(policy, [(1, r.turns) for r in active], config_for)
+            actions = [a[0].text for a in nexts]
     return wins
 
 
@@ -492,7 +399,10 @@ def collect_references(store: Store, config: ReferenceConfig | None = None, *,
                 version = tree_version
             else:
                 pol, version = policies[(env_name, None)], target
-            starts = load_starts(con, batch, config.max_steps)
+            try:
+                starts = load_starts(con, batch, config.max_steps)
+            except ContinuationError as exc:
+                raise ReferenceJobError(str(exc)) from exc
 
             def factory(name: str = env_name) -> Environment:
                 return make_env(name, **(env_kwargs or {}))
