@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and exactly this version: any other spec pulls a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,s3]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -38,3 +38,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) store-demo out .pytest_cache .mypy_cache .ruff_cache
+
+# Regenerate the trainer's golden trajectory (tests/golden/trainer_calc.json) on purpose only.
+.PHONY: golden
+golden: $(STAMP)
+	$(BIN)/python tests/test_trainer_golden.py --write

@@ -18,8 +18,17 @@ policy calls per tree.
 Target [ours; issue 6 sets none]: bel and caliper keep at least 0.5x of
 group's trees per minute.
 
+``--executors`` (issue 16) instead times one sampler (the first of ``--samplers``) on
+each way ``collect`` runs its chunks: ``one`` process, ``processes`` (``--workers``
+spawned processes) and ``ray`` (``--workers`` actors on a local Ray instance with
+``--workers`` CPUs, started once before the timings; its start-up is printed apart, the
+actors' start is inside each timing). Workers need the policy as a spec, so this mode
+takes ``--policy`` on ``--env`` (``tabular`` on workflow with ``--fallback``). Ratios
+are trees/min over ``one``'s; no target (on 2 cores the ceiling is 2x).
+
     .venv/bin/python benchmarks/bench_collect.py [--tasks 16 --n-total 16 --repeat 3]
         [--env calc --policy tiny] [--random-init --max-new-tokens 32] [--fallback]
+    .venv/bin/python benchmarks/bench_collect.py --executors one processes ray --workers 2
 """
 
 from __future__ import annotations
@@ -87,6 +96,47 @@ def load(env: str, spec: str, fallback: bool, random_init: bool) -> tuple[str, A
         f"uniform tabular policy on workflow (FALLBACK: {why})"
 
 
+def compare_executors(args: argparse.Namespace) -> None:
+    """trees/min of one sampler run by each executor (``--executors``)."""
+    env, spec = ("workflow", "tabular") if args.fallback else (args.env, args.policy)
+    sampler = args.samplers[0]
+    tasks = env_class(env).generate_tasks(args.tasks, seed=0)
+    ray_started = None
+    if "ray" in args.executors:
+        import logging
+
+        import ray
+
+        start = time.perf_counter()
+        ray.init(num_cpus=args.workers, include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False)
+        ray_started = time.perf_counter() - start
+    print(f"collect executors: {sampler}, policy {spec} on {env}; {args.tasks} tasks x "
+          f"n_total {args.n_total}, {args.workers} workers, {args.commit_trees} trees per "
+          f"commit, {args.repeat} repeats" + (f"; ray.init {ray_started:.1f} s (not timed)"
+                                                if ray_started is not None else ""))
+    options: dict[str, dict[str, Any]] = {
+        "one": {}, "processes": {"workers": args.workers},
+        "ray": {"workers": args.workers, "ray": "auto"}}
+    timings = {name: Timings(name) for name in args.executors}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeat):
+            for name in args.executors:
+                store = Store(Path(tmp) / f"{name}-{rep}", create=True)
+                start = time.perf_counter()
+                report = collect(store, env, spec, sampler, tasks, args.n_total, seed=rep,
+                                 run_id=f"bench-{name}", commit_trees=args.commit_trees,
+                                 progress=False, **options[name])
+                timings[name].seconds.append(time.perf_counter() - start)
+                assert report.trees == args.tasks, report.summary()
+    base = timings[args.executors[0]]
+    rows = [[name, f"{t.min:.2f}", f"{t.median:.2f}", f"{60 * args.tasks / t.min:.1f}",
+             f"{60 * args.tasks / t.median:.1f}", f"{base.min / t.min:.2f}",
+             f"{base.median / t.median:.2f}"] for name, t in timings.items()]
+    print_table(["executor", "min s", "median s", "trees/min (min)", "trees/min (median)",
+                 f"x {base.name} (min)", f"x {base.name} (median)"], rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="calc")
@@ -100,7 +150,14 @@ def main() -> None:
                     help="tiny with fresh random weights (no checkpoint needed; its steps run "
                          "to --max-new-tokens, so this measures compute, not a real mix)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--executors", nargs="+", choices=["one", "processes", "ray"],
+                    help="Compare executors instead of samplers (module docstring).")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--commit-trees", type=int, default=2)
     args = ap.parse_args()
+    if args.executors:
+        compare_executors(args)
+        return
     if "group" not in args.samplers:
         args.samplers.insert(0, "group")
 

@@ -7,10 +7,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-console = Console()
-err = Console(stderr=True, soft_wrap=True)
+from cli._common import console, fail, parse_params, require
 
 
 def default_run_id(env: str, sampler: str, policy: str, n_total: int) -> str:
@@ -32,34 +30,38 @@ def collect_command(
     run_id: Annotated[str | None, typer.Option(
         help="Run id (default: ENV-SAMPLER-POLICY-nN_TOTAL). A rerun with the same run id "
              "and seed skips the trees already stored.")] = None,
-    workers: Annotated[int, typer.Option(help="Worker processes (each loads the policy).")] = 1,
+    workers: Annotated[int, typer.Option(
+        help="Worker processes, or Ray actors with --ray (each loads the policy).")] = 1,
     commit_trees: Annotated[int, typer.Option(help="Trees per commit.")] = 16,
     param: Annotated[list[str] | None, typer.Option(
         "--param", help="Sampler option KEY=VALUE (repeatable), e.g. b_max=4.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    ray: Annotated[str | None, typer.Option(
+        "--ray", help="Collect on Ray (the ray extra): auto (a running cluster, else a new "
+                      "local one), local, or a cluster ADDRESS; --workers actors.")] = None,
 ) -> None:
     """Sample one rollout tree per task with a sampler and a policy, commit them to a store."""
     from rollout_store import SchemaMismatchError, Store, StoreError
-    from train.envs import env_class
+    from train.envs import ENVIRONMENTS, env_class
+    from train.policies import PolicyUnavailableError
     from train.sampling.collect import collect
 
-    params: dict[str, str] = {}
-    for item in param or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            err.print(f"[bold red]error:[/] --param {item!r}: expected KEY=VALUE", highlight=False)
-            raise typer.Exit(1)
-        params[key.strip()] = value.strip()
+    params = parse_params(param)
+    for option, value in (("--tasks", tasks), ("--n-total", n_total), ("--workers", workers),
+                          ("--commit-trees", commit_trees)):
+        require(value >= 1, f"{option} must be at least 1, got {value}")
+    require(env in ENVIRONMENTS, f"--env {env!r}: unknown environment; choose from "
+                                 f"{', '.join(sorted(ENVIRONMENTS))}")
     try:
         generated = env_class(env).generate_tasks(tasks, seed)
         s = Store(store, create=True)
         report = collect(s, env, policy, sampler, generated, n_total, seed,
                          run_id or default_run_id(env, sampler, policy, n_total),
                          workers=workers, commit_trees=commit_trees, progress=progress,
-                         sampler_params=params)
-    except (ValueError, RuntimeError, StoreError, SchemaMismatchError) as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
-        raise typer.Exit(1) from exc
+                         sampler_params=params, ray=ray)
+    except (ValueError, RuntimeError, StoreError, SchemaMismatchError, OSError,
+            PolicyUnavailableError) as exc:
+        fail(str(exc))
     console.print(report.summary(), highlight=False, markup=False)
 
 
