@@ -1,21 +1,9 @@
-"""Credit-drift audit (DSC-Gate Figs. 2-3): how action credit moves across a policy update.
+"""Credit-drift report (DSC-Gate Figs. 2-3) from the drift study's ``pairs.parquet``.
 
-METHODS.md section 5 (D1, D2, D6), DESIGN.md section 6. On ``workflow`` tasks
-with tabular policies every number is exact:
-
-1. an old policy mu per task (``workflow_study.base_policy``) and updates
-   mu -> pi of several sizes: for each update kind (ordinary / branch-selective)
-   one random direction scaled to each matched global-KL target (the L1 sweep,
-   KL(P_mu || P_pi) = .15/.35/.60/.85 by default);
-2. at every recoverable decision state reachable under mu, for every pair (a, b)
-   of valid actions: the old credit c_mu = Q_mu(a) - Q_mu(b), the new credit c_pi,
-   the drift Delta c = c_pi - c_mu, the branch sensitivity G(a, b) (D2), the pairwise
-   KL and the update's global KL (``analysis.sensitivity``);
-3. the per-pair table goes to ``pairs.parquet``; every statistic is computed from
-   that file by DuckDB SQL plus rank statistics, so
-   ``drift_summary(out_dir / "pairs.parquet", tau)`` recomputes the report numbers.
-
-Statistics:
+The data come from ``train.studies.drift`` (exact credits, drift and branch
+sensitivity per (task, update, decision state, action pair), METHODS.md section 5,
+D1, D2, D6); this module reads that file only and computes (DuckDB SQL plus rank
+statistics, ``analysis.stats``):
 
 * reversal rate above the relevance threshold tau [R: tau = 0.02, the regret
   threshold of section 5]: among pairs with |c_mu| > tau, the fraction whose
@@ -25,18 +13,22 @@ Statistics:
   |G| < |c_mu| predicts survival correctly;
 * Spearman rho of |Delta c| with the global KL, the pairwise KL and |G| (pooled
   over tasks, updates, states and pairs; also root-state pairs only), with a
-  task-cluster bootstrap CI of rho(|G|) - rho(KL) (the paper's L1 contrast:
-  0.839 [0.830, 0.847] for |G| over KL).
+  task-cluster bootstrap CI of each rho and of rho(|G|) - rho(KL) (the paper's L1
+  contrast: 0.839 [0.830, 0.847] for |G| over KL);
+* the same correlations within each task, averaged over tasks (``per_task_spearman``,
+  task-bootstrap CIs), and the L1 verdicts (``l1_verdicts``, ``analysis.verdicts``).
 
-Reproduce: ``drift_audit(out_dir, DriftConfig(...))`` (every random choice is
-seeded by ``seed``).
+The same report serves ``rtrees study dsc-l1`` (study kind ``dsc-l1``: the drift data at
+the L1 settings of ``train.jobs``).
+
+``drift_results(study_dir)`` writes ``results.json``, ``report.md`` and the plots;
+``rtrees audit report --study DIR`` rebuilds them.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,130 +36,105 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from analysis.sensitivity import UpdateAnalysis, action_pairs, decision_states, occupancy
-from analysis.workflow_study import (
-    DEFAULT_KL_TARGETS,
-    UPDATE_KINDS,
-    UpdateKind,
-    base_policy,
+from analysis.report import (
+    NothingToReport,
+    ReportOutput,
     fmt,
-    make_tasks,
-    make_updates,
+    fmt_ci,
     new_figure,
+    open_study,
+    read_study,
+    register_study_report,
     save_figure,
-    spearman,
-    task_model,
-    tool_name,
     write_json,
 )
-from train.envs.base import Task
-from train.envs.workflow import DEFAULT_HORIZONS
+from analysis.stats import cluster_draws, percentile_ci, spearman
+from analysis.verdicts import verdict, verdict_lines
 
 PAPER_L1_RHO_GAIN = (0.839, (0.830, 0.847))  # METHODS section 5 results, L1
-
-
-@dataclass(frozen=True)
-class DriftConfig:
-    """The drift audit's settings (defaults: about 10-20 s on one core)."""
-
-    n_tasks: int = 12
-    """Workflow tasks (horizons cycle through ``horizons``)."""
-    seed: int = 0
-    """Seeds the tasks, mu and the update directions."""
-    horizons: tuple[int, ...] = DEFAULT_HORIZONS
-    """Task horizons (DSC-Gate L1: 6 / 9 / 12)."""
-    kinds: tuple[UpdateKind, ...] = UPDATE_KINDS
-    """Update kinds (``workflow_study.update_direction``)."""
-    kl_targets: tuple[float, ...] = DEFAULT_KL_TARGETS
-    """Matched global-KL sizes of the updates (0 gives pi = mu)."""
-    tau: float = 0.02
-    """Relevance threshold of the reversal rate: pairs with |c_mu| > tau [R]."""
-    n_boot: int = 300
-    """Task-cluster bootstrap resamples for the Spearman contrasts."""
-    mu_beta: float = 3.0
-    """mu's logits = mu_beta * Q* + mu_noise * N(0, 1) (``base_policy``)."""
-    mu_noise: float = 0.5
-    noise_frac: float = 0.5
-    """Noise share of an update direction (``update_direction``)."""
-
-    def __post_init__(self) -> None:
-        if self.n_tasks < 1:
-            raise ValueError(f"n_tasks must be >= 1, got {self.n_tasks}")
-        if not self.kl_targets or min(self.kl_targets) < 0:
-            raise ValueError(f"kl_targets must be non-empty and >= 0, got {self.kl_targets}")
-        if self.tau < 0:
-            raise ValueError(f"tau must be >= 0, got {self.tau}")
-
-
-@dataclass
-class _Columns:
-    values: dict[str, list[Any]] = field(default_factory=dict)
-
-    def add(self, **row: Any) -> None:
-        for k, v in row.items():
-            self.values.setdefault(k, []).append(v)
-
-
-def task_pairs(task: Task, config: DriftConfig, task_index: int) -> dict[str, list[Any]]:
-    """The per-pair rows of one task: every update x decision state x action pair."""
-    model = task_model(task)
-    rng = np.random.default_rng([config.seed, task_index, 1])
-    mu = base_policy(model, rng, config.mu_beta, config.mu_noise)
-    updates = make_updates(model, mu, rng, config.kinds, config.kl_targets, config.noise_frac)
-    s0 = model.initial_state()
-    states = decision_states(model)
-    d_mu = occupancy(model, mu)
-    optimal = model.optimal_values()
-    cols = _Columns()
-    for u_index, update in enumerate(updates):
-        ua = UpdateAnalysis(model, mu, update.policy)
-        global_kl = ua.global_kl()
-        for s in states:
-            for a, b in action_pairs(model, s):
-                c_old, c_new = ua.credit_old(s, a, b), ua.credit_new(s, a, b)
-                cols.add(task_id=task.task_id, horizon=model.horizon, update=u_index,
-                         kind=update.kind, kl_target=update.kl_target, eta=update.eta,
-                         global_kl=global_kl, stage=s.stage, t=s.t, broken=s.broken,
-                         root=s == s0, occupancy=d_mu.get(s, 0.0),
-                         live=optimal.q(s, a) > 0.0 and optimal.q(s, b) > 0.0,
-                         action_a=tool_name(a),
-                         action_b=tool_name(b), c_old=c_old, c_new=c_new,
-                         drift=c_new - c_old, g=ua.branch_sensitivity(s, a, b),
-                         pairwise_kl=ua.pairwise_kl(s, a, b))
-    return cols.values
-
-
-def collect_pairs(config: DriftConfig) -> pa.Table:
-    """The per-pair table of every task (exact; no sampling)."""
-    tasks = make_tasks(config.n_tasks, config.seed, config.horizons)
-    merged: dict[str, list[Any]] = {}
-    for i, task in enumerate(tasks):
-        for k, v in task_pairs(task, config, i).items():
-            merged.setdefault(k, []).extend(v)
-    return pa.table(merged)
+DRIFT_KINDS = ("drift", "dsc-l1")  # study.json kinds this module reports
 
 
 # ----------------------------------------------------------------- statistics
 def _bootstrap_rho_gain(table: dict[str, np.ndarray], n_boot: int, seed: int
                         ) -> dict[str, list[float]]:
-    """Task-cluster bootstrap percentile 95% CIs of rho(|G|) - rho(KL) (both KLs)."""
+    """Task-cluster bootstrap percentile 95% CIs of the pooled rho(|G|) - rho(KL) (both
+    KLs, keys ``global_kl`` / ``pairwise_kl``) and of each pooled rho (keys ``rho_abs_g``,
+    ``rho_global_kl``, ``rho_pairwise_kl``)."""
     tasks = table["task_id"]
     names, inverse = np.unique(tasks, return_inverse=True)
     rows_of = [np.flatnonzero(inverse == i) for i in range(names.size)]
     rng = np.random.default_rng(seed)
-    gains: dict[str, list[float]] = {"global_kl": [], "pairwise_kl": []}
+    samples: dict[str, list[float]] = {k: [] for k in (
+        "global_kl", "pairwise_kl", "rho_abs_g", "rho_global_kl", "rho_pairwise_kl")}
     drift = np.abs(table["drift"])
-    for _ in range(n_boot):
-        pick = np.concatenate([rows_of[i] for i in rng.integers(0, names.size, names.size)])
+    for draws in cluster_draws(rng, n_boot, names.size):
+        pick = np.concatenate([rows_of[i] for i in draws[0]])
         rho_g = spearman(drift[pick], np.abs(table["g"][pick]))
-        for name in gains:
-            gains[name].append(rho_g - spearman(drift[pick], table[name][pick]))
-    out = {}
-    for name, values in gains.items():
-        arr = np.array(values)
-        arr = arr[np.isfinite(arr)]
-        out[name] = ([float(np.percentile(arr, 2.5)), float(np.percentile(arr, 97.5))]
-                     if arr.size else [math.nan, math.nan])
+        samples["rho_abs_g"].append(rho_g)
+        for name in ("global_kl", "pairwise_kl"):
+            rho = spearman(drift[pick], table[name][pick])
+            samples[f"rho_{name}"].append(rho)
+            samples[name].append(rho_g - rho)
+    return {name: percentile_ci(np.array(values)) for name, values in samples.items()}
+
+
+def per_task_spearman(table: Mapping[str, np.ndarray], n_boot: int, seed: int
+                      ) -> dict[str, Any]:
+    """Spearman rho of |drift| with |G|, pairwise KL and global KL within each task (over
+    its updates x states x pairs; the global KL varies across the task's updates), their
+    means over tasks and the gains mean(rho_G - rho_KL), each with a task bootstrap
+    percentile 95% CI (tasks resampled with replacement, ``cluster_draws``).
+
+    This is the paper's L1 unit [R]: its Fig. 3 aggregates per-task gains ("each
+    hexagon aggregates one or more confirmation tasks"). A task whose rho is undefined
+    (constant drift) is left out of that mean."""
+    tasks = np.asarray(table["task_id"])
+    names, inverse = np.unique(tasks, return_inverse=True)
+    per: dict[str, list[float]] = {"abs_g": [], "pairwise_kl": [], "global_kl": []}
+    drift = np.abs(np.asarray(table["drift"], np.float64))
+    for i in range(names.size):
+        m = inverse == i
+        per["abs_g"].append(spearman(drift[m], np.abs(table["g"][m])))
+        per["pairwise_kl"].append(spearman(drift[m], table["pairwise_kl"][m]))
+        per["global_kl"].append(spearman(drift[m], table["global_kl"][m]))
+    arrays = {k: np.asarray(v) for k, v in per.items()}
+    arrays["gain_global_kl"] = arrays["abs_g"] - arrays["global_kl"]
+    arrays["gain_pairwise_kl"] = arrays["abs_g"] - arrays["pairwise_kl"]
+    rng = np.random.default_rng([seed, 7])
+    out: dict[str, Any] = {"n_tasks": int(names.size)}
+    for name, values in arrays.items():
+        finite = values[np.isfinite(values)]
+        if not finite.size:
+            out[name] = {"value": math.nan, "ci95": [math.nan, math.nan], "n_tasks": 0}
+            continue
+        boots = [float(np.mean(finite[d[0]])) for d in cluster_draws(rng, n_boot,
+                                                                         finite.size)]
+        out[name] = {"value": float(np.mean(finite)),
+                     "ci95": percentile_ci(np.array(boots)) if boots else [math.nan] * 2,
+                     "n_tasks": int(finite.size)}
+    return out
+
+
+def l1_verdicts(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The L1 claim "|G| explains drift better than KL" (paper: the Spearman gain 0.839
+    [0.830, 0.847]) judged on the per-task and the pooled gains over global and pairwise
+    KL (``analysis.verdicts``)."""
+    paper, (plo, phi) = PAPER_L1_RHO_GAIN
+    text = f"|G| beats KL by {paper} [{plo}, {phi}] in Spearman rho (480 tasks, LM policy)"
+    out = []
+    per = summary["per_task"]
+    for name, label in (("global_kl", "global KL"), ("pairwise_kl", "pairwise KL")):
+        g = per[f"gain_{name}"]
+        out.append(verdict(
+            f"L1: |G| explains |drift| better than {label} (per task)",
+            f"mean over tasks of rho(|G|) - rho({label})", g["value"], g["ci95"], 0.0,
+            "above", text, paper).to_json())
+        pooled = summary["rho_gain_g_over"][name]
+        out.append(verdict(
+            f"L1: |G| explains |drift| better than {label} (pooled)",
+            f"pooled rho(|G|) - rho({label})", pooled["value"],
+            pooled["ci95"] or [math.nan, math.nan], 0.0, "above", text, paper).to_json())
     return out
 
 
@@ -240,6 +207,7 @@ def drift_summary(pairs_path: Path, tau: float = 0.02, n_boot: int = 300, seed: 
     gain = {name: corr["all"]["abs_g"] - corr["all"][name]
             for name in ("global_kl", "pairwise_kl")}
     ci = _bootstrap_rho_gain(table, n_boot, seed) if n_boot > 0 else {}
+    per_task = per_task_spearman(table, n_boot, seed)
     return {
         "tau": tau, "n_pairs": n_all, "n_relevant": n_rel, "reversals": rev,
         "reversal_rate": rev / n_rel if n_rel else math.nan,
@@ -254,6 +222,9 @@ def drift_summary(pairs_path: Path, tau: float = 0.02, n_boot: int = 300, seed: 
         "spearman": corr,
         "rho_gain_g_over": {name: {"value": gain[name], "ci95": ci.get(name)}
                             for name in gain},
+        "spearman_ci95": {name: ci.get(f"rho_{name}")
+                          for name in ("abs_g", "global_kl", "pairwise_kl")},
+        "per_task": per_task,
     }
 
 
@@ -304,18 +275,20 @@ def drift_plots(table: pa.Table, summary: dict[str, Any], out_dir: Path) -> list
 
 
 def drift_report(results: dict[str, Any]) -> str:
-    """The markdown report of a drift results dict (``drift_audit``'s return value)."""
+    """The markdown report of a drift results dict (``drift_results``' return value)."""
     s = results["summary"]
     c = results["config"]
     lines = [
-        "# Credit drift audit (DSC-Gate Figs. 2-3, exact on workflow)", "",
+        ("# DSC-Gate L1: branch sensitivity explains credit drift (exact on workflow)"
+         if results.get("audit") == "dsc-l1" else
+         "# Credit drift audit (DSC-Gate Figs. 2-3, exact on workflow)"), "",
         f"{c['n_tasks']} workflow tasks (horizons {c['horizons']}), update kinds "
         f"{c['kinds']}, matched global-KL targets {c['kl_targets']}; {s['n_pairs']} "
         f"(update, decision state, action pair) rows; every value is exact (tabular "
         "policies, dynamic programming). Per-pair table: `pairs.parquet`.", "",
         "## Reversals", "",
         f"Relevance threshold τ = {s['tau']}: {s['n_relevant']} relevant pairs "
-        f"(|c_μ| > τ), {s['reversals']} sign reversals, rate {fmt(s['reversal_rate'])}. "
+        f"(|c_μ| > τ), {s['reversals']} sign reversals, rate {fmt(s['reversal_rate'], 4)}. "
         "*Live* pairs are those where both actions can still succeed (Q* > 0); a pair with "
         "a dead action (e.g. skipping a required stage) has Q = 0 on that side under every "
         "policy and rarely flips. *Root*: pairs at the initial state (the three-action "
@@ -329,15 +302,15 @@ def drift_report(results: dict[str, Any]) -> str:
     for r in s["by_update"]:
         lines.append(
             f"| {r['kind']} | {r['kl_target']} | {fmt(r['global_kl'], 3)} | {r['n_pairs']} | "
-            f"{fmt(r['mean_abs_drift'])} | {fmt(r['max_abs_drift'])} | {r['n_relevant']} | "
-            f"{fmt(r['reversal_rate'])} | {r['n_relevant_live']} | "
-            f"{fmt(r['reversal_rate_live'])} | {r['n_relevant_root']} | "
-            f"{fmt(r['reversal_rate_root'])} |")
+            f"{fmt(r['mean_abs_drift'], 4)} | {fmt(r['max_abs_drift'], 4)} | {r['n_relevant']} | "
+            f"{fmt(r['reversal_rate'], 4)} | {r['n_relevant_live']} | "
+            f"{fmt(r['reversal_rate_live'], 4)} | {r['n_relevant_root']} | "
+            f"{fmt(r['reversal_rate_root'], 4)} |")
     d6 = s["d6"]
     lines += [
         "",
         f"D6 (|Δc| < |c_μ| suffices for survival) holds exactly for "
-        f"{fmt(d6['exact_survival_condition_rate'])} of relevant pairs. The first-order "
+        f"{fmt(d6['exact_survival_condition_rate'], 4)} of relevant pairs. The first-order "
         f"version |G| < |c_μ| predicts survival for {d6['g_predicts_survival']} of them, "
         f"of which {d6['reversed_despite_g_survival']} reversed anyway; of the "
         f"{d6['g_flags_risk']} it flags, {d6['reversed_among_g_flagged']} reversed.",
@@ -356,6 +329,22 @@ def drift_report(results: dict[str, Any]) -> str:
     gain = s["rho_gain_g_over"]
     ci_g, ci_p = gain["global_kl"]["ci95"], gain["pairwise_kl"]["ci95"]
     paper, (plo, phi) = PAPER_L1_RHO_GAIN
+    sci = s.get("spearman_ci95", {})
+    if any(sci.values()):
+        lines += ["", "Pooled rho with task-bootstrap 95% CIs: " + "; ".join(
+            f"{name} {fmt_ci(s['spearman']['all'][name], sci[name])}"
+            for name in ("abs_g", "pairwise_kl", "global_kl") if sci.get(name))]
+    per = s["per_task"]
+    lines += ["", f"Per task (Spearman within each of {per['n_tasks']} tasks, then the mean "
+              "over tasks; the paper's Fig. 3 unit [R]), task-bootstrap 95% CIs:", "",
+              "| statistic | mean over tasks | 95% CI | tasks |", "|---|---|---|---|"]
+    for name, label in (("abs_g", "rho(|G|)"), ("pairwise_kl", "rho(pairwise KL)"),
+                        ("global_kl", "rho(global KL)"),
+                        ("gain_global_kl", "rho(|G|) - rho(global KL)"),
+                        ("gain_pairwise_kl", "rho(|G|) - rho(pairwise KL)")):
+        row = per[name]
+        lines.append(f"| {label} | {fmt(row['value'])} | [{fmt(row['ci95'][0])}, "
+                     f"{fmt(row['ci95'][1])}] | {row['n_tasks']} |")
     lines += [
         "",
         f"rho(|G|) - rho(global KL) = {fmt(gain['global_kl']['value'], 3)}"
@@ -365,6 +354,7 @@ def drift_report(results: dict[str, Any]) -> str:
         + f" (task-cluster bootstrap 95% CIs, {c['n_boot']} resamples). The paper's L1 "
         f"reports |G| beating KL by {paper} [{plo}, {phi}] (480 tasks, an LM policy).",
         "",
+        "## Verdicts", "", *verdict_lines(results.get("verdicts", [])), "",
         "## Definitions [R]", "",
         "- credit c(a, b) = Q(s, a) - Q(s, b) at every recoverable decision state reachable "
         "under μ; drift Δc = c_π - c_μ.",
@@ -377,33 +367,50 @@ def drift_report(results: dict[str, Any]) -> str:
         "it; step size matched to each KL target by bisection.",
         "",
         "Plots: " + ", ".join(f"`{f}`" for f in results["plots"]), "",
-        f"Reproduce: `drift_audit(out_dir, DriftConfig(**config))` with the config in "
+        f"Reproduce: `train.jobs.drift_study(out_dir, DriftConfig(**config))` with the config in "
         f"`results.json` ({results['seconds']:.1f} s here).",
     ]
     return "\n".join(lines) + "\n"
 
 
-def drift_audit(out_dir: str | Path, config: DriftConfig | None = None) -> dict[str, Any]:
-    """Run the credit-drift audit; write ``pairs.parquet``, ``results.json``, ``report.md``
-    and PNG plots to ``out_dir``; return the results dict (the content of results.json)."""
-    config = config or DriftConfig()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    table = collect_pairs(config)
-    pairs_path = out / "pairs.parquet"
-    pq.write_table(table, pairs_path)
-    summary = drift_summary(pairs_path, config.tau, config.n_boot, config.seed)
+def drift_results(study_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """The drift report of a study directory (``study.json`` + ``pairs.parquet``): write
+    ``results.json``, ``report.md`` and PNG plots into ``out_dir`` (default: the study
+    directory); return the results dict (the content of results.json)."""
+    kind = str(read_study(Path(study_dir))["study"])
+    if kind not in DRIFT_KINDS:
+        raise NothingToReport(f"{study_dir} is a {kind!r} study, not one of {DRIFT_KINDS}")
+    src, out, study = open_study(study_dir, out_dir, kind)
+    config = study["config"]
+    pairs_path = src / study["pairs_path"]
+    summary = drift_summary(pairs_path, config["tau"], config["n_boot"], config["seed"])
     results: dict[str, Any] = {
-        "audit": "drift", "config": asdict(config), "summary": summary,
-        "pairs_path": pairs_path.name, "plots": [],
+        "audit": kind, "config": config, "summary": summary,
+        "pairs_path": study["pairs_path"], "plots": [], "verdicts": l1_verdicts(summary),
     }
-    results["plots"] = drift_plots(table, summary, out)
-    results["seconds"] = time.perf_counter() - start
+    results["plots"] = drift_plots(pq.read_table(pairs_path), summary, out)
+    results["seconds"] = study["seconds"]
     (out / "report.md").write_text(drift_report(results))
     write_json(out / "results.json", results)
     return results
 
 
-__all__ = ["DriftConfig", "collect_pairs", "drift_audit", "drift_plots", "drift_report",
-           "drift_summary", "task_pairs"]
+@register_study_report("drift")
+@register_study_report("dsc-l1")
+def build_drift_report(study_dir: Path, out: Path) -> ReportOutput:
+    """The registered study builder (``analysis.report.build_study_report``) of the drift
+    study and of ``rtrees study dsc-l1`` (the same data at L1 settings)."""
+    res = drift_results(study_dir, out)
+    s = res["summary"]
+    title = "DSC-Gate L1: branch sensitivity and drift" if res["audit"] == "dsc-l1" \
+        else "Credit drift audit"
+    return ReportOutput(res["audit"], out, title,
+                        f"rho(|G|) = {fmt(s['spearman']['all']['abs_g'])}, reversal rate "
+                        f"{fmt(s['reversal_rate'])}; "
+                        + ", ".join(v["verdict"] for v in res["verdicts"]),
+                        (out / "report.md",))
+
+
+__all__ = ["DRIFT_KINDS", "PAPER_L1_RHO_GAIN", "build_drift_report", "drift_plots",
+           "drift_report", "drift_results", "drift_summary", "l1_verdicts",
+           "per_task_spearman"]

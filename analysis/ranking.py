@@ -56,10 +56,7 @@ counts, so all resamples are one matrix product with per-tree sums.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -69,17 +66,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analysis.report import (
-    BarSeries,
-    NothingToReport,
-    ReportOutput,
-    bar_plot_with_intervals,
-    fmt,
-    fmt_ci,
-    markdown_table,
-    register_report,
-    scatter_panels,
-    write_json,
+from analysis.stats import (
+    Estimate,
+    MethodStatistics,
+    PairedDifference,
+    PrefixStats,
+    RankingStatistics,
+    group_index,
+    prefix_stats,
+    ranking_statistics,
 )
 
 if TYPE_CHECKING:
@@ -88,283 +83,13 @@ if TYPE_CHECKING:
     from rollout_store.store import Store, StoreVersion
 
 MissingCredit = Literal["error", "drop"]
-_PAIR_CHUNK = 4_000_000  # pairs formed at a time (bounds memory on huge prefixes)
-_BOOT_CHUNK = 4_000_000  # resample-by-tree matrix entries held at a time
+SplitBy = Literal["sampler", "run"]
+SPLIT_COLUMNS: dict[str, str] = {"sampler": "sampler", "run": "run_id"}  # by -> trees column
 
 
 class RankingError(RuntimeError):
     """The store lacks what the audit needs (credits, references); the message says what
     to run."""
-
-
-# ===== statistics (pure numpy) ===============================================================
-
-
-def _sign_diff(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """sign(x[a] - x[b]) as int8, exact (compares, never subtracts)."""
-    xa, xb = x[a], x[b]
-    return (xa > xb).astype(np.int8) - (xa < xb).astype(np.int8)
-
-
-def group_index(keys: Sequence[np.ndarray]) -> np.ndarray:
-    """Index 0..G-1 of consecutive runs of equal key tuples (rows sorted by the keys)."""
-    n = len(keys[0])
-    if n == 0:
-        return np.zeros(0, np.int64)
-    new = np.zeros(n, bool)
-    new[0] = True
-    for key in keys:
-        new[1:] |= key[1:] != key[:-1]
-    return np.cumsum(new) - 1
-
-
-@dataclass(frozen=True)
-class PrefixStats:
-    """Per-prefix sufficient statistics of E10-E11 (shapes: G prefixes, K methods).
-
-    ``tree[g]`` is the tree index of prefix g; ``n_children`` M; ``concordance``
-    S = n_c - n_d; ``untied_score`` A = n_0 - n_1; ``untied_reference`` B = n_0 - n_2.
-    """
-
-    tree: np.ndarray  # (G,) int64
-    n_children: np.ndarray  # (G,) int64
-    concordance: np.ndarray  # (G, K) float64 (exact integers)
-    untied_score: np.ndarray  # (G, K) float64 (exact integers)
-    untied_reference: np.ndarray  # (G,) float64 (exact integers)
-
-    @property
-    def n_pairs(self) -> np.ndarray:
-        return self.n_children * (self.n_children - 1) // 2
-
-    @property
-    def included(self) -> np.ndarray:
-        """Prefixes E11 keeps: references not all tied (B > 0)."""
-        return self.untied_reference > 0
-
-    def tau_b(self) -> np.ndarray:
-        """(G, K) Kendall τ_b per prefix (E11); NaN where the references all tie, 0 where
-        only the scores all tie [R]."""
-        denom = np.sqrt(self.untied_score * self.untied_reference[:, None])
-        with np.errstate(invalid="ignore", divide="ignore"):
-            tau = np.where(denom > 0, self.concordance / np.where(denom > 0, denom, 1.0), 0.0)
-        tau[~self.included] = np.nan
-        return tau
-
-
-def prefix_stats(tree: np.ndarray, group: np.ndarray, q: np.ndarray, scores: np.ndarray,
-                 pair_chunk: int = _PAIR_CHUNK) -> PrefixStats:
-    """E10-E11 sufficient statistics of every prefix.
-
-    Inputs, one entry per child, sorted so that each prefix's children are
-    contiguous: ``tree`` (N,) tree index, ``group`` (N,) prefix index 0..G-1
-    (non-decreasing), ``q`` (N,) reference, ``scores`` (N, K) one column per
-    method. The pairs i < j of each prefix are enumerated by index arithmetic:
-    child c (position p in a prefix of size M) pairs with the M-1-p children after
-    it, so ``a = repeat(c, M-1-p)`` and ``b = a + 1 + offset``; pair counts are
-    summed per prefix with ``bincount``. O(Σ M²) time; pairs are formed at most
-    ``pair_chunk`` at a time.
-    """
-    scores = np.asarray(scores, dtype=np.float64)
-    if scores.ndim == 1:
-        scores = scores[:, None]
-    n, k = scores.shape
-    group = np.asarray(group, dtype=np.int64)
-    if n and np.any(np.diff(group) < 0):
-        raise ValueError("children must be sorted by prefix (group must be non-decreasing)")
-    q = np.asarray(q, dtype=np.float64)
-    sizes = np.bincount(group) if n else np.zeros(0, np.int64)
-    n_groups = len(sizes)
-    offsets = np.cumsum(sizes) - sizes
-    later = (sizes[group] - 1 - (np.arange(n) - offsets[group])).astype(np.int64)  # (N,)
-    conc = np.zeros((n_groups, k))
-    untied_s = np.zeros((n_groups, k))
-    untied_q = np.zeros(n_groups)
-    cum = np.cumsum(later)
-    bounds = np.searchsorted(cum, np.arange(pair_chunk, int(cum[-1]) if n else 0, pair_chunk))
-    starts = np.concatenate([[0], bounds + 1]) if n else np.zeros(0, np.int64)
-    stops = np.concatenate([bounds + 1, [n]]) if n else np.zeros(0, np.int64)
-    for c0, c1 in zip(starts.tolist(), stops.tolist(), strict=True):  # chunks, not prefixes
-        reps = later[c0:c1]
-        n_pairs = int(reps.sum())
-        if n_pairs == 0:
-            continue
-        a = np.repeat(np.arange(c0, c1), reps)  # (P,) first child of each pair
-        first = np.cumsum(reps) - reps
-        b = a + 1 + (np.arange(n_pairs) - np.repeat(first, reps))  # (P,) a later sibling
-        g = group[a]
-        dq = _sign_diff(q, a, b)
-        untied_q += np.bincount(g, weights=dq != 0, minlength=n_groups)
-        for m in range(k):  # methods, not prefixes
-            ds = _sign_diff(scores[:, m], a, b)
-            conc[:, m] += np.bincount(g, weights=ds * dq, minlength=n_groups)
-            untied_s[:, m] += np.bincount(g, weights=ds != 0, minlength=n_groups)
-    first_child = offsets if n else np.zeros(0, np.int64)
-    g_tree = np.asarray(tree, dtype=np.int64)[first_child] if n else np.zeros(0, np.int64)
-    return PrefixStats(g_tree, sizes.astype(np.int64), conc, untied_s, untied_q)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """A statistic and its percentile-bootstrap interval (NaN when undefined)."""
-
-    value: float
-    ci: tuple[float, float]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"estimate": self.value, "ci": list(self.ci)}
-
-
-@dataclass(frozen=True)
-class MethodStatistics:
-    """E10-E11 for one method."""
-
-    label: str
-    pairwise_accuracy: Estimate
-    tau_b_macro: Estimate
-    tau_b_pooled: Estimate
-    n_prefixes: int  # prefixes with references not all tied (E11's)
-    n_pairs: int  # pairs untied in the reference (E10's denominator)
-    n_prefixes_score_tied: int  # of those, prefixes where every score ties (τ_b := 0)
-
-
-@dataclass(frozen=True)
-class PairedDifference:
-    """Method ``a`` minus method ``b`` on the same prefixes and bootstrap resamples."""
-
-    a: str
-    b: str
-    pairwise_accuracy: Estimate
-    tau_b_macro: Estimate
-    tau_b_pooled: Estimate
-
-
-@dataclass(frozen=True)
-class RankingStatistics:
-    """Everything the audit reports, for methods in input order."""
-
-    methods: list[MethodStatistics]
-    differences: list[PairedDifference]
-    n_trees: int  # trees with at least one audited prefix (the bootstrap units)
-    n_prefixes: int  # audited prefixes (all children referenced and scored)
-    n_prefixes_reference_tied: int  # skipped by E11: every reference ties
-    n_children: int
-    n_pairs: int  # pairs untied in the reference
-    n_pairs_total: int  # all within-prefix pairs, ties included
-    n_boot: int
-    level: float
-    seed: int
-    tau_b_prefix: np.ndarray = field(repr=False)  # (G, K), NaN where skipped
-
-    def method(self, label: str) -> MethodStatistics:
-        for m in self.methods:
-            if m.label == label:
-                return m
-        raise KeyError(label)
-
-
-def _point(conc: np.ndarray, untied_s: np.ndarray, untied_q: np.ndarray,
-           tau_sum: np.ndarray, n_inc: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(pairwise accuracy, macro τ_b, pooled τ_b) from sums over prefixes; the leading
-    axes are resamples (or none), the last is methods. ``untied_q`` and ``n_inc`` lack the
-    method axis."""
-    with np.errstate(invalid="ignore", divide="ignore"):
-        acc = 0.5 + 0.5 * conc / untied_q[..., None]
-        macro = tau_sum / n_inc[..., None]
-        denom = np.sqrt(untied_s * untied_q[..., None])
-        pooled = np.where(denom > 0, conc / np.where(denom > 0, denom, 1.0), 0.0)
-    pooled = np.where(untied_q[..., None] > 0, pooled, np.nan)
-    return acc, macro, pooled
-
-
-def _tree_counts(rng: np.random.Generator, n_boot: int, n_trees: int) -> np.ndarray:
-    """(n_boot, n_trees) multiplicity of each tree in each resample (trees drawn with
-    replacement, n_trees per resample)."""
-    draws = rng.integers(0, n_trees, size=(n_boot, n_trees))
-    flat = draws + (np.arange(n_boot) * n_trees)[:, None]
-    return np.bincount(flat.ravel(), minlength=n_boot * n_trees).reshape(n_boot, n_trees)
-
-
-def ranking_statistics(tree: np.ndarray, group: np.ndarray, q: np.ndarray, scores: np.ndarray,
-                       labels: Sequence[str], n_boot: int = 2000, level: float = 0.95,
-                       seed: int = 0) -> RankingStatistics:
-    """E10-E11 per method with tree-bootstrap intervals and paired differences.
-
-    Inputs as in ``prefix_stats`` (``tree`` indexes trees 0..T-1; ``scores`` has one
-    column per label). ``n_boot = 0`` skips the bootstrap (intervals NaN).
-    """
-    scores = np.asarray(scores, dtype=np.float64)
-    scores = scores[:, None] if scores.ndim == 1 else scores
-    if scores.shape[1] != len(labels):
-        raise ValueError(f"{scores.shape[1]} score columns for {len(labels)} labels")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must lie in (0, 1), got {level}")
-    ps = prefix_stats(tree, group, q, scores)
-    inc = ps.included
-    tau = ps.tau_b()
-    tau_inc = np.where(inc[:, None], tau, 0.0)
-    # Per-tree sums (T, ...) over the included prefixes: the bootstrap's sufficient stats.
-    t_index, n_trees = _dense(ps.tree)
-    per_tree = [np.stack([np.bincount(t_index, w * inc, minlength=n_trees)
-                          for w in col.T], axis=1)
-                for col in (ps.concordance, ps.untied_score, tau_inc)]
-    ur_t = np.bincount(t_index, ps.untied_reference * inc, minlength=n_trees)
-    ninc_t = np.bincount(t_index, inc.astype(float), minlength=n_trees)
-    conc_t, us_t, tau_t = per_tree
-    point = _point(conc_t.sum(0), us_t.sum(0), np.asarray(ur_t.sum()), tau_t.sum(0),
-                   np.asarray(ninc_t.sum()))
-    k = len(labels)
-    pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
-    alpha = (1.0 - level) / 2.0
-    ci = np.full((3, 2, k), np.nan)
-    ci_diff = np.full((3, 2, len(pairs)), np.nan)
-    if n_boot > 0 and n_trees > 0:
-        rng = np.random.default_rng(seed)
-        boot = np.empty((3, n_boot, k))
-        rows = max(1, _BOOT_CHUNK // n_trees)
-        for r0 in range(0, n_boot, rows):  # chunks of resamples
-            r1 = min(n_boot, r0 + rows)
-            w = _tree_counts(rng, r1 - r0, n_trees).astype(np.float64)  # (R, T)
-            stats = _point(w @ conc_t, w @ us_t, w @ ur_t, w @ tau_t, w @ ninc_t)
-            for s in range(3):
-                boot[s, r0:r1] = stats[s]
-        with warnings.catch_warnings():  # all-NaN slices: no resample defines the statistic
-            warnings.simplefilter("ignore", RuntimeWarning)
-            ci = np.nanquantile(boot, [alpha, 1.0 - alpha], axis=1)  # (2, 3, K)
-            ci = np.moveaxis(ci, 0, 1)  # (3, 2, K)
-            if pairs:
-                ia = [i for i, _ in pairs]
-                ib = [j for _, j in pairs]
-                diff = boot[:, :, ia] - boot[:, :, ib]
-                ci_diff = np.moveaxis(np.nanquantile(diff, [alpha, 1.0 - alpha], axis=1), 0, 1)
-
-    def est(s: int, m: int) -> Estimate:
-        return Estimate(float(point[s][m]), (float(ci[s, 0, m]), float(ci[s, 1, m])))
-
-    methods = [
-        MethodStatistics(label, est(0, m), est(1, m), est(2, m), int(inc.sum()),
-                         int(ps.untied_reference[inc].sum()),
-                         int(np.sum(inc & (ps.untied_score[:, m] == 0))))
-        for m, label in enumerate(labels)
-    ]
-
-    def dest(s: int, p: int) -> Estimate:
-        i, j = pairs[p]
-        return Estimate(float(point[s][i] - point[s][j]),
-                        (float(ci_diff[s, 0, p]), float(ci_diff[s, 1, p])))
-
-    differences = [PairedDifference(labels[i], labels[j], dest(0, p), dest(1, p), dest(2, p))
-                   for p, (i, j) in enumerate(pairs)]
-    return RankingStatistics(
-        methods=methods, differences=differences, n_trees=n_trees,
-        n_prefixes=len(ps.n_children), n_prefixes_reference_tied=int((~inc).sum()),
-        n_children=len(q), n_pairs=int(ps.untied_reference.sum()),
-        n_pairs_total=int(ps.n_pairs.sum()), n_boot=n_boot, level=level, seed=seed,
-        tau_b_prefix=tau)
-
-
-def _dense(values: np.ndarray) -> tuple[np.ndarray, int]:
-    uniq, index = np.unique(values, return_inverse=True)
-    return index.astype(np.int64), len(uniq)
 
 
 # ===== the store side (SQL) ==================================================================
@@ -391,7 +116,7 @@ class MethodRef:
         return cmd
 
 
-def _credit_hashes(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[str, str | None]]]:
+def credit_hashes(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[str, str | None]]]:
     """Every method's parameter hashes with their params JSON, most recent first."""
     rows = con.sql("""
         SELECT method, method_params_hash, any_value(method_params), max(created_at) AS last
@@ -413,7 +138,7 @@ def resolve_methods(con: duckdb.DuckDBPyConnection, names: Sequence[str],
     """
     if not names:
         raise RankingError("no methods to audit")
-    available = _credit_hashes(con)
+    available = credit_hashes(con)
     refs = []
     for name in names:
         method, _, prefix = name.strip().partition("@")
@@ -518,6 +243,15 @@ class RankingData:
                    seed: int = 0) -> RankingStatistics:
         return ranking_statistics(self.tree, self.group, self.q, self.scores, self.labels,
                                   n_boot, level, seed)
+
+    def subset(self, tree_mask: np.ndarray) -> RankingData:
+        """The rows of the trees with ``tree_mask[tree]`` (a (T,) bool array), prefixes
+        renumbered; tree indices and ids are kept (so bootstrap units stay trees)."""
+        rows = np.flatnonzero(np.asarray(tree_mask, bool)[self.tree])
+        tree, parent = self.tree[rows], self.parent_id[rows]
+        return replace(self, tree=tree, group=group_index([tree, parent]), parent_id=parent,
+                       node_id=self.node_id[rows], successes=self.successes[rows],
+                       k_total=self.k_total[rows], scores=self.scores[rows])
 
     @staticmethod
     def from_table(table: pa.Table, labels: Sequence[str]) -> RankingData:
@@ -636,8 +370,13 @@ class RankingConfig:
     n_boot: int = 2000
     level: float = 0.95
     seed: int = 0
+    by: SplitBy | None = None
+    """Also audit each group of trees separately: ``sampler`` (``trees.sampler``, i.e. the
+    tree construction) or ``run`` (``trees.run_id``); None: the pooled audit only."""
 
     def __post_init__(self) -> None:
+        if self.by is not None and self.by not in SPLIT_COLUMNS:
+            raise ValueError(f"by must be one of {sorted(SPLIT_COLUMNS)}, got {self.by!r}")
         if not self.methods:
             raise ValueError("methods must name at least one method")
         if self.k < 1:
@@ -659,6 +398,8 @@ class RankingResult:
     data: RankingData
     stats: RankingStatistics
     dropped_methods: dict[str, str] = field(default_factory=dict)
+    groups: dict[str, RankingStatistics] = field(default_factory=dict)
+    """With ``config.by``: the audit of each group's trees (same bootstrap settings)."""
 
     def to_json(self) -> dict[str, Any]:
         """The ``results.json`` document (keys documented in ``write_ranking_report``)."""
@@ -709,7 +450,42 @@ class RankingResult:
             "methods": methods,
             "paired_differences": diffs,
             "dropped_methods": self.dropped_methods,
+            **({"by": self.config.by, "groups": {
+                name: _stats_json(g) for name, g in self.groups.items()}}
+               if self.config.by else {}),
         }
+
+
+def _stats_json(s: RankingStatistics) -> dict[str, Any]:
+    """One group's statistics (``RankingResult.groups``) as JSON."""
+    return {
+        "n_trees": s.n_trees, "n_prefixes": s.n_prefixes, "n_pairs": s.n_pairs,
+        "methods": {m.label: {"pairwise_accuracy": m.pairwise_accuracy.to_json(),
+                              "kendall_tau_b": {"macro": m.tau_b_macro.to_json(),
+                                                "pooled": m.tau_b_pooled.to_json()},
+                              "n_prefixes": m.n_prefixes, "n_pairs": m.n_pairs}
+                    for m in s.methods},
+        "paired_differences": {f"{d.a}-{d.b}": {
+            "pairwise_accuracy": d.pairwise_accuracy.to_json(),
+            "kendall_tau_b": {"macro": d.tau_b_macro.to_json(),
+                              "pooled": d.tau_b_pooled.to_json()}} for d in s.differences},
+    }
+
+
+def split_statistics(con: duckdb.DuckDBPyConnection, data: RankingData, by: SplitBy,
+                     n_boot: int, level: float, seed: int) -> dict[str, RankingStatistics]:
+    """E10-E11 of each group of trees (``trees.sampler`` or ``trees.run_id``), in group
+    name order; groups without an audited prefix are left out."""
+    column = SPLIT_COLUMNS[by]
+    rows = con.sql(f"SELECT tree_id, {column} FROM trees").fetchall()
+    value = {t: str(v) for t, v in rows}
+    names = np.array([value.get(t, "") for t in data.tree_ids], dtype=object)
+    out: dict[str, RankingStatistics] = {}
+    for name in sorted(set(names.tolist())):
+        part = data.subset(names == name)
+        if len(part.tree):
+            out[name] = part.statistics(n_boot, level, seed)
+    return out
 
 
 def ranking_audit(store: Store | str | Path, config: RankingConfig, *,
@@ -743,165 +519,14 @@ def ranking_audit(store: Store | str | Path, config: RankingConfig, *,
                            + "; ".join(dropped.values()))
     stats = data.statistics(config.n_boot, config.level, config.seed)
     kept = [m for m in methods if m.label in data.labels]
-    return RankingResult(config, path, dict(pinned.versions), kept, data, stats, dropped)
-
-
-# ===== the report ============================================================================
-
-
-def write_ranking_report(result: RankingResult, out: Path) -> list[Path]:
-    """Write ``results.json``, ``report.md``, ``ranking.png`` and ``score_vs_reference.png``.
-
-    ``results.json`` keys: ``methods.<label>.pairwise_accuracy`` (E10),
-    ``.kendall_tau_b.macro`` / ``.pooled`` (E11), ``.n_prefixes``, ``.n_pairs``,
-    ``.ci.pairwise_accuracy`` / ``.ci.kendall_tau_b.{macro,pooled}`` ([low, high]);
-    ``paired_differences.<a>-<b>.{pairwise_accuracy, kendall_tau_b.{macro,pooled}}``
-    with ``estimate`` and ``ci``; ``coverage``, ``bootstrap`` and provenance.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    doc = result.to_json()
-    s = result.stats
-    files = [write_json(out / "results.json", doc)]
-    labels = [m.label for m in s.methods]
-    level = f"{round(100 * s.level)}%"
-    panels = [
-        BarSeries("pairwise accuracy (E10)", [m.pairwise_accuracy.value for m in s.methods],
-                  [m.pairwise_accuracy.ci for m in s.methods], reference=0.5),
-        BarSeries("Kendall τ_b, macro (E11)", [m.tau_b_macro.value for m in s.methods],
-                  [m.tau_b_macro.ci for m in s.methods], reference=0.0),
-        BarSeries("Kendall τ_b, pooled (E11)", [m.tau_b_pooled.value for m in s.methods],
-                  [m.tau_b_pooled.ci for m in s.methods], reference=0.0),
-    ]
-    files.append(bar_plot_with_intervals(
-        out / "ranking.png", labels, panels,
-        suptitle=f"Mean@{result.config.k} ranking audit ({level} tree-bootstrap intervals)"))
-    d = result.data
-    files.append(scatter_panels(
-        out / "score_vs_reference.png", d.q, {lab: d.scores[:, i] for i, lab in
-                                              enumerate(d.labels)},
-        xlabel=f"reference q = Mean@{result.config.k}", ylabel="method score (credit)",
-        suptitle="child score vs reference (every audited child)"))
-    md = _markdown(result, doc, level)
-    (out / "report.md").write_text(md)
-    files.append(out / "report.md")
-    return files
-
-
-def _markdown(result: RankingResult, doc: dict[str, Any], level: str) -> str:
-    s = result.stats
-    cov = doc["coverage"]
-    who = ("each tree's own policy version" if result.config.reference_policy is None
-           else f"policy version `{result.config.reference_policy}`")
-    rows = [[m.label, f"`{doc['methods'][m.label]['method_params_hash']}`",
-             fmt_ci(m.pairwise_accuracy.value, m.pairwise_accuracy.ci),
-             fmt_ci(m.tau_b_macro.value, m.tau_b_macro.ci),
-             fmt_ci(m.tau_b_pooled.value, m.tau_b_pooled.ci),
-             m.n_prefixes, m.n_pairs, m.n_prefixes_score_tied] for m in s.methods]
-    lines = [
-        f"# Mean@{result.config.k} ranking audit",
-        "",
-        f"Store `{result.store}` at version {', '.join(f'{k}@{v}' for k, v in result.store_version.items())}. "  # noqa: E501
-        f"References: k = {result.config.k} rollouts per child, sampled with {who}.",
-        "",
-        f"{cov['n_prefixes_audited']} audited prefixes (branching nodes) in {cov['n_trees']} "
-        f"trees, {cov['n_children']} children; {cov['n_prefixes_reference_tied']} prefixes "
-        f"skipped because every reference ties; {cov['n_pairs']} of "
-        f"{cov['n_pairs_total']} pairs untied in the reference. "
-        f"{cov['n_prefixes_missing_reference']} of {cov['n_prefixes_branching']} branching "
-        "nodes lack a reference for some child and are left out.",
-        "",
-        markdown_table(["method", "params", f"pairwise accuracy [{level} CI]",
-                        f"τ_b macro [{level} CI]", f"τ_b pooled [{level} CI]", "prefixes",
-                        "pairs", "score-tied prefixes"], rows),
-        "",
-    ]
-    if s.differences:
-        drows = [[f"{d.a} - {d.b}", fmt_ci(d.pairwise_accuracy.value, d.pairwise_accuracy.ci),
-                  fmt_ci(d.tau_b_macro.value, d.tau_b_macro.ci),
-                  fmt_ci(d.tau_b_pooled.value, d.tau_b_pooled.ci)] for d in s.differences]
-        lines += ["## Paired differences (same prefixes, same bootstrap resamples)", "",
-                  markdown_table(["a - b", "pairwise accuracy", "τ_b macro", "τ_b pooled"],
-                                 drows), ""]
-    if result.dropped_methods:
-        lines += ["## Methods left out", ""]
-        lines += [f"- {why}" for why in result.dropped_methods.values()]
-        lines.append("")
-    lines += [
-        "![bars](ranking.png)", "", "![scatter](score_vs_reference.png)", "",
-        "## Definitions", "",
-        "- Pairwise accuracy (E10): over pairs of children of one prefix whose references "
-        "differ, the share ordered like the reference; pairs tied in the score count ½. "
-        "Pooled over all such pairs (½ is chance).",
-        "- Kendall τ_b (E11): (n_c - n_d)/√((n_0 - n_1)(n_0 - n_2)) per prefix, averaged "
-        "over prefixes (macro), and pooled as Σ(n_c - n_d)/√(Σ(n_0 - n_1)·Σ(n_0 - n_2)). "
-        "Prefixes where every reference ties are skipped; a prefix where every score ties "
-        "counts τ_b = 0 [R].",
-        f"- Intervals: {s.n_boot} percentile-bootstrap resamples of trees (seed {s.seed}); "
-        "paired differences use the same resamples for both methods.",
-        "- Scores are the `credits.value` of each child; n/a marks an undefined value.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def reference_sets(con: duckdb.DuckDBPyConnection) -> list[tuple[int, str | None]]:
-    """Distinct (k, reference policy) of the stored references: None when the reference
-    was sampled with the tree's own policy version."""
-    rows = con.sql("""
-        SELECT DISTINCT r.k, CASE WHEN r.policy_version IS NOT DISTINCT FROM t.policy_version
-                                  THEN NULL ELSE r.policy_version END AS policy
-        FROM mc_references r JOIN trees t USING (tree_id)
-        ORDER BY r.k, policy NULLS FIRST""").fetchall()
-    return [(int(k), p) for k, p in rows]
-
-
-def _slug(text: str) -> str:
-    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:40]
-    return f"{clean}-{hashlib.sha256(text.encode()).hexdigest()[:6]}"
-
-
-def report_dir_name(k: int, policy: str | None) -> str:
-    """``ranking-k32`` (own policy) or ``ranking-k32-policy-<slug>``."""
-    return f"ranking-k{k}" if policy is None else f"ranking-k{k}-policy-{_slug(policy)}"
-
-
-@register_report("ranking")
-def build_ranking_reports(store: Store, out: Path, n_boot: int = 2000,
-                          seed: int = 0) -> list[ReportOutput]:
-    """One ranking report per stored reference set (k, policy), over every method with
-    credits (each at its latest parameter hash; methods lacking credit for an audited
-    tree are listed as left out). Reads only the store."""
-    from rollout_store.reader import connect
-
-    con = connect(store)
-    sets = reference_sets(con)
-    names = sorted(_credit_hashes(con))
-    if not sets:
-        raise NothingToReport("no mc_references in the store")
-    if not names:
-        raise NothingToReport("no credits in the store")
-    outputs = []
-    for k, policy in sets:
-        config = RankingConfig(tuple(names), k=k, reference_policy=policy, n_boot=n_boot,
-                               seed=seed)
-        try:
-            result = ranking_audit(store, config, on_missing_credit="drop")
-        except RankingError as exc:  # listed in the index, without a link
-            outputs.append(ReportOutput("ranking", out / report_dir_name(k, policy),
-                                        f"Mean@{k} ranking audit", f"not built: {exc}"))
-            continue
-        directory = out / report_dir_name(k, policy)
-        files = write_ranking_report(result, directory)
-        best = max(result.stats.methods, key=lambda m: m.tau_b_macro.value)
-        summary = (f"{result.stats.n_prefixes} prefixes, {len(result.stats.methods)} methods; "
-                   f"highest macro τ_b: {best.label} {fmt(best.tau_b_macro.value)}")
-        title = f"Mean@{k} ranking audit" + ("" if policy is None else f" (policy {policy})")
-        outputs.append(ReportOutput("ranking", directory, title, summary, tuple(files)))
-    return outputs
+    groups = (split_statistics(con, data, config.by, config.n_boot, config.level, config.seed)
+              if config.by else {})
+    return RankingResult(config, path, dict(pinned.versions), kept, data, stats, dropped,
+                         groups)
 
 
 __all__ = ["Estimate", "MethodRef", "MethodStatistics", "PairedDifference", "PrefixStats",
            "RankingConfig", "RankingData", "RankingError", "RankingResult",
-           "RankingStatistics", "build_ranking_reports", "group_index", "load_ranking_data",
+           "RankingStatistics", "group_index", "load_ranking_data",
            "missing_credit", "prefix_stats", "ranking_audit", "ranking_statistics",
-           "reference_sets", "resolve_methods", "write_ranking_report"]
+           "resolve_methods", "split_statistics"]

@@ -6,7 +6,8 @@ directory. This module holds what they share:
 * writers: ``write_json`` (NaN and inf become ``null``), ``markdown_table``,
   ``fmt_ci``;
 * plots (matplotlib, ``Agg`` backend, imported when first used):
-  ``bar_plot_with_intervals`` and ``scatter_panels``;
+  ``bar_plot_with_intervals``, ``scatter_panels``, and ``new_figure`` /
+  ``save_figure`` for a study's own plots;
 * a registry of report builders. An audit module registers a function that
   rebuilds its reports from a store::
 
@@ -17,11 +18,19 @@ directory. This module holds what they share:
   registered builder, each into ``out/<its subdirectories>``, and writes an
   index ``out/report.md`` linking them. Builders must read only the store
   (never run a policy or an environment): whatever they need from fresh
-  samples is a collection job that has written to the store first.
+  samples is a collection job that has written to the store first;
+* a registry of *study* report builders (``register_study_report(kind)``): a study
+  of ``train.studies`` writes ``study.json`` (with ``"study": kind``) and its data
+  files into a directory; ``build_study_report(study_dir, out)`` rebuilds that
+  study's ``results.json``, ``report.md`` and plots from those files alone, and
+  ``build_reports(store, out, studies=[...])`` adds them to the index.
+
+Number format: ``fmt`` (``n/a`` for None / NaN; 3 digits unless a table asks for
+more), ``fmt_ci`` for ``value [low, high]``.
 
 To add an audit: write ``analysis/<audit>.py`` with a builder decorated by
-``register_report``, and add the module name to ``AUDIT_MODULES`` so that
-``build_reports`` imports it.
+``register_report`` (or ``register_study_report``), and add the module name to
+``AUDIT_MODULES`` so that ``build_reports`` imports it.
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ if TYPE_CHECKING:
     from rollout_store.store import Store
 
 # Modules whose import registers report builders (kept sorted).
-AUDIT_MODULES: tuple[str, ...] = ("analysis.ranking",)
+AUDIT_MODULES: tuple[str, ...] = ("analysis.constructions", "analysis.drift", "analysis.gates",
+                                   "analysis.localization", "analysis.ranking_report",
+                                   "analysis.recovery")
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,8 @@ class NothingToReport(Exception):
 
 ReportBuilder = Callable[["Store", Path], list[ReportOutput]]
 REPORT_BUILDERS: dict[str, ReportBuilder] = {}
+StudyBuilder = Callable[[Path, Path], ReportOutput]  # (study dir, out dir)
+STUDY_BUILDERS: dict[str, StudyBuilder] = {}
 
 
 def register_report(name: str) -> Callable[[ReportBuilder], ReportBuilder]:
@@ -81,8 +94,60 @@ def register_report(name: str) -> Callable[[ReportBuilder], ReportBuilder]:
     return deco
 
 
-def build_reports(store: Store, out: Path, names: Sequence[str] | None = None) -> BuildSummary:
-    """Run every registered builder (or those in ``names``) and write ``out/report.md``."""
+def register_study_report(kind: str) -> Callable[[StudyBuilder], StudyBuilder]:
+    """Register ``builder(study_dir, out) -> ReportOutput`` for ``study.json``'s ``kind``."""
+
+    def deco(builder: StudyBuilder) -> StudyBuilder:
+        STUDY_BUILDERS[kind] = builder
+        return builder
+
+    return deco
+
+
+def read_study(study_dir: Path, kind: str | None = None) -> dict[str, Any]:
+    """A study directory's ``study.json`` (``NothingToReport`` when there is none, or it
+    is of another kind)."""
+    path = Path(study_dir) / "study.json"
+    if not path.is_file():
+        raise NothingToReport(f"{study_dir} holds no study.json (run the study first)")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise NothingToReport(f"{path} is not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or "study" not in doc:
+        raise NothingToReport(f"{path} names no study kind")
+    if kind is not None and doc["study"] != kind:
+        raise NothingToReport(f"{path} is a {doc['study']!r} study, not {kind!r}")
+    return doc
+
+
+def open_study(study_dir: str | Path, out_dir: str | Path | None, kind: str
+               ) -> tuple[Path, Path, dict[str, Any]]:
+    """(study directory, output directory (created; default: the study directory), its
+    ``study.json``) for a report builder of ``kind``."""
+    src = Path(study_dir)
+    out = Path(out_dir) if out_dir is not None else src
+    study = read_study(src, kind)
+    out.mkdir(parents=True, exist_ok=True)
+    return src, out, study
+
+
+def build_study_report(study_dir: Path, out: Path | None = None) -> ReportOutput:
+    """Rebuild one study's report from its directory (into ``out``, default the study
+    directory itself)."""
+    for module in AUDIT_MODULES:
+        importlib.import_module(module)
+    kind = str(read_study(study_dir)["study"])
+    if kind not in STUDY_BUILDERS:
+        raise NothingToReport(f"no report builder for study kind {kind!r}")
+    return STUDY_BUILDERS[kind](Path(study_dir), Path(out) if out else Path(study_dir))
+
+
+def build_reports(store: Store | None, out: Path, names: Sequence[str] | None = None,
+                  studies: Sequence[Path] = ()) -> BuildSummary:
+    """Run every registered store builder (or those in ``names``) on ``store`` (None: none)
+    and rebuild each study directory of ``studies`` into ``out/<its name>``; write the
+    index ``out/report.md``."""
     for module in AUDIT_MODULES:
         importlib.import_module(module)
     unknown = sorted(set(names or ()) - set(REPORT_BUILDERS))
@@ -91,11 +156,20 @@ def build_reports(store: Store, out: Path, names: Sequence[str] | None = None) -
     out.mkdir(parents=True, exist_ok=True)
     summary = BuildSummary()
     for name in sorted(names or REPORT_BUILDERS):
+        if store is None:
+            break
         try:
             summary.outputs += REPORT_BUILDERS[name](store, out)
         except NothingToReport as exc:
             summary.skipped[name] = str(exc)
-    lines = ["# Audit reports", "", f"Store: `{store.path}` (version {store.version()})", ""]
+    for study_dir in studies:
+        try:
+            summary.outputs.append(build_study_report(study_dir, out / Path(study_dir).name))
+        except NothingToReport as exc:
+            summary.skipped[str(study_dir)] = str(exc)
+    head = (f"Store: `{store.path}` (version {store.version()})" if store is not None
+            else "No store.")
+    lines = ["# Audit reports", "", head, ""]
     for o in summary.outputs:
         rel = o.directory.relative_to(out) if o.directory.is_relative_to(out) else o.directory
         if o.files:
@@ -168,6 +242,21 @@ def _pyplot() -> Any:
     return plt
 
 
+def new_figure(width: float = 6.0, height: float = 4.0) -> tuple[Any, Any]:
+    """A matplotlib (figure, axes) on the Agg backend (no display needed)."""
+    return _pyplot().subplots(figsize=(width, height))
+
+
+def save_figure(fig: Any, path: Path) -> str:
+    """Save ``fig`` as a PNG at ``path``, close it, and return the file name."""
+    plt = _pyplot()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
 @dataclass(frozen=True)
 class BarSeries:
     """One panel of a bar plot: a value and an interval per label, a reference line."""
@@ -200,10 +289,7 @@ def bar_plot_with_intervals(path: Path, labels: Sequence[str], panels: Sequence[
         ax.set_ylabel(panel.ylabel)
     if suptitle:
         fig.suptitle(suptitle)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -230,13 +316,12 @@ def scatter_panels(path: Path, x: np.ndarray, ys: Mapping[str, np.ndarray], xlab
         ax.set_visible(False)
     if suptitle:
         fig.suptitle(suptitle)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
-__all__ = ["AUDIT_MODULES", "REPORT_BUILDERS", "BarSeries", "BuildSummary", "NothingToReport",
-           "ReportBuilder", "ReportOutput", "bar_plot_with_intervals", "build_reports", "fmt",
-           "fmt_ci", "markdown_table", "register_report", "scatter_panels", "write_json"]
+__all__ = ["AUDIT_MODULES", "REPORT_BUILDERS", "STUDY_BUILDERS", "BarSeries", "BuildSummary",
+           "NothingToReport", "ReportBuilder", "ReportOutput", "StudyBuilder",
+           "bar_plot_with_intervals", "build_reports", "build_study_report", "fmt", "fmt_ci",
+           "markdown_table", "new_figure", "open_study", "read_study", "register_report",
+           "register_study_report", "save_figure", "scatter_panels", "write_json"]

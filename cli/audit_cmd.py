@@ -1,38 +1,41 @@
-"""``rtrees audit ...``: audits of stored trees (DESIGN.md section 6).
+"""``rtrees audit ...``: audits of stored trees and the workflow studies (DESIGN.md section 6).
+
+Every command parses its options, calls one function of ``train.jobs`` and prints.
 
 ``rtrees audit ranking --store DIR --methods grpo,tree_grpo,elpo,caliper --k 32 --out DIR
-[--policy SPEC]`` runs the Mean@K ranking audit (``analysis.ranking``). Children
+[--policy SPEC] [--by sampler|run]`` runs the Mean@K ranking audit
+(``train.jobs.ranking_job``); ``--by`` adds the same audit per tree construction
+(``trees.sampler``) or per run (``trees.run_id``). Children
 of branching nodes that lack a reference at this k are first given one by the
 reference job (``train.sampling.references``: k rollouts from each child's
 snapshot, with the policy that produced the tree unless ``--policy`` names
 another), committed to the store; references already there are reused.
 
-``rtrees audit report --store DIR --out DIR`` rebuilds every audit report from
-the store alone (``analysis.report.build_reports``).
+``rtrees audit drift|gates|localization --out DIR`` runs a workflow study: its data
+(``train.studies``) then its report (``analysis``), both in ``DIR``.
+
+``rtrees audit report [--store DIR] [--study DIR ...] --out DIR`` rebuilds every
+audit report from its data alone: the store's ranking audits, and each study
+directory's report from its ``study.json`` and data files
+(``train.jobs.rebuild_reports``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-audit_app = typer.Typer(help="Audit stored trees: ranking audit, report rebuilds.",
-                        no_args_is_help=True)
-console = Console()
-err = Console(stderr=True, soft_wrap=True)
+from cli._common import console, fail
+
+audit_app = typer.Typer(help="Audit stored trees: ranking audit, workflow studies, report "
+                             "rebuilds.", no_args_is_help=True)
 
 StoreOpt = Annotated[Path, typer.Option("--store", help="Store directory.")]
 OutOpt = Annotated[Path, typer.Option("--out", help="Directory for report.md, results.json "
                                                     "and the plots.")]
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(code)
 
 
 @audit_app.command("ranking")
@@ -57,89 +60,76 @@ def ranking(
     max_new_tokens: Annotated[int, typer.Option(help="Token cap of one agent step.")] = 128,
     max_parallel: Annotated[int, typer.Option(
         help="Reference rollouts stepped together (environments held at once).")] = 512,
+    by: Annotated[str | None, typer.Option(
+        help="Also audit each group of trees alone: `sampler` (tree construction) or "
+             "`run` (run id).")] = None,
 ) -> None:
     """Mean@K ranking audit: pairwise accuracy (E10) and Kendall tau-b (E11) per method."""
-    from analysis.ranking import (
-        RankingConfig,
-        RankingError,
-        credit_error,
-        missing_credit,
-        ranking_audit,
-        resolve_methods,
-        write_ranking_report,
-    )
-    from rollout_store import SchemaMismatchError, Store, StoreError, connect
-    from train.sampling.references import (
-        ReferenceConfig,
-        ReferenceJobError,
-        collect_references,
-        policy_versions,
-    )
+    from analysis.ranking import RankingError
+    from rollout_store import SchemaMismatchError, Store, StoreError
+    from train.jobs import JobError, RankingJobConfig, fmt_ci, ranking_job
+    from train.sampling.base import ContinuationError
 
     names = tuple(m.strip() for m in methods.split(",") if m.strip())
     try:
-        s = Store(store)
-        con = connect(s)
-        refs = resolve_methods(con, names, str(s.path))
-        for ref in refs:  # fail before the (expensive) reference job
-            n_missing, n_total, example = missing_credit(con, [ref])[ref.label]
-            if n_missing:
-                raise credit_error(ref, n_missing, n_total, example, str(s.path))
-        version: str | None = None
-        if collect:
-            report = collect_references(s, ReferenceConfig(
-                k=k, success_threshold=success_threshold, max_steps=max_steps,
-                max_new_tokens=max_new_tokens, max_parallel=max_parallel, seed=seed),
-                policy=policy, progress=True)
-            console.print(report.summary(), markup=False)
-            found = set(report.versions.values()) if policy is not None else set()
-        elif policy is not None:
-            found = set(policy_versions(s, policy).values())
-        else:
-            found = set()
-        if len(found) > 1:
-            _fail(f"--policy {policy!r} loads different versions per environment "
-                  f"({sorted(map(str, found))}); audit one environment's trees at a time")
-        version = found.pop() if found else None
-        result = ranking_audit(s, RankingConfig(names, k=k, reference_policy=version,
-                                                n_boot=bootstrap, level=level, seed=seed))
-    except (RankingError, ReferenceJobError, StoreError, SchemaMismatchError,
+        job = ranking_job(Store(store), out, RankingJobConfig(
+            names, k=k, policy=policy, n_boot=bootstrap, level=level, seed=seed,
+            collect=collect, success_threshold=success_threshold, max_steps=max_steps,
+            max_new_tokens=max_new_tokens, max_parallel=max_parallel, by=by))
+    except (RankingError, ContinuationError, JobError, StoreError, SchemaMismatchError,
             ValueError) as exc:
-        _fail(str(exc))
-    files = write_ranking_report(result, out)
-    table = Table(title=f"Mean@{k} ranking audit: {result.stats.n_prefixes} prefixes, "
-                        f"{result.stats.n_trees} trees")
+        fail(str(exc))
+    if job.references is not None:
+        console.print(job.references.summary(), markup=False)
+    stats = job.result.stats
+    table = Table(title=f"Mean@{k} ranking audit: {stats.n_prefixes} prefixes, "
+                        f"{stats.n_trees} trees")
     for col in ("method", "pairwise acc.", "tau_b macro", "tau_b pooled", "pairs"):
         table.add_column(col, justify="left" if col == "method" else "right")
-    for m in result.stats.methods:
-        table.add_row(m.label, _ci(m.pairwise_accuracy.value, m.pairwise_accuracy.ci),
-                      _ci(m.tau_b_macro.value, m.tau_b_macro.ci),
-                      _ci(m.tau_b_pooled.value, m.tau_b_pooled.ci), f"{m.n_pairs:,}")
+    for m in stats.methods:
+        table.add_row(m.label, fmt_ci(m.pairwise_accuracy.value, m.pairwise_accuracy.ci),
+                      fmt_ci(m.tau_b_macro.value, m.tau_b_macro.ci),
+                      fmt_ci(m.tau_b_pooled.value, m.tau_b_pooled.ci), f"{m.n_pairs:,}")
     console.print(table)
-    console.print(f"wrote {', '.join(str(f) for f in files)}")
-
-
-def _ci(value: float, ci: tuple[float, float]) -> str:
-    from analysis.report import fmt_ci
-
-    return fmt_ci(value, ci)
+    if job.result.groups:
+        split = Table(title=f"by {by}")
+        for col in (str(by), "method", "pairwise acc.", "tau_b macro", "trees"):
+            split.add_column(col, justify="left" if col in (by, "method") else "right")
+        for name, g in job.result.groups.items():
+            for m in g.methods:
+                split.add_row(name, m.label,
+                              fmt_ci(m.pairwise_accuracy.value, m.pairwise_accuracy.ci),
+                              fmt_ci(m.tau_b_macro.value, m.tau_b_macro.ci), str(g.n_trees))
+        console.print(split)
+    console.print(f"wrote {', '.join(str(f) for f in job.files)}")
 
 
 @audit_app.command("report")
-def report(store: StoreOpt, out: OutOpt) -> None:
-    """Rebuild every audit report from the store alone (one directory per report)."""
-    from analysis.report import build_reports
+def report(
+    out: OutOpt,
+    store: Annotated[Path | None, typer.Option(
+        "--store", help="Store whose audits (ranking) to rebuild.")] = None,
+    study: Annotated[list[Path] | None, typer.Option(
+        "--study", help="A study directory (drift, gates, localization, or one of "
+                        "`rtrees study`) to rebuild; repeat for several.")] = None,
+) -> None:
+    """Rebuild every audit report from its data alone (one directory per report)."""
     from rollout_store import SchemaMismatchError, Store, StoreError
+    from train.jobs import rebuild_reports
 
+    if store is None and not study:
+        fail("name a store (--store DIR) and/or study directories (--study DIR)")
     try:
-        summary = build_reports(Store(store), out)
-    except (StoreError, SchemaMismatchError) as exc:
-        _fail(str(exc))
-    for o in summary.outputs:
-        console.print(f"{o.title}: {o.summary}" + (f"  ({o.directory})" if o.files else ""))
+        summary = rebuild_reports(None if store is None else Store(store), out, study or [])
+    except (StoreError, SchemaMismatchError, ValueError) as exc:
+        fail(str(exc))
+    for o in summary.outputs:  # one line each, never wrapped (users grep them)
+        console.print(f"{o.title}: {o.summary}" + (f"  ({o.directory})" if o.files else ""),
+                      soft_wrap=True, markup=False, highlight=False)
     for name, reason in summary.skipped.items():
-        console.print(f"{name}: not built ({reason})")
-    console.print(f"index: {summary.index}")
+        console.print(f"{name}: not built ({reason})", soft_wrap=True, markup=False,
+                      highlight=False)
+    console.print(f"index: {summary.index}", soft_wrap=True, markup=False, highlight=False)
 
 
 StudyOut = Annotated[Path, typer.Option("--out", help="Directory for the study's data, "
@@ -161,9 +151,13 @@ def drift(
     tau: Annotated[float, typer.Option(help="Relevance threshold of a reversal.")] = 0.02,
 ) -> None:
     """Credit drift and branch sensitivity across tabular policy updates (exact, workflow)."""
-    from analysis.drift import DriftConfig, drift_audit
+    from train.jobs import drift_study
+    from train.studies.drift import DriftConfig
 
-    res = drift_audit(out, DriftConfig(n_tasks=tasks, seed=seed, tau=tau))
+    try:
+        res = drift_study(out, DriftConfig(n_tasks=tasks, seed=seed, tau=tau))
+    except ValueError as exc:
+        fail(str(exc))
     _print_study("credit drift", out, [f"{k}: {v}" for k, v in res.get("summary", {}).items()
                                        if not isinstance(v, dict | list)])
 
@@ -176,9 +170,13 @@ def gates(
     seed: Annotated[int, typer.Option(help="Seed of every task and trajectory.")] = 0,
 ) -> None:
     """DSC / Gap / WIS / DR / reuse / transport gates: regret and new tool steps (workflow)."""
-    from analysis.gates import GateStudyConfig, gate_audit
+    from train.jobs import gate_study
+    from train.studies.gates import GateStudyConfig
 
-    res = gate_audit(out, GateStudyConfig(n_eval=eval_tasks, n_old=old, seed=seed))
+    try:
+        res = gate_study(out, GateStudyConfig(n_eval=eval_tasks, n_old=old, seed=seed))
+    except ValueError as exc:
+        fail(str(exc))
     _print_study("gate evaluation", out, [str(res.get("finding", {}).get("statement", ""))])
 
 
@@ -190,13 +188,18 @@ def localization(
     repeats: Annotated[int, typer.Option(help="Localizations of each failed trajectory.")] = 4,
 ) -> None:
     """BEL's accuracy against the exact first irrecoverable step, and its consistency."""
-    from analysis.localization import LocalizationConfig, localization_audit
+    from train.jobs import localization_study
+    from train.studies.localization import LocalizationConfig
 
-    res = localization_audit(out, LocalizationConfig(n_tasks=tasks, seed=seed, repeats=repeats))
+    try:
+        res = localization_study(out, LocalizationConfig(n_tasks=tasks, seed=seed,
+                                                         repeats=repeats))
+    except ValueError as exc:
+        fail(str(exc))
     table = Table(title="BEL localization: accuracy vs suffixes per probe (X)")
     for col in ("outcomes", "X", "trajectories", "accuracy", "agreement", "probes"):
         table.add_column(col, justify="right")
-    for r in res["table"]:
+    for r in res["table"]:  # rows of the results table, not trees
         agree = r["pairwise_agreement"]
         table.add_row("deterministic" if r["deterministic"] else "stochastic", str(r["x"]),
                       str(r["n_trajectories"]), f"{r['accuracy']:.2f}",

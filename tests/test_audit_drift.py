@@ -1,4 +1,5 @@
-"""Credit drift and branch sensitivity (``analysis.drift``, ``analysis.sensitivity``), exact.
+"""Credit drift and branch sensitivity (``train.studies.drift`` / ``.sensitivity`` generate,
+``analysis.drift`` reports), exact.
 
 Three ways (STYLE rule 8): a hand-computed one-state case; exact G against a Monte
 Carlo estimate through the real environment (the DSC transport correction of
@@ -16,9 +17,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.drift import DriftConfig, drift_audit, task_pairs
-from analysis.sensitivity import UpdateAnalysis, decision_states, occupancy
-from analysis.workflow_study import (
+from rollout_store import Store
+from train.credit.dsc import RATIO, STATE, transport_returns
+from train.envs.base import Task
+from train.envs.workflow import (
+    ACTION_TEXTS,
+    StageSpec,
+    TabularPolicy,
+    WorkflowEnv,
+    WorkflowModel,
+    WorkflowSpec,
+)
+from train.jobs import drift_study
+from train.studies.drift import DriftConfig, task_pairs
+from train.studies.sensitivity import UpdateAnalysis, decision_states, occupancy
+from train.studies.workflow_study import (
     apply_update,
     base_policy,
     load_route_data,
@@ -30,17 +43,6 @@ from analysis.workflow_study import (
     stream_key,
     task_model,
     update_direction,
-)
-from rollout_store import Store
-from train.credit.dsc import RATIO, STATE, transport_returns
-from train.envs.base import Task
-from train.envs.workflow import (
-    ACTION_TEXTS,
-    StageSpec,
-    TabularPolicy,
-    WorkflowEnv,
-    WorkflowModel,
-    WorkflowSpec,
 )
 
 FAST, CAREFUL, SKIP = (ACTION_TEXTS[t] for t in ("fast", "careful", "skip"))
@@ -80,7 +82,7 @@ def test_drift_exactly_zero_when_pi_equals_mu(tmp_path: Path) -> None:
     assert all(d == 0.0 for d in cols["drift"])
     assert all(g == 0.0 for g in cols["g"])
     assert all(k == 0.0 for k in cols["global_kl"] + cols["pairwise_kl"])
-    results = drift_audit(tmp_path / "drift", config)
+    results = drift_study(tmp_path / "drift", config)
     assert results["summary"]["reversal_rate"] == 0.0
     assert results["summary"]["max_abs_drift"] == 0.0
     on_disk = json.loads((tmp_path / "drift" / "results.json").read_text())
@@ -94,7 +96,7 @@ def test_drift_exactly_zero_when_pi_equals_mu(tmp_path: Path) -> None:
 
 
 def test_drift_audit_small_run(tmp_path: Path) -> None:
-    results = drift_audit(tmp_path, DriftConfig(n_tasks=3, kl_targets=(0.2, 0.6), n_boot=20))
+    results = drift_study(tmp_path, DriftConfig(n_tasks=3, kl_targets=(0.2, 0.6), n_boot=20))
     s = results["summary"]
     assert s["n_pairs"] > 0 and 0.0 <= s["reversal_rate"] <= 1.0
     # G is the first-order drift: on these small updates it ranks |drift| far better than KL

@@ -1,4 +1,5 @@
-"""Gate evaluation (``analysis.gates``): exact regret, the refresh protocol, small real runs.
+"""Gate evaluation (``train.studies.gates`` + ``analysis.gates``; the refresh protocol of
+``train.sampling.refresh``): exact regret, the refresh protocol, small real runs.
 
 Real environment, real store, the real ``dsc_gate``; the refresh protocol is also
 checked against hand-computed posteriors with a scripted sampler.
@@ -14,9 +15,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.gates import GATES, GateStudyConfig, beta_prior, gate_audit, refresh_protocol
-from analysis.workflow_study import Rollout
 from train.envs.workflow_model import ObsKey, State
+from train.jobs import gate_study
+from train.sampling.refresh import beta_prior, refresh_protocol
+from train.studies.gates import GATES, GateStudyConfig
+from train.studies.workflow_study import Rollout
 
 SMALL_CAP = 120
 SMALL_EVAL = 3
@@ -77,7 +80,7 @@ def test_refresh_samples_unresolved_routes_and_respects_the_cap() -> None:
 
 # ----------------------------------------------------------------- real runs
 def test_gate_audit_small_run(tmp_path: Path) -> None:
-    results = gate_audit(tmp_path, _small(kl_targets=(0.35,)))
+    results = gate_study(tmp_path, _small(kl_targets=(0.35,)))
     inst = pq.read_table(tmp_path / "instances.parquet").to_pydict()
     gates = np.array(inst["gate"])
     regret = np.array(inst["regret"])
@@ -112,7 +115,7 @@ def test_gate_audit_small_run(tmp_path: Path) -> None:
 
 
 def test_transport_only_equals_reuse_only_when_pi_is_mu(tmp_path: Path) -> None:
-    gate_audit(tmp_path, _small(kl_targets=(0.0,), kinds=("ordinary",)))
+    gate_study(tmp_path, _small(kl_targets=(0.0,), kinds=("ordinary",)))
     inst = pq.read_table(tmp_path / "instances.parquet").to_pydict()
     gates = np.array(inst["gate"])
     picks = np.array(inst["pick"])

@@ -1,4 +1,5 @@
-"""Localization audit (``analysis.localization``): BEL against the exact first irrecoverable step.
+"""Localization audit (``train.studies.localization`` + ``analysis.localization``): BEL
+against the exact first irrecoverable step.
 
 A hand-built failed trajectory with a known t_crit, the invariant that BEL never
 localizes late, and small real audit runs whose numbers come back from the store.
@@ -12,8 +13,6 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.localization import LocalizationConfig, bel_search, localization_audit
-from analysis.workflow_study import base_policy, make_tasks, rollout, sample_from, task_model
 from train.envs.base import Task
 from train.envs.workflow import (
     ACTION_TEXTS,
@@ -23,6 +22,9 @@ from train.envs.workflow import (
     WorkflowModel,
     WorkflowSpec,
 )
+from train.jobs import localization_study
+from train.studies.localization import LocalizationConfig, bel_search
+from train.studies.workflow_study import base_policy, make_tasks, rollout, sample_from, task_model
 
 CAREFUL, SKIP = ACTION_TEXTS["careful"], ACTION_TEXTS["skip"]
 
@@ -93,7 +95,7 @@ def test_rollout_snapshots_restore_each_prefix() -> None:
 def test_localization_audit_deterministic_accuracy(tmp_path: Path) -> None:
     config = LocalizationConfig(n_tasks=4, deterministic_modes=(True,), x_values=(1, 16),
                                 failures_per_task=2, repeats=2)
-    results = localization_audit(tmp_path, config)
+    results = localization_study(tmp_path, config)
     rows = {r["x"]: r for r in results["table"]}
     assert rows[16]["accuracy"] >= 0.95
     assert rows[16]["pairwise_agreement"] >= 0.95
@@ -121,14 +123,14 @@ def test_localization_audit_deterministic_accuracy(tmp_path: Path) -> None:
     assert per_traj and all(n_truth == n_leaf == 1 and n == 4 for _, n_truth, n_leaf, n
                             in per_traj)
     # rerunning the same config reuses the archived localizations (idempotent commit)
-    again = localization_audit(tmp_path, config)
+    again = localization_study(tmp_path, config)
     assert again["table"] == results["table"]
 
 
 def test_local_implementation_agrees(tmp_path: Path) -> None:
     config = LocalizationConfig(n_tasks=3, deterministic_modes=(True,), x_values=(16,),
                                 failures_per_task=1, repeats=2, implementation="local")
-    results = localization_audit(tmp_path, config)
+    results = localization_study(tmp_path, config)
     row = results["table"][0]
     assert row["accuracy"] >= 0.95 and row["late_rate"] == 0.0
     assert "bel_search" in results["bel_implementation"]

@@ -29,6 +29,7 @@ from analysis.ranking import (
     RankingConfig,
     RankingError,
     RankingStatistics,
+    group_index,
     prefix_stats,
     ranking_audit,
     ranking_statistics,
@@ -583,3 +584,31 @@ def test_cli_runs_the_reference_job_with_the_trees_policy(
     rows = connect(store).sql("SELECT DISTINCT policy_version FROM mc_references "
                               "WHERE k = 8 ORDER BY 1").fetchall()
     assert rows == [("retrained",), (policy.policy_version,)]
+
+
+def test_split_by_run_and_sampler(wf: tuple[Store, Policy]) -> None:
+    """``--by``: one group holding every tree is the pooled audit, intervals included; a
+    subset of trees is the audit of those trees' rows alone."""
+    store, _ = wf
+    for by in ("run", "sampler"):
+        res = ranking_audit(store, RankingConfig(("oracle", "random"), k=4, n_boot=200,
+                                                 by=by))
+        assert len(res.groups) == 1
+        (group,) = res.groups.values()
+        for m in ("oracle", "random"):
+            assert group.method(m).pairwise_accuracy == res.stats.method(m).pairwise_accuracy
+            assert group.method(m).tau_b_macro == res.stats.method(m).tau_b_macro
+        assert res.to_json()["by"] == by
+    data = res.data
+    even = np.arange(len(data.tree_ids)) % 2 == 0
+    part = data.subset(even)
+    rows = even[data.tree]
+    assert np.array_equal(part.q, data.q[rows])
+    manual = ranking_statistics(data.tree[rows], group_index([data.tree[rows],
+                                                              data.parent_id[rows]]),
+                                data.q[rows], data.scores[rows], data.labels, n_boot=0)
+    got = part.statistics(n_boot=0)
+    assert got.method("oracle").pairwise_accuracy.value == \
+        manual.method("oracle").pairwise_accuracy.value
+    with pytest.raises(ValueError, match="by must be one of"):
+        RankingConfig(("oracle",), by="task")  # type: ignore[arg-type]

@@ -22,7 +22,8 @@ Interventional tree layout (DSC-Gate's three-action setting, section 5)::
      +- route node (depth 1; kind "decision", phase "intervention", no action text,
      |   meta {"forced_action": text}): one per candidate root action a, b, c
      |   +- forced step (depth 2): action text = the forced root action, observation = its
-     |   |   tool response; one per trajectory, because the tool outcome differs
+     |   |   tool response; one per trajectory, because the tool outcome differs;
+     |   |   every step node: meta {"state": [stage, t, broken]} (where its action was taken)
      |   |   +- downstream steps (depth >= 3) sampled from the route's policy, one chain per
      |   |       trajectory; the last node is terminal and holds the reward
      ...
@@ -45,8 +46,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import pyarrow as pa
 
-from analysis.sensitivity import occupancy
 from rollout_store import Node, Store, Tree, connect
 from rollout_store.schema import NODE_INPUT
 from train.credit.base import TreeArrays, from_tables
@@ -54,6 +55,8 @@ from train.envs.base import Task
 from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
 from train.envs.workflow_model import ACTION_TEXTS, ObsKey, State, WorkflowModel
 from train.envs.workflow_policy import TabularPolicy
+from train.sampling.base import Continuing
+from train.studies.sensitivity import occupancy
 
 UpdateKind = Literal["ordinary", "branch_selective"]
 UPDATE_KINDS: tuple[UpdateKind, ...] = ("ordinary", "branch_selective")
@@ -75,7 +78,11 @@ def task_model(task: Task) -> WorkflowModel:
 
 
 def stream_key(*parts: object) -> int:
-    """A 63-bit seed from any printable parts (for ``env.reseed`` and ``random.Random``)."""
+    """A 63-bit seed from any printable parts (for ``env.reseed`` and ``random.Random``).
+
+    The studies' key of a trajectory (blake2b of ``repr(parts)``). It differs from
+    ``train.sampling.base.mix_seed`` only in the hash; it is kept so that every study
+    reproduces its archived numbers (moving to ``mix_seed`` would redraw them all)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -87,6 +94,17 @@ def config_hash(config: Any, fields: Sequence[str] | None = None) -> str:
         data = {k: data[k] for k in fields}
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()
                           ).hexdigest()[:8]
+
+
+def key_to_json(key: ObsKey) -> list[int]:
+    """An observable state as data (``[stage, t, broken]``, the node meta ``state``)."""
+    return [int(key.stage), int(key.t), int(key.broken)]
+
+
+def key_from_json(data: Sequence[int]) -> ObsKey:
+    """The inverse of ``key_to_json``."""
+    stage, t, broken = data
+    return ObsKey(int(stage), int(t), bool(broken))
 
 
 def visible_state(key: ObsKey) -> State:
@@ -329,19 +347,21 @@ class Rollout:
 
 def rollout(env: WorkflowEnv, policy: TabularPolicy, rng: random.Random,
             first_action: str | None = None, max_steps: int | None = None,
-            snapshots: bool = False) -> Rollout:
-    """Continue the episode in ``env`` from its current state with ``policy`` (the first
-    action forced when ``first_action`` is given) through ``env.step``."""
+            snapshots: bool = False, *, start: Continuing | None = None) -> Rollout:
+    """Continue the episode in ``env`` from its current state (or the begun continuation
+    ``start``) with ``policy`` (the first action forced when ``first_action`` is given):
+    ``Continuing.step`` under the step limit ``max_steps`` (None: none)."""
+    run = start if start is not None else Continuing(env, [], 0, max_steps)
     out = Rollout([], [], [], [env.state], 0.0, True,
                   [env.snapshot()] if snapshots else [])
     while not env.done:
-        if max_steps is not None and out.steps >= max_steps:
+        if run.at_limit:
             out.complete = False
             break
         s = env.state
         action = first_action if first_action is not None and not out.actions \
             else policy.sample(s, rng)
-        result = env.step(action)
+        result = run.step(action)
         out.actions.append(action)
         out.observations.append(result.observation)
         out.keys.append(env.model.observe(s))
@@ -349,17 +369,18 @@ def rollout(env: WorkflowEnv, policy: TabularPolicy, rng: random.Random,
         if snapshots:
             out.snapshots.append(env.snapshot())
         if result.done:
-            out.reward = float(result.reward_parts["reward"])
+            out.reward = run.reward
     return out
 
 
 def sample_from(env: WorkflowEnv, snapshot: bytes, policy: TabularPolicy, key: int,
                 first_action: str | None = None, max_steps: int | None = None,
                 snapshots: bool = False) -> Rollout:
-    """One rollout from ``snapshot`` with its own outcome stream and action RNG (``key``)."""
-    env.restore(snapshot)
-    env.reseed(key)
-    return rollout(env, policy, random.Random(key), first_action, max_steps, snapshots)
+    """One rollout from ``snapshot`` with its own outcome stream and action RNG (``key``):
+    ``Continuing.begin`` (restore, reseed) then ``rollout``."""
+    run = Continuing.begin(env, snapshot, key, max_steps=max_steps)
+    return rollout(env, policy, random.Random(key), first_action, max_steps, snapshots,
+                   start=run)
 
 
 def route_tree(task: Task, tree_id: str, run_id: str, context: tuple[str, bytes],
@@ -390,7 +411,7 @@ def route_tree(task: Task, tree_id: str, run_id: str, context: tuple[str, bytes]
                                   action_text=action, observation_text=obs, terminal=last,
                                   reward=r.reward if last else None,
                                   reward_parts={"reward": r.reward} if last else {},
-                                  tool_calls=1))
+                                  tool_calls=1, meta={"state": key_to_json(r.keys[k])}))
                 parent = next_id
                 next_id += 1
     n_rollouts = sum(len(v) for v in routes.values())
@@ -407,9 +428,10 @@ class RouteData:
     """Interventional trees read back from a store, as one ``TreeArrays`` batch.
 
     Per node (N,): ``key`` the observable state its action was taken in (None at the
-    root and route nodes), ``action`` its action text; per tree (B,): ``models``,
-    ``meta`` (the tree's JSON meta), ``tasks`` (task ids), ``routes`` (the depth-1 rows,
-    in preorder) and ``route_actions`` (their forced actions).
+    root and route nodes; from the node's ``meta["state"]``), ``action`` its action text;
+    per tree (B,): ``models``, ``meta`` (the tree's JSON meta), ``tasks`` (task ids),
+    ``routes`` (the depth-1 rows, in preorder) and ``route_actions`` (their forced
+    actions); ``state_code`` (N,) the integer code of ``key`` (``state_code``, 0 at None).
     """
 
     batch: TreeArrays
@@ -420,87 +442,103 @@ class RouteData:
     tasks: list[str]
     routes: list[np.ndarray]
     route_actions: list[list[str]]
+    state_code: np.ndarray = field(repr=False)  # (N,) state_code of key, 0 where None
+    route_index: np.ndarray = field(repr=False)  # (N,) index of a route row among its
+    # tree's routes (preorder), -1 at other rows
 
     def ratios(self, numerator: Sequence[TabularPolicy],
                denominator: Sequence[TabularPolicy]) -> np.ndarray:
         """(N,) pi(A|S)/mu(A|S) of each downstream action (depth >= 3) with per-tree
-        policies; 1 at the forced step (depth 2), NaN at depths 0-1."""
+        policies; 1 at the forced step (depth 2), NaN at depths 0-1. Each distinct
+        (tree, state, action) is evaluated once and scattered to its nodes."""
         b = self.batch
         out = np.full(b.n_nodes, np.nan)
-        cache: dict[tuple[int, ObsKey, str], float] = {}
-        for v in range(b.n_nodes):
-            d = int(b.depth[v])
-            if d == 2:
-                out[v] = 1.0
-            elif d >= 3:
-                tree, key = int(b.node_tree[v]), self.key[v]
-                assert key is not None
-                ck = (tree, key, self.action[v])
-                found = cache.get(ck)
-                if found is None:
-                    found = (numerator[tree].prob(key, self.action[v])
-                             / denominator[tree].prob(key, self.action[v]))
-                    cache[ck] = found
-                out[v] = found
+        out[b.depth == 2] = 1.0
+        rows = np.flatnonzero(b.depth >= 3)
+        if rows.size == 0:
+            return out
+        actions, action_ids = np.unique(np.asarray([self.action[v] for v in rows], object),
+                                        return_inverse=True)
+        combos, inverse = np.unique(
+            np.stack([b.node_tree[rows], self.state_code[rows], action_ids.ravel()], 1),
+            axis=0, return_inverse=True)
+        values = np.empty(len(combos))
+        for c, (tree, code, a) in enumerate(combos.tolist()):  # distinct combos, not nodes
+            key, action = self._key_of_code(int(code)), str(actions[int(a)])
+            values[c] = numerator[tree].prob(key, action) / denominator[tree].prob(key, action)
+        out[rows] = values[inverse.ravel()]
         return out
 
     def state_ids(self) -> np.ndarray:
         """(N,) integer id of each node's (S_t, h_t) (``extras["dsc_state"]``), 0 at
         depths 0-1; unique within a tree."""
-        out = np.zeros(self.batch.n_nodes, np.int64)
-        for v, key in enumerate(self.key):
-            if key is not None:
-                out[v] = (key.stage * 1024 + key.t) * 2 + int(key.broken)
-        return out
+        return self.state_code.copy()
+
+    @staticmethod
+    def _key_of_code(code: int) -> ObsKey:
+        return ObsKey(code // 2048, (code // 2) % 1024, bool(code % 2))
+
+
+def state_code(stage: np.ndarray, t: np.ndarray, broken: np.ndarray) -> np.ndarray:
+    """(N,) ``(stage * 1024 + t) * 2 + broken`` (t < 1024): one integer per state."""
+    return (stage.astype(np.int64) * 1024 + t.astype(np.int64)) * 2 + broken.astype(np.int64)
 
 
 def load_route_data(store: Store, run_id: str) -> RouteData:
-    """Every interventional tree of ``run_id`` in ``store`` (trees in ``tree_id`` order)."""
+    """Every interventional tree of ``run_id`` in ``store`` (trees in ``tree_id`` order);
+    states from each step node's ``meta["state"]`` (read by SQL, no text parsing)."""
+    import pyarrow.compute as pc
+
     con = connect(store)
     trees = con.sql(f"SELECT * FROM trees WHERE run_id = '{run_id}' "
                     "AND sampler = 'interventional' ORDER BY tree_id").to_arrow_table()
     if trees.num_rows == 0:
         raise ValueError(f"no interventional trees of run {run_id!r} in the store")
     columns = ", ".join([*NODE_INPUT.names, "depth", "preorder", "subtree_size"])
-    nodes = con.sql(f"SELECT {columns} FROM nodes WHERE tree_id IN "
-                    f"(SELECT tree_id FROM trees WHERE run_id = '{run_id}' "
-                    "AND sampler = 'interventional')").to_arrow_table()
+    nodes = con.sql(f"""
+        SELECT {columns},
+               json_extract(meta, '$.state[0]')::BIGINT AS s_stage,
+               json_extract(meta, '$.state[1]')::BIGINT AS s_t,
+               json_extract(meta, '$.state[2]')::BIGINT AS s_broken,
+               json_extract_string(meta, '$.forced_action') AS forced_action
+        FROM nodes WHERE tree_id IN (SELECT tree_id FROM trees WHERE run_id = '{run_id}'
+                                     AND sampler = 'interventional')""").to_arrow_table()
     batch = from_tables(trees, nodes)
-    text: dict[tuple[str, int], tuple[str, str]] = {
-        (t, int(n)): (a or "", o or "") for t, n, a, o in zip(
-            nodes.column("tree_id").to_pylist(), nodes.column("node_id").to_pylist(),
-            nodes.column("action_text").to_pylist(),
-            nodes.column("observation_text").to_pylist(), strict=True)}
+    # from_tables orders rows by (tree, preorder): the same order for the extra columns
+    node_tree = pc.index_in(nodes.column("tree_id"), value_set=trees.column("tree_id"))
+    order = np.lexsort((nodes.column("preorder").to_numpy(),
+                        node_tree.to_numpy(zero_copy_only=False)))
+    extra = nodes.select(["action_text", "s_stage", "s_t", "s_broken", "forced_action"]
+                         ).take(pa.array(order))
+    step = batch.depth >= 2
+    stage, t, broken = (extra.column(c).to_numpy(zero_copy_only=False)
+                        for c in ("s_stage", "s_t", "s_broken"))
+    missing = np.flatnonzero(step & np.isnan(stage.astype(np.float64)))
+    if missing.size:
+        v = int(missing[0])
+        raise ValueError(f"tree {batch.tree_ids[batch.node_tree[v]]}: node "
+                         f"{batch.node_ids[v]} has no meta['state'] (stored by an older "
+                         "study version; rerun the study into a fresh directory)")
+    grid = np.stack([np.where(step, np.nan_to_num(x.astype(np.float64)), 0).astype(np.int64)
+                     for x in (stage, t, broken)], axis=1)  # (N, 3)
+    codes = np.where(step, state_code(grid[:, 0], grid[:, 1], grid[:, 2]), 0)
+    key: list[ObsKey | None] = [key_from_json(row) if s else None
+                                for row, s in zip(grid.tolist(), step.tolist(), strict=True)]
+    action = [a or "" for a in extra.column("action_text").to_pylist()]
+    forced = extra.column("forced_action").to_pylist()
     configs = [json.loads(c) for c in trees.column("env_config").to_pylist()]
     models = [WorkflowModel.from_config(c) for c in configs]
-    n = batch.n_nodes
-    action = [text[(batch.tree_ids[batch.node_tree[v]], int(batch.node_ids[v]))][0]
-              for v in range(n)]
-    obs = [text[(batch.tree_ids[batch.node_tree[v]], int(batch.node_ids[v]))][1]
-           for v in range(n)]
-    key: list[ObsKey | None] = [None] * n
-    for v in range(n):
-        if batch.depth[v] >= 2:
-            # The state an action was taken in is the one the last observation above
-            # it describes; the route node (depth 1) has none, so walk past it.
-            p = int(batch.parent[v])
-            while not obs[p]:
-                p = int(batch.parent[p])
-            key[v] = models[batch.node_tree[v]].key_from_text(obs[p])
-            if key[v] is None:
-                raise ValueError(f"tree {batch.tree_ids[batch.node_tree[v]]}: no state line "
-                                 f"above node {batch.node_ids[v]}")
     route_rows = np.flatnonzero(batch.depth == 1)
     routes = [route_rows[batch.node_tree[route_rows] == b] for b in range(batch.n_trees)]
-    node_meta = dict(zip(zip(nodes.column("tree_id").to_pylist(),
-                             nodes.column("node_id").to_pylist(), strict=True),
-                         nodes.column("meta").to_pylist(), strict=True))
-    route_actions = [[json.loads(node_meta[(batch.tree_ids[b], int(batch.node_ids[r]))])
-                      ["forced_action"] for r in rows] for b, rows in enumerate(routes)]
+    route_actions = [[str(forced[r]) for r in rows] for rows in routes]
+    route_index = np.full(batch.n_nodes, -1, np.int64)
+    for rows in routes:
+        route_index[rows] = np.arange(len(rows))
     return RouteData(
         batch=batch, key=key, action=action, models=models,
         meta=[json.loads(m) if m else {} for m in trees.column("meta").to_pylist()],
-        tasks=trees.column("task_id").to_pylist(), routes=routes, route_actions=route_actions)
+        tasks=trees.column("task_id").to_pylist(), routes=routes, route_actions=route_actions,
+        state_code=codes, route_index=route_index)
 
 
 def context_snapshots(store: Store, run_id: str) -> dict[str, bytes]:
@@ -517,6 +555,14 @@ def context_snapshots(store: Store, run_id: str) -> dict[str, bytes]:
 
 
 # ----------------------------------------------------------------- small shared helpers
+def write_study(path: Path, doc: Mapping[str, Any]) -> Path:
+    """Write a study's ``study.json`` (what the study did: kind, config, run id, data file
+    names, timings); plain JSON (NaN and inf as JSON's ``NaN`` / ``Infinity``), read back
+    by ``analysis`` to build the report."""
+    path.write_text(json.dumps(dict(doc), indent=2, default=str) + "\n")
+    return path
+
+
 _TOOL_OF: dict[str, str] = {text: tool for tool, text in ACTION_TEXTS.items()}
 
 
@@ -525,73 +571,12 @@ def tool_name(action: str) -> str:
     return _TOOL_OF.get(action, action)
 
 
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman's rho (average ranks for ties); NaN when either side is constant."""
-    from scipy.stats import spearmanr
-
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    if x.size < 2 or np.ptp(x) == 0.0 or np.ptp(y) == 0.0:
-        return math.nan
-    return float(spearmanr(x, y).statistic)
-
-
-
-
-# ----------------------------------------------------------------- report output
-def jsonable(obj: Any) -> Any:
-    """``obj`` with numpy scalars/arrays turned into Python and NaN/inf into None."""
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return jsonable(obj.tolist())
-    if isinstance(obj, np.integer | np.bool_):
-        return obj.item()
-    if isinstance(obj, float | np.floating):
-        value = float(obj)
-        return value if math.isfinite(value) else None
-    return obj
-
-
-def write_json(path: Path, results: Mapping[str, Any]) -> None:
-    path.write_text(json.dumps(jsonable(dict(results)), indent=2, sort_keys=False) + "\n")
-
-
-def new_figure(width: float = 6.0, height: float = 4.0) -> tuple[Any, Any]:
-    """A matplotlib (figure, axes) on the Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=(width, height))
-
-
-def save_figure(fig: Any, path: Path) -> str:
-    """Save ``fig`` as a PNG at ``path``, close it, and return the file name."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
-
-
-def fmt(value: float | None, digits: int = 4) -> str:
-    """A number for a markdown table ("n/a" for None/NaN)."""
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "n/a"
-    return f"{value:.{digits}f}"
-
-
 __all__ = [
     "CONTEXT_SNAPSHOT", "DEFAULT_KL_TARGETS", "UPDATE_KINDS", "Direction", "Rollout",
     "RouteData", "Update", "UpdateKind", "apply_update", "base_policy", "branch_action_for",
-    "config_hash", "context_snapshots", "fmt", "jsonable", "load_route_data", "make_tasks",
-    "make_updates",
-    "matched_update", "new_figure", "observable_keys", "policy_from_json", "policy_to_json",
-    "rollout", "route_tree", "runner_up_action", "sample_from", "save_figure", "spearman",
-    "stream_key", "task_model", "tool_name", "update_direction", "visible_state",
-    "write_json",
+    "config_hash", "context_snapshots", "key_from_json", "key_to_json", "load_route_data",
+    "make_tasks", "make_updates", "matched_update", "observable_keys", "policy_from_json",
+    "policy_to_json", "rollout", "route_tree", "runner_up_action", "sample_from",
+    "state_code", "stream_key", "task_model", "tool_name", "update_direction",
+    "visible_state", "write_study",
 ]

@@ -1,0 +1,260 @@
+"""ELPO Fig. 1 report: recovery after fixing one step (``rtrees study elpo-fig1``), per
+environment (workflow: exact; calc: sampled, from BEL localizations).
+
+Reads only ``recovery.parquet`` and ``study.json`` (``train.studies.recovery`` wrote
+them; the definitions of failed trajectory, first irrecoverable step, error step and
+fix are in that module's docstring). Per arm (the step fixed: first irrecoverable,
+first error, random error):
+
+* the recovery rate over failed trajectories, exact (mean of Q_mu(s_{k-1}, a*)) and
+  sampled (successes / continuations), with task-bootstrap 95% CIs
+  (``analysis.stats.cluster_bootstrap_means``: tasks resampled, their trajectories
+  with them);
+* paired differences between arms on the trajectories where both are defined
+  (the same bootstrap), and the paper's ordering as verdicts
+  (``analysis.verdicts``): first irrecoverable > first error > random error on the
+  exact rate.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from analysis.report import (
+    BarSeries,
+    ReportOutput,
+    bar_plot_with_intervals,
+    fmt,
+    fmt_ci,
+    markdown_table,
+    open_study,
+    register_study_report,
+    write_json,
+)
+from analysis.stats import cluster_bootstrap_means, percentile_ci
+from analysis.verdicts import verdict, verdict_lines
+
+ARMS = ("first_irrecoverable", "first_error", "random_error", "random_step")
+PAPER_FIG1 = {"first_irrecoverable": 0.328, "first_error": 0.236, "random_error": 0.042,
+              "random_step": math.nan}  # random step: our second reading of "random error"
+PAPER_TEXT = "AIME25: first irrecoverable 32.8% > first error 23.6% > random error 4.2%"
+
+
+def _floats(values: Any) -> np.ndarray:
+    """A DuckDB numpy column as float64 with NULL (a masked entry) as NaN."""
+    return np.asarray(np.ma.filled(np.ma.asarray(values, dtype=np.float64), np.nan))
+
+
+def recovery_envs(path: Path) -> list[str]:
+    """The environments of ``recovery.parquet`` (files without an ``env`` column: workflow)."""
+    import duckdb
+
+    src = f"read_parquet('{path.as_posix()}')"
+    con = duckdb.connect()
+    if "env" not in con.sql(f"SELECT * FROM {src} LIMIT 0").columns:
+        return ["workflow"]
+    return [r[0] for r in con.sql(f"SELECT DISTINCT env FROM {src} ORDER BY env DESC")
+            .fetchall()]
+
+
+def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
+                     ) -> dict[str, Any]:
+    """Every number of the report for one environment's rows of ``recovery.parquet``
+    (DuckDB + the task bootstrap)."""
+    import duckdb
+
+    con = duckdb.connect()
+    src = f"read_parquet('{path.as_posix()}')"
+    if "env" in con.sql(f"SELECT * FROM {src} LIMIT 0").columns:
+        src = f"(SELECT * FROM {src} WHERE env = '{env}')"
+    arms: dict[str, Any] = {}
+    for arm in ARMS:
+        cols = con.sql(f"""SELECT task_id, exact_recovery, successes, resamples, changed,
+                                  step, first_irrecoverable
+                           FROM {src} WHERE arm = '{arm}' AND step IS NOT NULL
+                           ORDER BY trajectory""").fetchnumpy()
+        n = len(cols["task_id"])
+        if not n:
+            arms[arm] = {"n": 0, "exact": math.nan, "exact_ci95": [math.nan] * 2,
+                         "sampled": math.nan, "sampled_ci95": [math.nan] * 2}
+            continue
+        exact = _floats(cols["exact_recovery"])
+        wins = np.asarray(cols["successes"], np.float64)
+        k = np.asarray(cols["resamples"], np.float64)
+        boot = cluster_bootstrap_means({"exact": exact, "wins": wins, "k": k},
+                                       np.asarray(cols["task_id"]), n_boot, seed)
+        arms[arm] = {
+            "n": n, "n_tasks": int(np.unique(np.asarray(cols["task_id"])).size),
+            "exact": float(exact.mean()), "exact_ci95": percentile_ci(boot["exact"])
+            if np.isfinite(exact).all() else [math.nan, math.nan],
+            "sampled": float(wins.sum() / k.sum()),
+            "sampled_ci95": percentile_ci(boot["wins"] / boot["k"]),
+            "action_changed": float(np.mean(np.asarray(cols["changed"], bool))),
+            "mean_step": float(np.mean(np.asarray(cols["step"], np.float64)))}
+    paired = con.sql(f"""
+        SELECT a.task_id, a.exact_recovery AS irr, b.exact_recovery AS err,
+               c.exact_recovery AS rnd, coalesce(d.exact_recovery, c.exact_recovery) AS stp,
+               a.successes / a.resamples AS s_irr, b.successes / b.resamples AS s_err,
+               c.successes / c.resamples AS s_rnd,
+               coalesce(d.successes / d.resamples, c.successes / c.resamples) AS s_stp,
+               a.step = b.step AS same_step
+        FROM {src} a JOIN {src} b USING (trajectory) JOIN {src} c USING (trajectory)
+        LEFT JOIN {src} d ON d.trajectory = a.trajectory AND d.arm = 'random_step'
+        WHERE a.arm = 'first_irrecoverable' AND b.arm = 'first_error'
+              AND c.arm = 'random_error' AND b.step IS NOT NULL
+        ORDER BY a.trajectory""").fetchnumpy()
+    diffs: dict[str, Any] = {}
+    n_paired = len(paired["task_id"])
+    if n_paired:
+        def col(name: str) -> np.ndarray:
+            return _floats(paired[name])
+
+        vals = {"irr-err": col("irr") - col("err"), "err-rnd": col("err") - col("rnd"),
+                "s:irr-err": col("s_irr") - col("s_err"),
+                "s:err-rnd": col("s_err") - col("s_rnd"),
+                "err-stp": col("err") - col("stp"), "s:err-stp": col("s_err") - col("s_stp")}
+        boot = cluster_bootstrap_means(vals, np.asarray(paired["task_id"]), n_boot, seed + 1)
+        for key, v in vals.items():
+            finite = bool(np.isfinite(v).all())
+            diffs[key] = {"value": float(v.mean()),
+                          "ci95": percentile_ci(boot[key]) if finite else [math.nan] * 2}
+    counts = con.sql(f"""
+        SELECT count(DISTINCT trajectory), count(DISTINCT task_id),
+               count(DISTINCT trajectory) FILTER (WHERE n_errors = 0)
+        FROM {src}""").fetchall()[0]
+    same = np.asarray(paired["same_step"], bool) if n_paired else np.zeros(0, bool)
+    return {"arms": arms, "paired": diffs, "n_paired": n_paired,
+            "n_trajectories": int(counts[0]), "n_tasks": int(counts[1]),
+            "n_without_error": int(counts[2]),
+            "first_error_is_first_irrecoverable": float(same.mean()) if same.size
+            else math.nan}
+
+
+def recovery_verdicts(summary: dict[str, Any], env: str = "workflow"
+                      ) -> list[dict[str, Any]]:
+    """The paper's ordering on the paired recovery differences: exact on workflow,
+    sampled where there is no exact value (calc)."""
+    out = []
+    kind = "exact" if env == "workflow" else "sampled"
+    for key, (a, b) in (("irr-err", ("first irrecoverable", "first error")),
+                        ("err-rnd", ("first error", "random error"))):
+        k = key if kind == "exact" else f"s:{key}"
+        d = summary["paired"].get(k, {"value": math.nan, "ci95": [math.nan, math.nan]})
+        out.append(verdict(f"Fig. 1 ({env}): fixing the {a} step recovers more than fixing "
+                           f"the {b} step", f"paired {kind} recovery difference {a} - {b}",
+                           d["value"], d["ci95"], 0.0, "above", PAPER_TEXT).to_json())
+    return out
+
+
+def recovery_report(results: dict[str, Any]) -> str:
+    """The markdown report of ``recovery_results``' dict."""
+    c = results["config"]
+    lines = ["# ELPO Fig. 1: recovery after fixing one step", ""]
+    for env, s in results["envs"].items():
+        lines += _env_lines(env, s, c)
+    lines += ["## Verdicts", "", *verdict_lines(results["verdicts"]), "",
+              "## Definitions [R]", "",
+              "- workflow: first irrecoverable step = the first step after which success has "
+              "probability 0 under every policy (exact reachability); error step: "
+              f"V*(s) - Q*(s, a) > {c['tau_err']} for the action a taken in the state s "
+              "before the step (optimal values of the full state); fix = restore the state "
+              "before the step, take argmax_a Q*(s, a), continue with mu; recovered = the "
+              "continuation succeeds; exact recovery = Q_mu(s, a*).",
+              "- calc: first irrecoverable step = BEL's t_crit on its tau* (the tiny "
+              "policy's BEL tree, N_total 16); error step = an answer whose value is not the "
+              "gold answer, or a tool call whose response is not the gold value; fix = the "
+              "scripted expert's action (CalcEnv.expert_action) at the step's state, then "
+              "the policy; sampled only.",
+              "- random step (our second reading of the paper's \"random error step\"): one "
+              "of steps 1..K uniformly, error or not (no verdict).", "",
+              "Plots: " + ", ".join(f"`{p}`" for p in results["plots"]), "",
+              f"Reproduce: `rtrees study elpo-fig1 --out DIR` with the settings in "
+              f"`results.json` ({results['seconds']:.0f} s of data generation here)."]
+    return "\n".join(lines) + "\n"
+
+
+def _env_lines(env: str, s: dict[str, Any], c: dict[str, Any]) -> list[str]:
+    rows = []
+    for arm in ARMS:
+        r = s["arms"][arm]
+        rows.append([arm.replace("_", " "), r["n"], fmt_ci(r["exact"], r["exact_ci95"]),
+                     fmt_ci(r["sampled"], r["sampled_ci95"]),
+                     fmt(r.get("action_changed", math.nan)), fmt(r.get("mean_step", math.nan), 2),
+                     f"{PAPER_FIG1[arm]:.1%}" if math.isfinite(PAPER_FIG1[arm])
+                     else "(4.2%: other reading)"])
+    who = (f"failed trajectories of mu (up to {c['failures_per_task']} per task)"
+           if env == "workflow" else "BEL-localized failed trajectories (tau*, one per tree)")
+    lines = [
+        f"## {env}", "",
+        f"{s['n_trajectories']} {who} on {s['n_tasks']} {env} tasks; {s['n_without_error']} "
+        f"of them have no error step. Sampled = {c['resamples']} continuations per fix. 95% "
+        f"task-bootstrap CIs ({c['n_boot']} resamples).", "",
+        markdown_table(["step fixed", "trajectories", "exact recovery", "sampled recovery",
+                        "action changed", "mean step", "paper (AIME25)"], rows), "",
+        f"Paired over the {s['n_paired']} trajectories with an error step (differences of "
+        "recovery probabilities):", ""]
+    drows = [[name, fmt_ci(s["paired"][k]["value"], s["paired"][k]["ci95"]),
+              fmt_ci(s["paired"]["s:" + k]["value"], s["paired"]["s:" + k]["ci95"])]
+             for k, name in (("irr-err", "first irrecoverable - first error"),
+                             ("err-rnd", "first error - random error"),
+                             ("err-stp", "first error - random step")) if k in s["paired"]]
+    lines += [markdown_table(["difference", "exact", "sampled"], drows), "",
+              f"The first error step is the first irrecoverable step on "
+              f"{fmt(s['first_error_is_first_irrecoverable'])} of those trajectories.", ""]
+    return lines
+
+
+def recovery_results(study_dir: str | Path, out_dir: str | Path | None = None
+                     ) -> dict[str, Any]:
+    """The ELPO Fig. 1 report of a study directory: ``results.json``, ``report.md`` and
+    ``recovery.png`` into ``out_dir`` (default: the study directory)."""
+    src, out, study = open_study(study_dir, out_dir, "elpo-fig1")
+    config = study["config"]
+    data = src / study["recovery_path"]
+    envs = {env: recovery_summary(data, config["n_boot"], config["seed"], env)
+            for env in recovery_envs(data)}
+    plots, verdicts = [], []
+    for env, summary in envs.items():
+        arms = summary["arms"]
+        path = out / f"recovery_{env}.png"
+        bar_plot_with_intervals(path, [a.replace("_", " ") for a in ARMS], [
+            BarSeries("exact recovery", [arms[a]["exact"] for a in ARMS],
+                      [tuple(arms[a]["exact_ci95"]) for a in ARMS], "rate"),
+            BarSeries("sampled recovery", [arms[a]["sampled"] for a in ARMS],
+                      [tuple(arms[a]["sampled_ci95"]) for a in ARMS], "rate"),
+            BarSeries("paper (AIME25)", [PAPER_FIG1[a] for a in ARMS],
+                      [(PAPER_FIG1[a], PAPER_FIG1[a]) for a in ARMS], "rate")],  # NaN: no bar
+            suptitle=f"{env}: recovery after fixing one step")
+        plots.append(path.name)
+        verdicts += recovery_verdicts(summary, env)
+    first = next(iter(envs.values()))
+    results: dict[str, Any] = {
+        "audit": "elpo-fig1", "config": config, "envs": envs, "summary": first,
+        "verdicts": verdicts, "paper": PAPER_FIG1, "plots": plots,
+        "n_sampled_trajectories": study["n_sampled_trajectories"],
+        "seconds": study["seconds"]}
+    (out / "report.md").write_text(recovery_report(results))
+    write_json(out / "results.json", results)
+    return results
+
+
+@register_study_report("elpo-fig1")
+def build_recovery_report(study_dir: Path, out: Path) -> ReportOutput:
+    """The registered study builder (``analysis.report.build_study_report``)."""
+    res = recovery_results(study_dir, out)
+    parts = []
+    for env, summary in res["envs"].items():
+        key = "exact" if env == "workflow" else "sampled"
+        parts.append(f"{env} ({key}) " + " / ".join(fmt(summary["arms"][a][key])
+                                                    for a in ARMS[:3]))
+    return ReportOutput("elpo-fig1", out, "ELPO Fig. 1: recovery after fixing one step",
+                        "; ".join(parts) + " (paper 0.328 / 0.236 / 0.042)",
+                        (out / "report.md",))
+
+
+__all__ = ["ARMS", "PAPER_FIG1", "build_recovery_report", "recovery_envs", "recovery_report",
+           "recovery_results", "recovery_summary", "recovery_verdicts"]
