@@ -1,4 +1,9 @@
-"""``rtrees``: the command line. Each command parses its options and calls one library function."""
+"""``rtrees``: the command line. Each command parses its options and calls one library function.
+
+Errors are one line on stderr with a non-zero exit (``cli._common``): bad option values,
+the library's named errors, and, as a last resort, any other exception (its type, its
+message and a hint to set ``RTREES_DEBUG=1`` for the traceback).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,18 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from cli._common import RtreesApp, console, err, fail, parse_params, require
 from cli.audit_cmd import audit_app
 from cli.collect_cmd import register as register_collect
 from cli.env_cmd import env_app
 from cli.policy_cmd import policy_app
 
-app = typer.Typer(help="Collect, archive, audit and train on rollout trees.",
+app = RtreesApp(help="Collect, archive, audit and train on rollout trees.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 store_app = typer.Typer(help="Inspect and maintain a store.", no_args_is_help=True)
 app.add_typer(store_app, name="store")
@@ -25,25 +30,28 @@ app.add_typer(env_app, name="env")
 app.add_typer(policy_app, name="policy")
 app.add_typer(audit_app, name="audit")
 register_collect(app)
+from cli.train_cmd import register as register_train  # noqa: E402  (issue 11)
 
-console = Console()
-err = Console(stderr=True, soft_wrap=True)  # never wrap error messages: users grep them
+register_train(app)
+from cli.study_cmd import register as register_study  # noqa: E402  (issue 14)
+
+register_study(app)
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from rollout_store import Store
 
 StoreOpt = Annotated[Path, typer.Option("--store", help="Store directory.")]
 
 
-def _fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(code)
-
-
-def _open(path: Path, create: bool = False):  # type: ignore[no-untyped-def]
+def _open(path: Path, create: bool = False) -> Store:
     from rollout_store import SchemaMismatchError, Store, StoreError
 
     try:
         return Store(path, create=create)
     except (StoreError, SchemaMismatchError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 @store_app.command("info")
@@ -57,7 +65,7 @@ def store_info(store: StoreOpt,
     try:
         data = info(_open(store))
     except CorruptFileError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -74,9 +82,14 @@ def store_info(store: StoreOpt,
 @store_app.command("validate")
 def store_validate(store: StoreOpt) -> None:
     """Read every committed byte: file sizes, page checksums, and every tree rule."""
+    from rollout_store import SchemaMismatchError, Store, StoreError
     from rollout_store.maintenance import verify
 
-    report = verify(_open(store))
+    try:
+        report = verify(Store(store))
+    except (StoreError, SchemaMismatchError) as exc:
+        err.print(f"[red]problem:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
     for problem in report.problems:
         err.print(f"[red]problem:[/] {problem}", highlight=False)
     if not report.ok:
@@ -97,6 +110,10 @@ def store_compact(
     from rollout_store.maintenance import compact
     from rollout_store.maintenance import vacuum as run_vacuum
 
+    require(target_size is None or target_size > 0,
+            f"--target-size must be a positive number of bytes, got {target_size}")
+    require(not vacuum or retention_hours >= 1,
+            f"--retention-hours must be at least 1, got {retention_hours}")
     s = _open(store)
     for name, m in compact(s, target_size).items():
         console.print(f"{name}: {m['numFilesRemoved']} files -> {m['numFilesAdded']}")
@@ -104,7 +121,7 @@ def store_compact(
         try:
             removed = run_vacuum(s, retention_hours)
         except ValueError as exc:
-            _fail(str(exc))
+            fail(str(exc))
         console.print(f"vacuum: removed {len(removed)} unreferenced files "
                       f"older than {retention_hours} h")
 
@@ -126,25 +143,24 @@ def sql(
     verify: Annotated[bool, typer.Option(
         "--verify", help="Check every file's page checksums first (DuckDB does not).")] = False,
 ) -> None:
-    """Run SQL against the store's DuckDB views."""
+    """Run read-only SQL against the store's DuckDB views (only SELECT and EXPLAIN; the
+    query can read the store's committed files and nothing else on the host)."""
     import duckdb
 
     from rollout_store import StoreError, connect
+    from rollout_store.reader import run_query
 
     try:
-        con = connect(_open(store), version, verify_checksums=verify)
-        result = con.sql(query)
-    except (duckdb.Error, StoreError) as exc:
-        _fail(str(exc))
-    if result is None:
-        return
-    data = result.to_arrow_table()
+        con = connect(_open(store), version, verify_checksums=verify, restricted=True)
+        data = run_query(con, query)
+    except (duckdb.Error, StoreError, ValueError) as exc:
+        fail(str(exc))
     if fmt is SqlFormat.json:
         print(json.dumps(data.to_pylist(), default=str))
     elif fmt is SqlFormat.csv:
         import pyarrow.csv as pacsv
 
-        pacsv.write_csv(data, sys.stdout.buffer)
+        pacsv.write_csv(csv_ready(data), sys.stdout.buffer)
     else:
         table = Table()
         for name in data.column_names:
@@ -152,6 +168,20 @@ def sql(
         for row in data.to_pylist():
             table.add_row(*("NULL" if v is None else str(v) for v in row.values()))
         console.print(table)
+
+
+def csv_ready(data: pa.Table) -> pa.Table:
+    """``data`` with every nested column (lists, structs, maps) as a JSON text column:
+    CSV has no nested values (issue 10: ``token_values`` crashed the writer)."""
+    import pyarrow as pa
+
+    columns = []
+    for field, column in zip(data.schema, data.columns, strict=True):
+        if pa.types.is_nested(field.type):
+            column = pa.array([None if v is None else json.dumps(v, default=str)
+                               for v in column.to_pylist()], pa.string())
+        columns.append(column)
+    return pa.table(columns, names=data.column_names)
 
 
 class ImportFormat(StrEnum):
@@ -178,7 +208,7 @@ def import_dumps(
                                reward_columns=None if reward_columns is None
                                else [c.strip() for c in reward_columns.split(",") if c.strip()])
     except DumpImportError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     for r in reports:
         console.print(r.summary(), markup=False)
 
@@ -195,16 +225,11 @@ def credit(
     """Compute credit for every stored tree that lacks it (keyed by method and params hash)."""
     from train.credit.store_io import CreditError, compute_credits
 
-    pairs: dict[str, str] = {}
-    for item in param or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            _fail(f"--param {item!r}: expected KEY=VALUE")
-        pairs[key.strip()] = value.strip()
+    pairs = parse_params(param)
     try:
         report = compute_credits(_open(store), method, pairs, run_id=run_id)
     except CreditError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     console.print(report.summary(), markup=False)
 
 
@@ -221,7 +246,7 @@ def pipeline(
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
 ) -> None:
     """The main job: tiny policy (cached), collect with group and bel, credit, ranking audit."""
-    from train.pipeline import PipelineConfig, run_pipeline
+    from train.jobs import PipelineConfig, run_pipeline
 
     run_pipeline(PipelineConfig(store=store, out=out, env=env, policy=policy, tasks=tasks,
                                 n_total=n_total, k=k, seed=seed), console=console)
