@@ -1,0 +1,168 @@
+"""train.batches: the tree layout equals the paths layout (per-token logprobs and the
+gradient), recomputed logprobs equal the stored sampling logprobs, masks and weights."""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from rollout_store.tree import Tree
+from train.batches import (
+    BatchError,
+    NodeCredit,
+    build_sequences,
+    forward_logprobs,
+    make_rows,
+    micro_batches,
+    node_credit,
+    tree_token_ratio,
+)
+from train.credit import ESTIMATORS
+from train.credit.base import from_trees
+from train.envs import make_env
+from train.loss import aggregate, denominator, token_loss, token_weights
+from train.policies import load_policy
+from train.policies.hf import HFPolicy
+from train.sampling import make_sampler
+
+
+@pytest.fixture(scope="module")
+def sampled() -> tuple[HFPolicy, list[Tree]]:
+    policy = load_policy("tiny", "calc")
+    assert isinstance(policy, HFPolicy)
+    env = make_env("calc")
+    tasks = type(env).generate_tasks(2, seed=11)
+    sampler = make_sampler("random")
+    trees = [sampler.sample_tree(env, policy, t, 6, seed=i) for i, t in enumerate(tasks)]
+    return policy, trees
+
+
+def _logprobs(policy: HFPolicy, trees: list[Tree], layout: str, max_tokens: int = 100_000,
+              max_row_tokens: int | None = None
+              ) -> dict[tuple[int, int, int], list[tuple[float, float]]]:
+    arrays = from_trees(trees)
+    credit = node_credit(arrays, ESTIMATORS["elpo"](arrays))
+    seqs = [build_sequences(t, policy.prompt_ids) for t in trees]
+    out: dict[tuple[int, int, int], list[tuple[float, float]]] = defaultdict(list)
+    with torch.no_grad():
+        rows = make_rows(seqs, credit, layout, max_row_tokens=max_row_tokens)  # type: ignore[arg-type]
+        for mb in micro_batches(rows, layout, max_tokens):  # type: ignore[arg-type]
+            lp, _ = forward_logprobs(policy.model, mb)
+            for key, new, old in zip(mb.keys, lp.tolist(), mb.old_logp.tolist(), strict=True):
+                out[key].append((new, old))
+    return out
+
+
+def test_recomputed_logprobs_equal_sampling_logprobs(sampled: tuple[HFPolicy, list[Tree]]
+                                                     ) -> None:
+    policy, trees = sampled
+    for layout in ("paths", "tree"):
+        out = _logprobs(policy, trees, layout)
+        n_actions = sum(len(n.action_token_ids) for t in trees for n in t.nodes)
+        assert len(out) == n_actions  # every agent token carries loss, nothing else does
+        worst = max(abs(new - old) for vals in out.values() for new, old in vals)
+        assert worst < 1e-4, (layout, worst)
+
+
+def _break_a_chain(policy: HFPolicy, trees: list[Tree]) -> list[Tree]:
+    """A copy where one inner node's action ids are a non-canonical tokenization of its
+    text (characters instead of the single boilerplate token): its children's re-rendered
+    context no longer extends it."""
+    trees = copy.deepcopy(trees)
+    tok = policy.tokenizer
+    for tree in trees:
+        kids = tree.children()
+        for node in tree.nodes:
+            if node.parent_id is not None and kids[node.node_id] and "<tool_call>" in \
+                    node.action_text:
+                ids = [int(i) for i in tok.convert_tokens_to_ids(list(node.action_text))]
+                node.action_token_ids = ids
+                node.action_logprobs = [-1.0] * len(ids)
+                node.action_entropies = [0.0] * len(ids)
+                node.segments = []
+                return trees
+    raise AssertionError("no inner tool-call node to break")
+
+
+@pytest.mark.parametrize(("broken", "row_tokens"), [(False, None), (True, None),
+                                                   (False, 48)])
+def test_tree_layout_equals_paths_logprobs(sampled: tuple[HFPolicy, list[Tree]],
+                                           broken: bool, row_tokens: int | None) -> None:
+    policy, trees = sampled
+    if broken:
+        trees = _break_a_chain(policy, trees)
+        assert sum(build_sequences(t, policy.prompt_ids).breaks() for t in trees) >= 1
+    tree = _logprobs(policy, trees, "tree", max_row_tokens=row_tokens)
+    paths = _logprobs(policy, trees, "paths", max_tokens=300)  # several micro-batches
+    assert tree.keys() == paths.keys()
+    assert all(len(v) == 1 for v in tree.values())
+    assert any(len(v) > 1 for v in paths.values())  # shared prefixes repeat in paths
+    worst = max(abs(tree[k][0][0] - p[0]) for k, vals in paths.items() for p in vals)
+    assert worst < 1e-5
+
+
+@pytest.mark.parametrize(("mode", "row_tokens"), [("token-mean", None),
+                                                 ("seq-mean-token-mean", 48),
+                                                 ("seq-mean-token-sum-norm", None)])
+def test_tree_layout_equals_paths_gradient(sampled: tuple[HFPolicy, list[Tree]],
+                                           mode: str, row_tokens: int | None) -> None:
+    policy, trees = sampled
+    # node-level credit (one value per node, whichever trajectory): random, both signs
+    rng = np.random.default_rng(0)
+    credit = {(t.tree_id, n.node_id): NodeCredit(np.full(len(n.action_token_ids),
+                                                         rng.normal()))
+              for t in trees for n in t.nodes}
+    seqs = [build_sequences(t, policy.prompt_ids) for t in trees]
+    model = copy.deepcopy(policy.model).train()
+    n_seqs = sum(len(s.leaves) for s in seqs)
+    grads = {}
+    for layout in ("paths", "tree"):
+        rows = make_rows(seqs, credit, layout, max_row_tokens=row_tokens)
+        mbs = micro_batches(rows, layout, 400)
+        n_tokens = sum(float(mb.traj_count.sum()) for mb in mbs)
+        d = denominator(mode, n_tokens, n_seqs, 64)  # type: ignore[arg-type]
+        model.zero_grad()
+        for mb in mbs:
+            lp, _ = forward_logprobs(model, mb)
+            # a ratio away from 1 so the clip matters: old logprobs shifted per token key
+            key = torch.tensor([1000 * b + 37 * i + k for b, i, k in mb.keys])
+            old = mb.old_logp + 0.3 * torch.sin(key * 1.7)
+            out = token_loss(lp, old, mb.advantage, mb.clip_low, mb.clip_high)
+            w = token_weights(mode, mb.traj_count, mb.inv_len_sum)  # type: ignore[arg-type]
+            aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, d).backward()
+        grads[layout] = torch.cat([p.grad.flatten() for p in model.parameters()
+                                   if p.grad is not None])
+    assert grads["tree"].abs().max() > 1e-4
+    torch.testing.assert_close(grads["tree"], grads["paths"], rtol=0, atol=1e-5)
+
+
+def test_tree_token_ratio_and_weights(sampled: tuple[HFPolicy, list[Tree]]) -> None:
+    policy, trees = sampled
+    seqs = [build_sequences(t, policy.prompt_ids) for t in trees]
+    ratio = tree_token_ratio(seqs)
+    assert ratio > 1.0
+    arrays = from_trees(trees)
+    credit = node_credit(arrays, ESTIMATORS["grpo"](arrays))
+    tree_rows = make_rows(seqs, credit, "tree")
+    paths_rows = make_rows(seqs, credit, "paths")
+    assert sum(len(r.ids) for r in paths_rows) / sum(len(r.ids) for r in tree_rows) == \
+        pytest.approx(ratio)
+    # trajectory-count weights: sum of c_t over tree tokens = paths loss tokens
+    assert sum(sum(r.traj_count) for r in tree_rows) == sum(len(r.cols) for r in paths_rows)
+    # s_t sums to the number of trajectories in both layouts
+    n_traj = sum(len(s.leaves) for s in seqs)
+    assert sum(sum(r.inv_len_sum) for r in tree_rows) == pytest.approx(n_traj)
+    assert sum(sum(r.inv_len_sum) for r in paths_rows) == pytest.approx(n_traj)
+    split = make_rows(seqs, credit, "tree", max_row_tokens=48)
+    assert len(split) > len(trees)  # cut into rows of whole leaf paths
+    assert sum(sum(r.traj_count) for r in split) == sum(sum(r.traj_count) for r in tree_rows)
+    once = make_rows(seqs, credit, "tree", node_weight="once")
+    assert set(np.concatenate([r.traj_count for r in once]).tolist()) == {1.0}
+    with pytest.raises(BatchError, match="tree layout"):
+        make_rows(seqs, credit, "paths", node_weight="once")
+    with pytest.raises(BatchError, match="unknown layout"):
+        make_rows(seqs, credit, "flat")  # type: ignore[arg-type]

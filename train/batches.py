@@ -1,0 +1,509 @@
+"""Token batches for the loss step, in two layouts (issue 11; METHODS.md G4, E6-E7 note).
+
+What a node's tokens are. A step node v was sampled by the policy continuing the
+transcript of v's parent: the policy rendered it to the context ids
+``C_v = policy.prompt_ids(transcript through parent)`` (template and role tokens
+included) and generated the action ids ``A_v`` (``Node.action_token_ids``, the
+sampled ids, never a retokenization). Its full sequence is ``S_v = C_v + A_v``; the
+root's is ``S_root = C`` of its children (the rendered prompt). ``build_sequences``
+computes these for every node.
+
+Sharing. v *extends* its parent p when ``S_p`` is a prefix of ``C_v`` (the template
+re-rendered the earlier turns to the same ids); then v owns the tokens
+``S_v[len(S_p):]`` (the observation's rendering, role tokens, then its action) and
+attends to its ancestors' tokens. When a re-rendering differs (a retokenized action,
+a template that drops earlier reasoning: verl #3960), v starts a new chain and owns
+all of ``S_v``: the sequence is always exactly what the policy conditioned on.
+
+Layouts (``make_rows``):
+
+* ``paths``: every root-to-leaf trajectory as one row ``S_leaf`` (one row per chain
+  piece where a chain breaks), right-padded, causal attention: the verl/TRL baseline;
+* ``tree``: one row per tree, each node's own tokens once, in preorder, with an
+  additive 4D attention mask (token i attends token j iff j <= i and j's node is i's
+  node or a chain ancestor of it) and position ids = the token's index in its node's
+  full sequence ``S_v``, so a shared prefix is forwarded and back-propagated once.
+
+Loss tokens are the action tokens only (prompt, observation, template and padding
+tokens never carry loss). Each carries its stored sampling logprob (``old_logp``),
+advantage, clip bounds and the two aggregation weights of ``train.loss``:
+``traj_count`` c_t and ``inv_len_sum`` s_t. In ``tree`` with ``node_weight=
+"trajectories"`` a token's c_t is the number of trajectories through its node and s_t
+the sum of 1/n_i over them (n_i = agent tokens of trajectory i), which makes the loss
+and its gradient equal those of ``paths``; ``node_weight="once"`` trains each node
+once (c_t = 1, s_t = the mean of 1/n_i over its trajectories: METHODS E7 note).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from rollout_store.tree import Tree
+from train.credit.base import Credit, TreeArrays
+from train.policies.base import Turn
+
+Layout = Literal["paths", "tree"]
+LAYOUTS: tuple[Layout, ...] = ("paths", "tree")
+NodeWeight = Literal["trajectories", "once"]
+NODE_WEIGHTS: tuple[NodeWeight, ...] = ("trajectories", "once")
+
+PromptIds = Callable[[Sequence[Turn]], list[int]]
+ProxLogp = dict[tuple[str, int], np.ndarray]
+"""(tree id, node id) -> log pi_prox of the node's action tokens (stored trees, G8)."""
+
+
+class BatchError(ValueError):
+    """Trees that cannot be turned into token batches (a policy without ``prompt_ids``,
+    stored action tokens that disagree with their logprobs, ...)."""
+
+
+@dataclass(frozen=True)
+class NodeSeq:
+    """One node's sequence facts (positions index ``S_v``)."""
+
+    node_id: int
+    full: tuple[int, ...]  # S_v = C_v + A_v
+    own_start: int  # v owns S_v[own_start:]
+    action_start: int  # len(C_v): A_v = S_v[action_start:]
+    chain_parent: int  # index (in TreeSeqs.nodes) of the node v extends, -1 when none
+    parent: int  # index of the tree parent, -1 at the root
+    old_logp: tuple[float, ...]  # stored sampling logprobs of A_v
+    n_leaves: int  # trajectories through v
+    inv_len_sum: float  # sum over those trajectories of 1 / n_i
+
+
+@dataclass(frozen=True)
+class TreeSeqs:
+    """A tree's nodes in preorder with their sequences (``build_sequences``)."""
+
+    tree_id: str
+    nodes: tuple[NodeSeq, ...]
+    leaves: tuple[int, ...]  # indices of the leaves
+
+    def chain(self, i: int) -> list[int]:
+        """Indices from the top of i's chain down to i."""
+        out = []
+        while i >= 0:
+            out.append(i)
+            i = self.nodes[i].chain_parent
+        return out[::-1]
+
+    def paths_tokens(self) -> int:
+        """Tokens of the ``paths`` layout (every trajectory's rows)."""
+        return sum(len(self.nodes[end].full) for leaf in self.leaves
+                   for end in _piece_ends(self, leaf))
+
+    def tree_tokens(self) -> int:
+        """Tokens of the ``tree`` layout (each node's own tokens once)."""
+        return sum(len(n.full) - n.own_start for n in self.nodes)
+
+    def breaks(self) -> int:
+        """Step nodes that could not extend their parent (re-rendering differed)."""
+        return sum(1 for n in self.nodes if n.parent >= 0 and n.chain_parent < 0)
+
+
+def transcripts(tree: Tree) -> dict[int, tuple[Turn, ...]]:
+    """Each node's transcript through its observation (the root's: the prompt)."""
+    out: dict[int, tuple[Turn, ...]] = {}
+    for node in tree.preorder():
+        if node.parent_id is None:
+            out[node.node_id] = (("prompt", node.observation_text),)
+        else:
+            out[node.node_id] = (*out[node.parent_id], ("action", node.action_text),
+                                 ("observation", node.observation_text))
+    return out
+
+
+def build_sequences(tree: Tree, prompt_ids: PromptIds) -> TreeSeqs:
+    """Sequences, sharing and trajectory weights of every node (module docstring)."""
+    order = list(tree.preorder())
+    index = {n.node_id: i for i, n in enumerate(order)}
+    turns = transcripts(tree)
+    kids: dict[int, list[int]] = {i: [] for i in range(len(order))}
+    for i, n in enumerate(order):
+        if n.parent_id is not None:
+            kids[index[n.parent_id]].append(i)
+    # trajectory lengths n_i (agent tokens on the root-to-leaf path) and leaf sets
+    path_tokens = [0] * len(order)
+    for i, n in enumerate(order):
+        p = -1 if n.parent_id is None else index[n.parent_id]
+        path_tokens[i] = len(n.action_token_ids) + (path_tokens[p] if p >= 0 else 0)
+    leaves = [i for i in range(len(order)) if not kids[i] and order[i].parent_id is not None]
+    n_leaves = [0] * len(order)
+    inv_sum = [0.0] * len(order)
+    for leaf in leaves:
+        inv = 1.0 / max(path_tokens[leaf], 1)
+        j: int | None = leaf
+        while j is not None:
+            n_leaves[j] += 1
+            inv_sum[j] += inv
+            pid = order[j].parent_id
+            j = None if pid is None else index[pid]
+    context_cache: dict[int, list[int]] = {}
+    seqs: list[NodeSeq] = []
+    for i, n in enumerate(order):
+        if n.parent_id is None:
+            first_kid = kids[i][0] if kids[i] else None
+            full = prompt_ids(turns[n.node_id]) if first_kid is not None else []
+            context_cache[i] = full
+            seqs.append(NodeSeq(n.node_id, tuple(full), 0, len(full), -1, -1, (),
+                                n_leaves[i], inv_sum[i]))
+            continue
+        p = index[n.parent_id]
+        ctx = context_cache[p] if order[p].parent_id is None else prompt_ids(turns[n.parent_id])
+        if len(n.action_logprobs) != len(n.action_token_ids):
+            raise BatchError(f"tree {tree.tree_id!r} node {n.node_id}: "
+                             f"{len(n.action_token_ids)} action tokens but "
+                             f"{len(n.action_logprobs)} logprobs")
+        parent_full = seqs[p].full
+        extends = len(parent_full) <= len(ctx) and tuple(ctx[:len(parent_full)]) == parent_full
+        seqs.append(NodeSeq(n.node_id, (*ctx, *n.action_token_ids),
+                            len(parent_full) if extends else 0, len(ctx), p if extends else -1,
+                            p, tuple(n.action_logprobs), n_leaves[i], inv_sum[i]))
+    return TreeSeqs(tree.tree_id, tuple(seqs), tuple(leaves))
+
+
+def _piece_ends(ts: TreeSeqs, leaf: int) -> list[int]:
+    """The last node of each chain piece on the path to ``leaf`` (leaf first)."""
+    ends = []
+    i = leaf
+    while i >= 0:
+        ends.append(i)
+        top = ts.chain(i)[0]
+        i = ts.nodes[top].parent
+    return ends
+
+
+@dataclass(frozen=True)
+class NodeCredit:
+    """Per-action-token advantage and optional clip epsilons of one node, each (len A_v,)."""
+
+    advantage: np.ndarray
+    clip_low: np.ndarray | None = None
+    clip_high: np.ndarray | None = None
+
+
+def node_credit(arrays: TreeArrays, credit: Credit) -> dict[tuple[str, int], NodeCredit]:
+    """``Credit`` (token arrays in ``TreeArrays`` order) as per-node action-token arrays,
+    keyed by (tree id, node id). Agent tokens are each node's first tokens there."""
+    out: dict[tuple[str, int], NodeCredit] = {}
+    a_len = np.bincount(arrays.token_node[arrays.agent_mask], minlength=arrays.n_nodes)
+    for v in range(arrays.n_nodes):
+        lo = int(arrays.token_offsets[v])
+        hi = lo + int(a_len[v])
+        key = (arrays.tree_ids[int(arrays.node_tree[v])], int(arrays.node_ids[v]))
+        out[key] = NodeCredit(
+            advantage=np.asarray(credit.token[lo:hi], np.float64),
+            clip_low=None if credit.clip_low is None else np.asarray(credit.clip_low[lo:hi]),
+            clip_high=None if credit.clip_high is None else np.asarray(credit.clip_high[lo:hi]))
+    return out
+
+
+@dataclass
+class Row:
+    """One sequence of a layout with its loss tokens (``cols`` predict ``targets``)."""
+
+    tree: int  # index of the tree in the batch
+    ids: list[int]
+    positions: list[int]
+    token_node: list[int]  # node index of each token (for the tree mask)
+    cols: list[int]  # column whose output predicts each loss token
+    targets: list[int]
+    old_logp: list[float]
+    advantage: list[float]
+    clip_low: list[float]
+    clip_high: list[float]
+    traj_count: list[float]
+    inv_len_sum: list[float]
+    keys: list[tuple[int, int, int]]  # (tree, node index, k-th action token)
+    ancestors: np.ndarray | None = None  # (n_nodes, n_nodes) bool, tree layout only
+    behav_logp: list[float] = field(default_factory=list)  # log mu (G8); = old_logp if fresh
+
+
+def make_rows(seqs: Sequence[TreeSeqs], credit: dict[tuple[str, int], NodeCredit],
+              layout: Layout, node_weight: NodeWeight = "trajectories",
+              clip_low: float = 0.2, clip_high: float = 0.2,
+              max_row_tokens: int | None = None, prox: ProxLogp | None = None) -> list[Row]:
+    """Rows of ``layout`` for every tree (tree order kept; ``paths``: trajectories in leaf
+    order). ``clip_low`` / ``clip_high`` apply where the credit sets no bounds.
+    ``max_row_tokens`` (tree layout) cuts a larger tree into rows of whole leaf paths.
+    ``prox`` (stored trees, G8): a node found there trains against ``old_logp`` = its
+    log pi_prox, with ``behav_logp`` = the stored log mu; elsewhere both are log mu."""
+    if layout not in LAYOUTS:
+        raise BatchError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    if node_weight not in NODE_WEIGHTS:
+        raise BatchError(f"unknown node_weight {node_weight!r}; choose from {NODE_WEIGHTS}")
+    if layout == "paths" and node_weight != "trajectories":
+        raise BatchError("node_weight 'once' needs the tree layout (paths repeats prefixes)")
+    rows: list[Row] = []
+    for b, ts in enumerate(seqs):
+        if layout == "tree":
+            rows.extend(_tree_rows(b, ts, credit, node_weight, clip_low, clip_high,
+                                   max_row_tokens, prox))
+        else:
+            for leaf in ts.leaves:
+                inv = 1.0 / max(sum(len(ts.nodes[i].old_logp) for i in _path(ts, leaf)), 1)
+                for end in _piece_ends(ts, leaf):
+                    rows.append(_path_row(b, ts, end, inv, credit, clip_low, clip_high, prox))
+    return rows
+
+
+def _path(ts: TreeSeqs, i: int) -> list[int]:
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = ts.nodes[i].parent
+    return out[::-1]
+
+
+def _empty_row(b: int) -> Row:
+    return Row(b, [], [], [], [], [], [], [], [], [], [], [], [])
+
+
+def _add_actions(row: Row, b: int, ts: TreeSeqs, i: int, col_of: Callable[[int], int],
+                 credit: dict[tuple[str, int], NodeCredit], count: float, inv: float,
+                 clip_low: float, clip_high: float, prox: ProxLogp | None = None) -> None:
+    node = ts.nodes[i]
+    n_act = len(node.old_logp)
+    if n_act == 0:
+        return
+    nc = credit.get((ts.tree_id, node.node_id))
+    if nc is None:
+        raise BatchError(f"tree {ts.tree_id!r} node {node.node_id} has no credit")
+    if nc.advantage.shape != (n_act,):
+        raise BatchError(f"tree {ts.tree_id!r} node {node.node_id}: credit for "
+                         f"{nc.advantage.shape[0]} tokens, the node has {n_act}")
+    old = node.old_logp
+    if prox is not None and (ts.tree_id, node.node_id) in prox:
+        old = tuple(float(x) for x in prox[(ts.tree_id, node.node_id)])
+        if len(old) != n_act:
+            raise BatchError(f"tree {ts.tree_id!r} node {node.node_id}: {len(old)} pi_prox "
+                             f"logprobs for {n_act} action tokens")
+    for k in range(n_act):
+        q = node.action_start + k
+        row.cols.append(col_of(q - 1))
+        row.targets.append(node.full[q])
+        row.old_logp.append(old[k])
+        row.behav_logp.append(node.old_logp[k])
+        row.advantage.append(float(nc.advantage[k]))
+        row.clip_low.append(clip_low if nc.clip_low is None else float(nc.clip_low[k]))
+        row.clip_high.append(clip_high if nc.clip_high is None else float(nc.clip_high[k]))
+        row.traj_count.append(count)
+        row.inv_len_sum.append(inv)
+        row.keys.append((b, i, k))
+
+
+def _path_row(b: int, ts: TreeSeqs, end: int, inv: float,
+              credit: dict[tuple[str, int], NodeCredit], clip_low: float,
+              clip_high: float, prox: ProxLogp | None = None) -> Row:
+    full = ts.nodes[end].full
+    row = _empty_row(b)
+    row.ids = list(full)
+    row.positions = list(range(len(full)))
+    row.token_node = [end] * len(full)
+    for i in ts.chain(end):
+        _add_actions(row, b, ts, i, lambda q: q, credit, 1.0, inv, clip_low, clip_high, prox)
+    return row
+
+
+def _tree_rows(b: int, ts: TreeSeqs, credit: dict[tuple[str, int], NodeCredit],
+               node_weight: NodeWeight, clip_low: float, clip_high: float,
+               max_row_tokens: int | None, prox: ProxLogp | None = None) -> list[Row]:
+    """The tree as one row, or, past ``max_row_tokens``, as rows of whole leaf paths
+    (leaves in preorder, greedily): a node shared by two rows is forwarded in both but
+    carries its loss tokens in the first only, so every loss token counts once and sees
+    exactly its own context; attention cost drops from L^2 to the sum of the rows' L^2."""
+    if max_row_tokens is None or ts.tree_tokens() <= max_row_tokens:
+        everything = set(range(len(ts.nodes)))
+        return [_tree_row(b, ts, everything, everything, credit, node_weight, clip_low,
+                          clip_high, prox)]
+
+    def size(nodes: set[int]) -> int:
+        return sum(len(ts.nodes[i].full) - ts.nodes[i].own_start for i in nodes)
+
+    groups: list[set[int]] = []
+    current: set[int] = set()
+    for leaf in ts.leaves:
+        path = set(_path(ts, leaf))
+        if current and size(current | path) > max_row_tokens:
+            groups.append(current)
+            current = path
+        else:
+            current |= path
+    groups.append(current)
+    rows = []
+    assigned: set[int] = set()
+    for group in groups:
+        rows.append(_tree_row(b, ts, group, group - assigned, credit, node_weight, clip_low,
+                              clip_high, prox))
+        assigned |= group
+    return rows
+
+
+def _tree_row(b: int, ts: TreeSeqs, members: set[int], loss_nodes: set[int],
+              credit: dict[tuple[str, int], NodeCredit], node_weight: NodeWeight,
+              clip_low: float, clip_high: float, prox: ProxLogp | None = None) -> Row:
+    row = _empty_row(b)
+    packed_start: dict[int, int] = {}
+    for i in sorted(members):  # preorder: ancestors first
+        node = ts.nodes[i]
+        packed_start[i] = len(row.ids)
+        own = node.full[node.own_start:]
+        row.ids.extend(own)
+        row.positions.extend(range(node.own_start, len(node.full)))
+        row.token_node.extend([i] * len(own))
+
+    def col_in(i: int) -> Callable[[int], int]:
+        def col_of(q: int) -> int:  # packed column of position q of S_i
+            j = i
+            while q < ts.nodes[j].own_start:
+                j = ts.nodes[j].chain_parent
+            return packed_start[j] + q - ts.nodes[j].own_start
+        return col_of
+
+    for i in sorted(loss_nodes):
+        node = ts.nodes[i]
+        if node_weight == "trajectories":
+            count, inv = float(node.n_leaves), node.inv_len_sum
+        else:
+            count, inv = 1.0, node.inv_len_sum / max(node.n_leaves, 1)
+        _add_actions(row, b, ts, i, col_in(i), credit, count, inv, clip_low, clip_high, prox)
+    anc = np.zeros((len(ts.nodes), len(ts.nodes)), bool)
+    for i, node in enumerate(ts.nodes):
+        if node.chain_parent >= 0:
+            anc[i] = anc[node.chain_parent]
+        anc[i, i] = True
+    row.ancestors = anc
+    return row
+
+
+@dataclass
+class MicroBatch:
+    """Rows collated for one forward pass. ``(R, L)`` token tensors; ``(K,)`` loss tokens."""
+
+    input_ids: torch.Tensor  # (R, L) long, right padded
+    position_ids: torch.Tensor  # (R, L) long
+    attention_mask: torch.Tensor  # (R, L) long padding mask (paths) or (R, 1, L, L) additive
+    loss_row: torch.Tensor  # (K,) long
+    loss_col: torch.Tensor  # (K,) long
+    targets: torch.Tensor  # (K,) long
+    old_logp: torch.Tensor  # (K,) float32: log pi_old (fresh) or log pi_prox (stored, G8)
+    behav_logp: torch.Tensor  # (K,) float32: log mu, the stored sampling logprobs
+    advantage: torch.Tensor  # (K,)
+    clip_low: torch.Tensor  # (K,)
+    clip_high: torch.Tensor  # (K,)
+    traj_count: torch.Tensor  # (K,)
+    inv_len_sum: torch.Tensor  # (K,)
+    keys: list[tuple[int, int, int]]
+    n_tokens: int  # real (non-padding) tokens forwarded
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return int(self.targets.numel())
+
+
+def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
+            dtype: torch.dtype = torch.float32) -> MicroBatch:
+    """Pad ``rows`` to one ``MicroBatch`` (tree layout: the 4D tree mask, module docstring)."""
+    width = max(len(r.ids) for r in rows)
+    n = len(rows)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    pos = torch.zeros((n, width), dtype=torch.long)
+    pad = torch.zeros((n, width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, :len(row.ids)] = torch.tensor(row.ids, dtype=torch.long)
+        pos[r, :len(row.ids)] = torch.tensor(row.positions, dtype=torch.long)
+        pad[r, :len(row.ids)] = 1
+    if layout == "tree":
+        allowed = np.zeros((n, width, width), bool)
+        for r, row in enumerate(rows):
+            assert row.ancestors is not None
+            tn = np.asarray(row.token_node)
+            m = row.ancestors[tn][:, tn] & np.tril(np.ones((len(tn), len(tn)), bool))
+            allowed[r, :len(tn), :len(tn)] = m
+            allowed[r, len(tn):, 0] = True  # padding rows attend somewhere (no NaN)
+        mask = torch.zeros((n, 1, width, width), dtype=dtype)
+        mask.masked_fill_(~torch.from_numpy(allowed)[:, None], torch.finfo(dtype).min)
+    else:
+        mask = pad
+    cat = np.concatenate
+
+    def f(name: str) -> torch.Tensor:
+        return torch.tensor(cat([np.asarray(getattr(r, name), np.float64) for r in rows]),
+                            dtype=torch.float32)
+
+    return MicroBatch(
+        input_ids=ids, position_ids=pos, attention_mask=mask,
+        loss_row=torch.tensor(cat([[r] * len(row.cols) for r, row in enumerate(rows)]),
+                              dtype=torch.long),
+        loss_col=torch.tensor(cat([row.cols for row in rows]), dtype=torch.long),
+        targets=torch.tensor(cat([row.targets for row in rows]), dtype=torch.long),
+        old_logp=f("old_logp"), behav_logp=f("behav_logp"), advantage=f("advantage"),
+        clip_low=f("clip_low"), clip_high=f("clip_high"), traj_count=f("traj_count"),
+        inv_len_sum=f("inv_len_sum"),
+        keys=[k for row in rows for k in row.keys], n_tokens=int(pad.sum()))
+
+
+def micro_batches(rows: Sequence[Row], layout: Layout, max_tokens: int, pad_id: int = 0,
+                  dtype: torch.dtype = torch.float32, max_padding: float = 0.25
+                  ) -> list[MicroBatch]:
+    """Rows sorted by length (stable), cut so that rows * longest row <= ``max_tokens``
+    and padding stays under ``max_padding`` of a micro-batch (at least one row each),
+    collated. The order of rows does not change the loss: ``aggregate``'s denominators
+    are global."""
+    out: list[MicroBatch] = []
+    chunk: list[Row] = []
+    width = real = 0
+    for row in sorted(rows, key=lambda r: len(r.ids)):
+        w = max(width, len(row.ids))
+        padded = w * (len(chunk) + 1)
+        if chunk and (padded > max_tokens or padded - real - len(row.ids) >
+                      max_padding * padded):
+            out.append(collate(chunk, layout, pad_id, dtype))
+            chunk, w, real = [], len(row.ids), 0
+        chunk.append(row)
+        width = w
+        real += len(row.ids)
+    if chunk:
+        out.append(collate(chunk, layout, pad_id, dtype))
+    return out
+
+
+def forward_logprobs(model: Any, mb: MicroBatch, with_entropy: bool = False,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(target | prefix) of every loss token, (K,), and optionally the entropy (K,)
+    of the next-token distribution there (differentiable only with ``entropy_grad``).
+    The LM head runs at the K loss columns only."""
+    device = next(model.parameters()).device
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+    mask = mb.attention_mask.to(device)
+    hidden = base(input_ids=mb.input_ids.to(device), position_ids=mb.position_ids.to(device),
+                  attention_mask=mask, use_cache=False).last_hidden_state  # (R, L, H)
+    picked = hidden[mb.loss_row.to(device), mb.loss_col.to(device)]  # (K, H)
+    head = model.get_output_embeddings()
+    assert head is not None
+    logits = head(picked).float()  # (K, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(1, mb.targets.to(device)[:, None]).squeeze(1)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def tree_token_ratio(seqs: Sequence[TreeSeqs]) -> float:
+    """paths tokens / tree tokens of a batch (>= 1; the FLOP bound of the tree layout)."""
+    tree = sum(t.tree_tokens() for t in seqs)
+    return sum(t.paths_tokens() for t in seqs) / max(tree, 1)
+
+
+__all__ = ["LAYOUTS", "NODE_WEIGHTS", "BatchError", "Layout", "MicroBatch", "NodeCredit",
+           "NodeSeq", "NodeWeight", "ProxLogp", "Row", "TreeSeqs", "build_sequences", "collate",
+           "forward_logprobs", "make_rows", "micro_batches", "node_credit",
+           "transcripts", "tree_token_ratio"]

@@ -1,0 +1,329 @@
+"""``TrainConfig``: the one flat, typed configuration of ``rtrees train`` (STYLE.md rule 5).
+
+Every field is documented once, below. A config comes from the defaults, a TOML file
+(``load_config``; top-level keys are field names, ``sampler_params`` /
+``credit_params`` are tables) and ``KEY=VALUE`` overrides (``apply_overrides``, typed
+by the field annotations), in that order. The trainer writes the config it ran with to
+``OUT/config.json``; ``--resume`` refuses a directory whose config differs in any field
+but ``RESUMABLE_FIELDS`` and names the fields (``ConfigMismatchError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import tomllib
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from train.batches import LAYOUTS, NODE_WEIGHTS, Layout, NodeWeight
+from train.loss import AGGREGATIONS, KL_ESTIMATORS, Aggregation, ISMode, KLEstimator
+
+# Fields a resumed run may change: how long it runs and what it displays.
+RESUMABLE_FIELDS: frozenset[str] = frozenset({"steps", "tensorboard", "progress"})
+# Estimators whose inputs the trainer does not produce (yet).
+UNSUPPORTED_CREDIT: dict[str, str] = {
+    "trace": "needs extras['trace_ref_logprob'] (gold-answer logprobs of a frozen reference "
+             "at every node), which the trainer does not compute yet",
+    "dsc": "needs stored ratios and states: use --reuse dsc to gate stored trees",
+}
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or file; the message names the field."""
+
+
+class ConfigMismatchError(ConfigError):
+    """``--resume`` of a run directory written with a different configuration."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Configuration of one training run (``rtrees train``)."""
+
+    store: str = ""
+    """Store directory the run's trees, credit and metrics are committed to (required)."""
+    out: str = ""
+    """Run directory: config.json, checkpoints/, tensorboard/ (required)."""
+    run_id: str = ""
+    """Run id in the store; empty: ``train-`` + the run directory's name."""
+    env: str = "calc"
+    """Environment (``train.envs.ENVIRONMENTS``)."""
+    policy: str = "tiny"
+    """Starting policy spec: ``tiny`` or ``hf:PATH`` (``train.policies.load_policy``)."""
+    sampler: str = "group"
+    """Tree sampler (``train.sampling.SAMPLERS``)."""
+    sampler_params: dict[str, Any] = field(default_factory=dict)
+    """Sampler config fields (e.g. ``b_max``), as for ``rtrees collect --param``."""
+    credit: str = "grpo"
+    """Credit estimator (``train.credit.ESTIMATORS``)."""
+    credit_params: dict[str, Any] = field(default_factory=dict)
+    """Estimator parameters (``KEY=VALUE`` strings, as for ``rtrees credit --param``)."""
+    steps: int = 60
+    """Training iterations (sample, commit, credit, PPO epochs, publish)."""
+    tasks_per_step: int = 16
+    """Training tasks drawn per iteration; one tree each."""
+    n_total: int = 8
+    """Rollout budget per tree (every rollout, full or suffix, counts)."""
+    max_new_tokens: int = 48
+    """Token cap of one agent step while sampling."""
+    temperature: float = 1.0
+    """Sampling temperature of the training trees (logprobs are of the untempered policy)."""
+    train_tasks: int = 20_000
+    """Size of the training split of the env's task generator (drawn with ``seed``)."""
+    heldout_tasks: int = 200
+    """Size of the fixed held-out split (drawn with ``heldout_seed``, disjoint from train)."""
+    heldout_seed: int = 1_000_003
+    """Generator seed of the held-out split (fixed across runs, so runs compare)."""
+    eval_every: int = 10
+    """Held-out evaluation (sampled and greedy success) every this many iterations and at
+    the start and end; 0 turns it off."""
+    seed: int = 0
+    """Seed of task draws, sampling and mini-batch order."""
+    lr: float = 3e-4
+    """AdamW learning rate (GOTCHAS.md: 3e-4 lifted the tiny calc policy in minutes)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up, in optimizer steps (constant afterwards)."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0: no clipping)."""
+    epochs: int = 1
+    """PPO epochs over each iteration's tokens."""
+    minibatches: int = 2
+    """Optimizer steps per epoch: the iteration's trees are cut into this many parts."""
+    micro_tokens: int = 16_384
+    """Padded tokens per forward pass (gradient accumulation; does not change the update)."""
+    layout: Layout = "tree"
+    """Token layout: ``tree`` (shared prefixes once) or ``paths`` (one row per trajectory)."""
+    tree_row_tokens: int = 256
+    """Tree layout: a tree with more tokens is cut into rows of whole leaf paths of at most
+    about this many tokens (shared nodes re-forwarded, their loss counted once); 0 keeps
+    one row per tree. Attention costs L^2 per row (benchmarks/bench_train_layout.py)."""
+    node_weight: NodeWeight = "trajectories"
+    """Loss weight of a tree node: trajectories through it (= paths) or ``once`` (E7 note)."""
+    aggregation: Aggregation = "token-mean"
+    """Loss aggregation (G4): token-mean | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    norm_length: int = 192
+    """Constant token count of ``seq-mean-token-sum-norm`` (Dr.GRPO's generation budget)."""
+    clip_low: float = 0.2
+    """eps_low of G3 where the credit sets no per-token bound (ELPO/CALIPER set theirs)."""
+    clip_high: float = 0.28
+    """eps_high of G3 (clip-higher, DAPO) where the credit sets no per-token bound."""
+    dual_clip: float | None = 3.0
+    """Dual-clip constant c (> 1) for negative advantages; None turns it off."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to the frozen initial policy (0: off, no reference)."""
+    kl_estimator: KLEstimator = "k3"
+    """KL estimator: k1 or k3 (clamped)."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus (0: off)."""
+    check_logprobs: bool = True
+    """Recompute the sampled tokens' logprobs before training and log the max difference
+    to the stored sampling logprobs (metric ``logprob_diff_max``)."""
+    save_every: int = 10
+    """Checkpoints at multiples of this are kept for good (one is written every iteration)."""
+    keep_last: int = 3
+    """The last N checkpoints are kept besides those."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to OUT/tensorboard."""
+    progress: bool = True
+    """Show a progress line per iteration."""
+    reuse: str = "none"
+    """Stored-tree reuse rule (issue 12, ``train.reuse``): none | all (stored credit as it
+    is) | transport (D3-D5 to the current weights) | dsc (the gate D7-D10 per pair) |
+    refresh (new suffixes from the stored snapshots under the current policy)."""
+    reuse_from: str = ""
+    """SQL filter over the store's ``trees`` view choosing the stored trees to reuse; empty:
+    this run's own trees (``run_id`` = the run's id). Only trees of earlier policy versions
+    (checkpoint step < the current iteration) are ever used."""
+    reuse_per_step: int = 8
+    """Stored trees drawn (seeded) per iteration besides the fresh ones (reuse != none)."""
+    max_staleness: int = 4
+    """Stored trees more than this many policy versions (checkpoint steps) older than the
+    current weights are skipped and counted (metric ``reuse_skip_stale``)."""
+    is_cap: float = 2.0
+    """Cap of the behaviour weight w = pi_prox / mu of stored tokens (G8)."""
+    is_mode: ISMode = "truncate"
+    """G8 above the cap: ``truncate`` (w = min(w, cap)) or ``mask`` (w = 0)."""
+    reuse_params: dict[str, Any] = field(default_factory=dict)
+    """Gate and refresh knobs (``train.reuse.ReuseParams``): kappa_R, kappa_delta, kappa_T
+    (D7 radii), kappa_e, refresh_batch, refresh_cap (new tool steps per stored tree)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "tasks_per_step", "n_total", "max_new_tokens", "train_tasks",
+                     "epochs", "minibatches", "micro_tokens", "norm_length", "keep_last",
+                     "save_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("heldout_tasks", "eval_every", "warmup_steps", "tree_row_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.minibatches > self.tasks_per_step:
+            raise ConfigError(f"minibatches ({self.minibatches}) cannot exceed tasks_per_step "
+                              f"({self.tasks_per_step}): a mini-batch holds whole trees")
+        if self.lr <= 0 or self.temperature <= 0:
+            raise ConfigError("lr and temperature must be > 0")
+        if min(self.weight_decay, self.grad_clip, self.kl_coef, self.entropy_coef) < 0:
+            raise ConfigError("weight_decay, grad_clip, kl_coef, entropy_coef must be >= 0")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ConfigError(f"clip_low must lie in [0, 1) and clip_high >= 0, got "
+                              f"{self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        choices: dict[str, tuple[str, ...]] = {
+            "layout": LAYOUTS, "node_weight": NODE_WEIGHTS, "aggregation": AGGREGATIONS,
+            "kl_estimator": KL_ESTIMATORS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.layout == "paths" and self.node_weight != "trajectories":
+            raise ConfigError("node_weight 'once' needs layout 'tree' (paths repeats prefixes)")
+        from train.reuse import IS_MODES, REUSE_MODES, ReuseParams
+
+        for name, allowed in (("reuse", REUSE_MODES), ("is_mode", IS_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.reuse_per_step < 1 or self.max_staleness < 1:
+            raise ConfigError(f"reuse_per_step and max_staleness must be >= 1, got "
+                              f"{self.reuse_per_step}, {self.max_staleness}")
+        if not self.is_cap >= 1.0:
+            raise ConfigError(f"is_cap must be >= 1 (w = 1 on fresh tokens), got {self.is_cap}")
+        try:
+            ReuseParams.parse(self.reuse_params)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"reuse_params: {exc}") from exc
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def resolved_run_id(self) -> str:
+        return self.run_id or f"train-{Path(self.out).resolve().name}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in fields(TrainConfig)]
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string literal after it in this module's source)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(TrainConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for a, b in itertools.pairwise(body):
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and \
+                isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = " ".join(str(b.value.value).split())
+    return docs
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """``value`` (a string from the command line, or a TOML value) as field ``name``'s type."""
+    hints = typing.get_type_hints(TrainConfig)
+    if name not in hints:
+        raise ConfigError(f"unknown config field {name!r}; fields: {', '.join(field_names())}")
+    hint = hints[name]
+    if typing.get_origin(hint) is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        if isinstance(value, str):  # "k=v,k2=v2"
+            out: dict[str, str] = {}
+            for pair in filter(None, value.split(",")):
+                key, sep, val = pair.partition("=")
+                if not sep:
+                    raise ConfigError(f"{name}: expected KEY=VALUE pairs, got {pair!r}")
+                out[key.strip()] = val.strip()
+            return out
+        raise ConfigError(f"{name}: expected a table, got {value!r}")
+    if not isinstance(value, str):
+        return value
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if type(None) in args and value.lower() in ("none", "null"):
+        return None
+    for t in args:
+        if t is bool:
+            if value.lower() in ("true", "1", "yes"):
+                return True
+            if value.lower() in ("false", "0", "no"):
+                return False
+        elif t in (int, float):
+            try:
+                return t(value)
+            except ValueError:
+                continue
+        elif t is str or typing.get_origin(t) is typing.Literal:
+            return value
+    if typing.get_origin(hint) is typing.Literal:
+        return value
+    raise ConfigError(f"{name}={value!r}: expected {hint}")
+
+
+def apply_overrides(config: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
+    """``config`` with fields replaced (strings typed by the field annotations)."""
+    changes = {name: _coerce(name, value) for name, value in overrides.items()}
+    try:
+        return config.replace(**changes)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None
+                ) -> TrainConfig:
+    """Defaults, then the TOML file ``path`` (if any), then ``overrides``."""
+    config = TrainConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: {exc}") from exc
+        config = apply_overrides(config, data)
+    return apply_overrides(config, overrides or {})
+
+
+CONFIG_FILE = "config.json"
+
+
+def write_config(config: TrainConfig, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / CONFIG_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_config(out: Path) -> TrainConfig:
+    path = out / CONFIG_FILE
+    if not path.is_file():
+        raise ConfigError(f"{out} has no {CONFIG_FILE}: not a training run directory")
+    return apply_overrides(TrainConfig(), json.loads(path.read_text()))
+
+
+def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
+    """Raise ``ConfigMismatchError`` naming every field (but ``RESUMABLE_FIELDS``) that
+    differs between the run directory's config and this one."""
+    a, b = saved.to_dict(), config.to_dict()
+    diff = [f"{k}: {a[k]!r} -> {b[k]!r}" for k in a if k not in RESUMABLE_FIELDS and a[k] != b[k]]
+    if diff:
+        raise ConfigMismatchError(f"{config.out} was written by a different config; "
+                                  f"differing fields: {'; '.join(diff)}")
+
+
+__all__ = ["CONFIG_FILE", "RESUMABLE_FIELDS", "UNSUPPORTED_CREDIT", "ConfigError",
+           "ConfigMismatchError", "TrainConfig", "apply_overrides", "check_resume",
+           "field_docs", "field_names", "load_config", "read_config", "write_config"]

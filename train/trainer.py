@@ -1,0 +1,643 @@
+"""``rtrees train``: on-policy GRPO-family training on rollout trees (issue 11).
+
+One iteration, top to bottom in ``train``:
+
+1. draw ``tasks_per_step`` tasks of the training split (disjoint from the fixed held-out
+   split);
+2. sample one tree per task with the sampler and budget ``n_total`` under the current
+   weights (version k, published as checkpoint ``OUT/checkpoints/step-k``);
+3. commit the trees with that ``policy_version`` and ``policy_ref`` (keyed: a resumed
+   iteration re-samples the same trees and the store skips the duplicate commit);
+4. compute credit through the registry (``credit_trees``, the code path of
+   ``rtrees credit``) and commit it (keyed);
+4b. with ``reuse`` != none (issue 12, ``train.reuse``): draw stored trees of earlier
+   policy versions, score their actions under the pre-update weights pi_prox, resolve
+   their sibling comparisons (reuse / transport D3-D5 / gate D7-D10 / refresh), commit
+   the refreshed trees and the credit used (method ``CREDIT+RULE``); they train beside
+   the fresh trees with the decoupled behaviour weight w = pi_prox / mu (G8);
+5. build token batches (``train.batches``), run ``epochs`` PPO epochs of ``minibatches``
+   optimizer steps each; loss = ``train.loss`` (G2-G4, E8-E9), normalised over each
+   mini-batch so gradient accumulation over micro-batches changes nothing;
+6. held-out success (sampled and greedy) every ``eval_every`` iterations, metrics into
+   the store's ``metrics`` table, then publish the new weights as checkpoint
+   ``step-(k+1)``: model and tokenizer (an ordinary HF directory: ``hf:PATH`` loads it),
+   optimizer, scheduler, RNG states, iteration, store version, sampler state; written to
+   a temporary directory and renamed into place. The last ``keep_last`` checkpoints and
+   every ``save_every``-th are kept.
+
+Resume (``resume=True``) loads the newest complete checkpoint; every random choice is
+seeded from (seed, iteration, ...) and all state is restored, so on CPU a resumed run
+gives the same per-step losses and final weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import torch
+
+from rollout_store.reader import connect
+from rollout_store.schema import METRICS
+from rollout_store.store import Store, now_utc, open_store
+from rollout_store.tree import Tree
+from train import reuse as rz
+from train.batches import (
+    NodeCredit,
+    build_sequences,
+    forward_logprobs,
+    make_rows,
+    micro_batches,
+    tree_token_ratio,
+)
+from train.config import (
+    UNSUPPORTED_CREDIT,
+    ConfigError,
+    TrainConfig,
+    check_resume,
+    read_config,
+    write_config,
+)
+from train.envs import ENVIRONMENTS, Environment, Task, env_class, make_env
+from train.loss import (
+    aggregate,
+    behaviour_weight,
+    denominator,
+    masked_mean,
+    token_loss,
+    token_weights,
+)
+from train.policies.base import SampleConfig, Turn
+from train.policies.hf import HFPolicy, quiet_progress, state_dict_version
+from train.sampling import SAMPLERS, CaliperSampler, CaliperState, Sampler, make_sampler
+from train.sampling.base import mix_seed
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.pt"
+META_FILE = "rtrees_policy.json"
+
+
+class TrainError(RuntimeError):
+    """The run cannot start or continue (bad input, a store of another env, ...)."""
+
+
+@dataclass
+class TrainReport:
+    run_id: str
+    out: Path
+    iterations: int = 0
+    losses: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    heldout: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        last = self.heldout[max(self.heldout)] if self.heldout else {}
+        return (f"{self.run_id}: {self.iterations} iterations in {self.out}; "
+                f"held-out success {last.get('heldout_sampled', float('nan')):.3f} "
+                f"(greedy {last.get('heldout_greedy', float('nan')):.3f})")
+
+
+# ----------------------------------------------------------------------------- setup
+
+def check_config(config: TrainConfig) -> None:
+    """Every named error that needs no heavy work (before anything is loaded or written)."""
+    if not config.store or not config.out:
+        raise ConfigError("store and out are required")
+    if config.env not in ENVIRONMENTS:
+        raise ConfigError(f"unknown env {config.env!r}; choose from {sorted(ENVIRONMENTS)}")
+    if config.sampler not in SAMPLERS:
+        raise ConfigError(f"unknown sampler {config.sampler!r}; choose from {list(SAMPLERS)}")
+    from train.credit import ESTIMATORS
+    from train.credit.store_io import CreditError, resolve_method
+
+    if config.credit not in ESTIMATORS:
+        raise ConfigError(f"unknown credit {config.credit!r}; choose from {sorted(ESTIMATORS)}")
+    if config.credit in UNSUPPORTED_CREDIT:
+        raise ConfigError(f"credit {config.credit!r} {UNSUPPORTED_CREDIT[config.credit]}")
+    try:
+        resolve_method(config.credit, {k: str(v) for k, v in config.credit_params.items()})
+    except CreditError as exc:
+        raise ConfigError(str(exc)) from exc
+    try:
+        make_sampler(config.sampler, **config.sampler_params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from exc
+    kind = config.policy.partition(":")[0]
+    if config.policy != "tiny" and kind != "hf":
+        raise ConfigError(f"the trainer trains 'tiny' or 'hf:PATH' policies, not "
+                          f"{config.policy!r}")
+    try:
+        rz.ReuseParams.parse(config.reuse_params)
+    except ValueError as exc:
+        raise ConfigError(f"reuse_params: {exc}") from exc
+    if config.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError("--tensorboard needs the tensorboard package "
+                              "(pip install tensorboard)") from exc
+
+
+def check_store_env(store: Store, env: str) -> None:
+    con = connect(store)
+    envs = [r[0] for r in con.execute("SELECT DISTINCT env FROM trees").fetchall()]
+    other = sorted(e for e in envs if e != env)
+    if other:
+        raise TrainError(f"store {store.path} holds trees of env {other}, not {env!r}")
+
+
+def task_splits(config: TrainConfig) -> tuple[list[Task], list[Task]]:
+    """(train, held-out): the held-out split is fixed by ``heldout_seed``; training tasks
+    whose prompt occurs in it are dropped, so the two are disjoint."""
+    cls = env_class(config.env)
+    generate = getattr(cls, "generate_tasks", None)
+    if generate is None:
+        raise TrainError(f"env {config.env!r} has no task generator")
+    heldout = list(generate(config.heldout_tasks, seed=config.heldout_seed)) \
+        if config.heldout_tasks else []
+    seen = {t.prompt for t in heldout}
+    train = [t for t in generate(config.train_tasks, seed=config.seed) if t.prompt not in seen]
+    if not train:
+        raise TrainError("the training split is empty")
+    return train, heldout
+
+
+def load_start_policy(config: TrainConfig, checkpoint: Path | None = None) -> HFPolicy:
+    from train.policies import load_policy
+
+    spec = f"hf:{checkpoint}" if checkpoint is not None else config.policy
+    policy = load_policy(spec, config.env, device="cpu")
+    if not isinstance(policy, HFPolicy):
+        raise TrainError(f"{spec} is not a transformers policy")
+    return policy
+
+
+def checkpoint_dir(out: Path, step: int) -> Path:
+    return out / CHECKPOINTS / f"step-{step:06d}"
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint (temporary directories start with '.')."""
+    root = out / CHECKPOINTS
+    done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file()) \
+        if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def save_checkpoint(out: Path, step: int, policy: HFPolicy, version: str, state: dict[str, Any],
+                    config: TrainConfig) -> Path:
+    """Write checkpoint ``step`` atomically (temporary directory, fsync, rename); prune."""
+    final = checkpoint_dir(out, step)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with quiet_progress():
+        policy.model.save_pretrained(tmp)
+    policy.tokenizer.save_pretrained(tmp)
+    (tmp / META_FILE).write_text(json.dumps({
+        "policy_version": version, "env": config.env, "step": step,
+        "run_id": config.resolved_run_id, "trained_from": config.policy}, indent=2) + "\n")
+    torch.save(state, tmp / STATE_FILE)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():  # a rerun of the same step: move the old one aside first
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    steps = sorted(int(p.name.split("-")[1]) for p in (out / CHECKPOINTS).glob("step-*"))
+    for s in steps[:-config.keep_last]:
+        if s % config.save_every:
+            shutil.rmtree(checkpoint_dir(out, s), ignore_errors=True)
+    return final
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+# ----------------------------------------------------------------------- credit / eval
+
+def credit_for(trees: Sequence[Tree], config: TrainConfig
+               ) -> tuple[pa.Table, dict[tuple[str, int], NodeCredit]]:
+    """Credit rows (committed) and per-node token credit (trained on), through the
+    registry: ``credit_trees`` is the code path of ``rtrees credit``; per-token clip
+    bounds (ELC E8, CALIPER C8) come from the same estimator call on the same trees."""
+    from rollout_store.tree import TreeBatch
+    from train.credit.base import from_trees
+    from train.credit.store_io import credit_trees, resolve_method, stored_extras
+
+    params = {k: str(v) for k, v in config.credit_params.items()}
+    rows = credit_trees(trees, config.credit, params, run_id=config.resolved_run_id)
+    estimator, p = resolve_method(config.credit, params)
+    arrays = from_trees(list(trees), stored_extras(TreeBatch.from_trees(list(trees)).nodes))
+    credit = estimator(arrays, p)
+    bounds: dict[tuple[str, int], tuple[np.ndarray | None, np.ndarray | None]] = {}
+    a_len = np.bincount(arrays.token_node[arrays.agent_mask], minlength=arrays.n_nodes)
+    for v in range(arrays.n_nodes):
+        lo = int(arrays.token_offsets[v])
+        hi = lo + int(a_len[v])
+        key = (arrays.tree_ids[int(arrays.node_tree[v])], int(arrays.node_ids[v]))
+        bounds[key] = (None if credit.clip_low is None else credit.clip_low[lo:hi],
+                       None if credit.clip_high is None else credit.clip_high[lo:hi])
+    out: dict[tuple[str, int], NodeCredit] = {}
+    for tid, nid, vals in zip(rows.column("tree_id").to_pylist(),
+                              rows.column("node_id").to_pylist(),
+                              rows.column("token_values").to_pylist(), strict=True):
+        low, high = bounds[(tid, nid)]
+        out[(tid, nid)] = NodeCredit(np.asarray(vals or [], np.float64), low, high)
+    return rows, out
+
+
+def evaluate(policy: HFPolicy, env_name: str, tasks: Sequence[Task], greedy: bool,
+             max_new_tokens: int, seed: int) -> float:
+    """Success rate of one rollout per task, all tasks stepped in lockstep (one batched
+    ``sample`` call per step); greedy = top_p 1e-9 (HFPolicy keeps the top token)."""
+    if not tasks:
+        return float("nan")
+    envs: list[Environment] = [make_env(env_name) for _ in tasks]
+    turns: list[list[Turn]] = [[("prompt", e.reset(t))] for e, t in zip(envs, tasks, strict=True)]
+    active = list(range(len(tasks)))
+    success = [0.0] * len(tasks)
+    for step in range(max(t.max_steps for t in tasks)):
+        if not active:
+            break
+        config = SampleConfig(n=1, max_new_tokens=max_new_tokens,
+                              top_p=1e-9 if greedy else 1.0, seed=mix_seed(seed, "eval", step))
+        conts = policy.sample([turns[i] for i in active], config)
+        still = []
+        for i, [cont] in zip(active, conts, strict=True):
+            result = envs[i].step(cont.text)
+            turns[i] += [("action", cont.text), ("observation", result.observation)]
+            if result.done:
+                success[i] = float(result.reward_parts.get("reward", 0.0) >= 1.0)
+            elif step + 1 < tasks[i].max_steps:
+                still.append(i)
+        active = still
+    return float(np.mean(success))
+
+
+# ------------------------------------------------------------------------------ loop
+
+def train(config: TrainConfig, resume: bool = False) -> TrainReport:
+    """Run (or with ``resume``, continue) the training run described by ``config``."""
+    check_config(config)
+    config = config.replace(store=str(Path(config.store).resolve()),
+                            out=str(Path(config.out).resolve()))
+    out = Path(config.out)
+    run_id = config.resolved_run_id
+    start_ckpt = None
+    if resume:
+        check_resume(read_config(out), config)
+        start_ckpt = latest_checkpoint(out)  # None: killed before step 0 was published
+    elif (out / "config.json").exists():
+        raise TrainError(f"{out} already holds a run; pass --resume to continue it")
+    store = open_store(config.store, create=True)
+    if config.reuse == "none":
+        check_store_env(store, config.env)
+    else:  # stored trees of another env are skipped and counted, not refused
+        try:
+            rz.check_reuse(store, config.reuse_from, run_id)
+        except rz.ReuseError as exc:
+            raise TrainError(str(exc)) from exc
+    reuse_params = rz.ReuseParams.parse(config.reuse_params)
+    train_tasks, heldout = task_splits(config)
+    write_config(config, out)
+    if config.reuse != "none":
+        rz.write_params(out, reuse_params)
+    for tmp in (out / CHECKPOINTS).glob(".step-*") if (out / CHECKPOINTS).is_dir() else []:
+        shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint write a kill interrupted
+
+    policy = load_start_policy(config, start_ckpt)
+    model = policy.model
+    ref_model = None
+    if config.kl_coef > 0:  # frozen initial policy
+        ref_model = copy.deepcopy(load_start_policy(config).model).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    warm = config.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    sampler = make_sampler(config.sampler, max_new_tokens=config.max_new_tokens,
+                           temperature=config.temperature, **config.sampler_params)
+    start = 0
+    if start_ckpt is not None:
+        state = torch.load(start_ckpt / STATE_FILE, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        if isinstance(sampler, CaliperSampler) and state.get("sampler_state"):
+            sampler.state = CaliperState.from_dict(state["sampler_state"])
+        start = int(state["iteration"])
+    writer = None
+    if config.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tensorboard"))
+    report = TrainReport(run_id, out)
+
+    def publish(step: int) -> HFPolicy:
+        version = f"{run_id}-{state_dict_version(model)}"
+        return policy.published(str(checkpoint_dir(out, step)), version)
+
+    current = publish(start)
+    if start_ckpt is None:
+        save_checkpoint(out, 0, current, current.policy_version,
+                        _state(0, optimizer, scheduler, sampler, store), config)
+    else:
+        current = policy.published(str(start_ckpt), json.loads(
+            (start_ckpt / META_FILE).read_text())["policy_version"])
+
+    if start == 0 and config.eval_every and heldout:  # the starting weights: step -1
+        initial = _heldout(current, heldout, config, 0)
+        _commit_metrics(store, run_id, -1, initial)
+        report.heldout[0] = initial
+    env = make_env(config.env)
+    for it in range(start, config.steps):
+        metrics: dict[str, float] = {}
+        t0 = time.perf_counter()
+        # 1-2. draw tasks, sample one tree each with the current weights
+        rng = np.random.default_rng(mix_seed(config.seed, "tasks", it))
+        picks = rng.choice(len(train_tasks), size=min(config.tasks_per_step, len(train_tasks)),
+                           replace=False)
+        model.eval()
+        trees = [sampler.sample_tree(env, current, train_tasks[i], config.n_total,
+                                     seed=mix_seed(config.seed, "tree", it, j),
+                                     tree_id=f"{run_id}/it{it:06d}/{j:03d}",
+                                     run_id=run_id)
+                 for j, i in enumerate(picks)]
+        t1 = time.perf_counter()
+        # 3. commit with policy_version / policy_ref of these weights
+        store.append_trees(trees, key=f"{run_id}:trees:{it}")
+        t2 = time.perf_counter()
+        # 4. credit through the registry, committed
+        credit_rows_, credit = credit_for(trees, config)
+        store.append_credits(credit_rows_, key=f"{run_id}:credit:{it}")
+        # 4b. stored trees (issue 12; train.reuse): earlier versions, scored under the
+        #     pre-update weights pi_prox (D3, G8), comparisons resolved by the reuse rule,
+        #     refreshed routes re-sampled and committed, their credit committed
+        seqs = [build_sequences(t, current.prompt_ids) for t in trees]
+        prox = None
+        batch_trees = list(trees)
+        if config.reuse != "none":
+            sel = rz.select_stored(store, reuse_from=config.reuse_from, run_id=run_id,
+                                   env=config.env, iteration=it,
+                                   max_staleness=config.max_staleness,
+                                   per_step=config.reuse_per_step, seed=config.seed,
+                                   need_snapshots=config.reuse in ("dsc", "refresh"),
+                                   tokenizer_dir=current.policy_ref)
+            old_seqs = [build_sequences(t, current.prompt_ids) for t in sel.trees]
+            prox = rz.score_actions(model, old_seqs, config.layout, config.micro_tokens,
+                                    current.pad_id, config.tree_row_tokens or None)
+            step = rz.resolve_stored(sel, config.reuse, prox, reuse_params, env, current,
+                                     run_id=run_id, iteration=it, seed=config.seed,
+                                     max_new_tokens=config.max_new_tokens,
+                                     temperature=config.temperature, log=out / "reuse.jsonl")
+            refreshed = step.refreshed
+            if refreshed:
+                store.append_trees(refreshed, key=f"{run_id}:refresh-trees:{it}")
+            old_rows, old_credit = credit_for(step.credited, config) if sel.trees else (None, {})
+            new_rows, new_credit = credit_for(refreshed, config) if refreshed else (None, {})
+            if old_rows is not None:
+                store.append_credits(rz.rename_method(old_rows, rz.METHOD_SUFFIX[config.reuse],
+                                                      current.policy_version),
+                                     key=f"{run_id}:reuse-credit:{it}")
+            if new_rows is not None:
+                store.append_credits(new_rows, key=f"{run_id}:refresh-credit:{it}")
+            new_seqs = [build_sequences(t, current.prompt_ids) for t in refreshed]
+            prox.update(rz.score_actions(model, new_seqs, config.layout, config.micro_tokens,
+                                         current.pad_id, config.tree_row_tokens or None))
+            credit.update(old_credit)
+            credit.update(new_credit)
+            seqs += old_seqs + new_seqs
+            batch_trees += list(sel.trees) + refreshed
+            metrics.update({
+                "reuse_trees": float(len(sel.trees)), "reuse_refreshed_trees": float(
+                    len(refreshed)),
+                **{f"reuse_pairs_{k}": float(step.pairs.get(k, 0)) for k in rz.DECISIONS},
+                "reuse_new_tool_steps": float(step.new_tool_steps),
+                "reuse_refresh_all_tool_steps": float(sum(rz.tool_steps(t) for t in sel.trees)),
+                "reuse_staleness_mean": float(np.mean(sel.staleness)) if sel.staleness else 0.0,
+                "reuse_staleness_max": float(max(sel.staleness, default=0)),
+                **{f"reuse_skip_{k}": float(sel.skipped.get(k, 0)) for k in rz.SKIP_REASONS}})
+        t3 = time.perf_counter()
+        # 5. token batches and PPO epochs
+        parts = _minibatch_parts(len(batch_trees), config, it)
+        part_batches = []
+        for part in parts:
+            part_seqs = [seqs[i] for i in part]
+            rows = make_rows(part_seqs, credit, config.layout, config.node_weight,
+                             config.clip_low, config.clip_high,
+                             max_row_tokens=config.tree_row_tokens or None, prox=prox)
+            mbs = micro_batches(rows, config.layout, config.micro_tokens,
+                                pad_id=current.pad_id)
+            n_tokens = sum(float(mb.traj_count.sum()) for mb in mbs)
+            n_seqs = sum(len(s.leaves) for s in part_seqs)
+            d = denominator(config.aggregation, n_tokens, n_seqs, config.norm_length)
+            part_batches.append((mbs, d, part))
+        if config.check_logprobs:
+            with torch.no_grad():
+                diffs = [float((forward_logprobs(model, mb)[0] - mb.old_logp).abs().max())
+                         for mbs, _, _ in part_batches for mb in mbs if mb.n_loss_tokens]
+            metrics["logprob_diff_max"] = max(diffs, default=0.0)
+        model.train()
+        sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual": 0.0, "kl": 0.0,
+                "entropy": 0.0, "tokens": 0.0}
+        grad_norms: list[float] = []
+        n_loss_tokens = 0
+        forward_tokens = 0
+        w_sum = w_over = w_tokens = 0.0
+        for epoch in range(config.epochs):
+            order = _epoch_order(len(part_batches), config, it, epoch)
+            for p in order:
+                mbs, d, part = part_batches[p]
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for mb in mbs:
+                    if not mb.n_loss_tokens:
+                        continue
+                    logp, entropy = forward_logprobs(model, mb, with_entropy=True,
+                                                     entropy_grad=config.entropy_coef > 0)
+                    assert entropy is not None
+                    weight = None  # G8: w = pi_prox / mu (1 on fresh tokens)
+                    if config.reuse != "none":
+                        weight, over = behaviour_weight(mb.old_logp, mb.behav_logp,
+                                                        config.is_cap, config.is_mode)
+                        old = torch.tensor([part[b] >= len(trees) for b, _, _ in mb.keys],
+                                           dtype=torch.bool)
+                        w_sum += float(weight[old].sum())
+                        w_over += float(over[old].sum())
+                        w_tokens += float(old.sum())
+                    ref = None
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            ref = forward_logprobs(ref_model, mb)[0]
+                    out_t = token_loss(logp, mb.old_logp, mb.advantage, mb.clip_low,
+                                       mb.clip_high, dual_clip=config.dual_clip, ref_logp=ref,
+                                       kl_coef=config.kl_coef,
+                                       kl_estimator=config.kl_estimator,
+                                       entropy=entropy if config.entropy_coef > 0 else None,
+                                       entropy_coef=config.entropy_coef, weight=weight)
+                    w = token_weights(config.aggregation, mb.traj_count, mb.inv_len_sum)
+                    mask = torch.ones_like(w, dtype=torch.bool)
+                    loss = aggregate(out_t.loss, mask, w, d)
+                    loss.backward()
+                    step_loss += float(loss.detach())
+                    k = mb.n_loss_tokens
+                    n_loss_tokens += k
+                    forward_tokens += mb.n_tokens
+                    sums["clip_low"] += float(out_t.clipped_low.sum())
+                    sums["clip_high"] += float(out_t.clipped_high.sum())
+                    sums["dual"] += float(out_t.dual_clipped.sum())
+                    sums["kl"] += masked_mean(out_t.kl, mask) * k
+                    sums["entropy"] += float(entropy.detach().sum())
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
+                grad_norms.append(float(grad_norm))
+                optimizer.step()
+                scheduler.step()
+                sums["loss"] += step_loss
+        model.eval()
+        t4 = time.perf_counter()
+        n_steps = max(len(grad_norms), 1)
+        leaves = [n for t in trees for n in t.nodes if n.reward is not None]
+        if config.reuse != "none":
+            metrics["is_weight_mean"] = w_sum / w_tokens if w_tokens else 1.0
+            metrics["is_over_cap_frac"] = w_over / w_tokens if w_tokens else 0.0
+        metrics.update({
+            "loss": sums["loss"] / n_steps,
+            "clip_frac_low": sums["clip_low"] / max(n_loss_tokens, 1),
+            "clip_frac_high": sums["clip_high"] / max(n_loss_tokens, 1),
+            "dual_clip_frac": sums["dual"] / max(n_loss_tokens, 1),
+            "kl": sums["kl"] / max(n_loss_tokens, 1),
+            "entropy": sums["entropy"] / max(n_loss_tokens, 1),
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            "reward": float(np.mean([n.reward for n in leaves])) if leaves else 0.0,
+            "success": float(np.mean([(n.reward or 0.0) >= 1.0 for n in leaves]))
+            if leaves else 0.0,
+            "tokens_per_s": forward_tokens / max(t4 - t3, 1e-9),
+            "loss_tokens": float(n_loss_tokens),
+            "tree_token_ratio": tree_token_ratio(seqs),
+            "chain_breaks": float(sum(s.breaks() for s in seqs)),
+            "env_steps": float(sum((t.meta or {}).get("env_steps", 0) for t in trees)),
+            "new_tool_steps": float(sum(n.tool_calls or 0 for t in trees for n in t.nodes))
+            + metrics.get("reuse_new_tool_steps", 0.0),
+            "lr": float(scheduler.get_last_lr()[0]),
+            "rss_mb": psutil.Process().memory_info().rss / 2**20,
+            "seconds_sample": t1 - t0, "seconds_commit": t2 - t1,
+            "seconds_credit": t3 - t2, "seconds_train": t4 - t3,
+        })
+        # 6. publish version it + 1; held-out success; metrics; checkpoint
+        current = publish(it + 1)
+        if config.eval_every and heldout and ((it + 1) % config.eval_every == 0 or
+                                              it + 1 == config.steps):
+            t5 = time.perf_counter()
+            metrics.update(_heldout(current, heldout, config, it + 1))
+            metrics["seconds_eval"] = time.perf_counter() - t5
+            report.heldout[it + 1] = metrics
+        _commit_metrics(store, run_id, it, metrics)
+        if writer is not None:
+            for name, value in metrics.items():
+                writer.add_scalar(name, value, it)
+            writer.flush()
+        save_checkpoint(out, it + 1, current, current.policy_version,
+                        _state(it + 1, optimizer, scheduler, sampler, store), config)
+        report.iterations = it + 1
+        report.losses.append(metrics["loss"])
+        report.rewards.append(metrics["reward"])
+        if config.progress:
+            extra = "".join(f" {k.split('_')[1]} {metrics[k]:.3f}" for k in
+                            ("heldout_sampled", "heldout_greedy") if k in metrics)
+            print(f"[{run_id}] it {it + 1}/{config.steps} loss {metrics['loss']:+.4f} "
+                  f"reward {metrics['reward']:.3f} clip {metrics['clip_frac_low']:.3f}/"
+                  f"{metrics['clip_frac_high']:.3f} ratio {metrics['tree_token_ratio']:.2f} "
+                  f"{metrics['tokens_per_s']:.0f} tok/s{extra}", file=sys.stderr, flush=True)
+    if writer is not None:
+        writer.close()
+    return report
+
+
+def _state(iteration: int, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Sampler,
+           store: Store) -> dict[str, Any]:
+    return {"iteration": iteration, "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "rng": rng_state(),
+            "store_version": dict(store.version()),
+            "sampler_state": sampler.state.to_dict() if isinstance(sampler, CaliperSampler)
+            else None}
+
+
+def _heldout(policy: HFPolicy, heldout: Sequence[Task], config: TrainConfig, version: int
+             ) -> dict[str, float]:
+    """Held-out success after ``version`` iterations, sampled and greedy (metric step is
+    the iteration that produced the weights; -1 for the starting weights)."""
+    seed = mix_seed(config.heldout_seed, "eval", version)
+    return {"heldout_sampled": evaluate(policy, config.env, heldout, False,
+                                        config.max_new_tokens, seed),
+            "heldout_greedy": evaluate(policy, config.env, heldout, True,
+                                       config.max_new_tokens, seed)}
+
+
+def _minibatch_parts(n_trees: int, config: TrainConfig, it: int) -> list[list[int]]:
+    """The iteration's trees cut into ``minibatches`` parts (whole trees), seeded."""
+    g = torch.Generator().manual_seed(mix_seed(config.seed, "parts", it))
+    order = torch.randperm(n_trees, generator=g).tolist()
+    k = min(config.minibatches, n_trees)
+    return [order[i::k] for i in range(k)]
+
+
+def _epoch_order(n_parts: int, config: TrainConfig, it: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(mix_seed(config.seed, "epoch", it, epoch))
+    return torch.randperm(n_parts, generator=g).tolist()
+
+
+def _commit_metrics(store: Store, run_id: str, it: int, metrics: dict[str, float]) -> None:
+    names = sorted(k for k, v in metrics.items() if math.isfinite(v))
+    now = now_utc()
+    table = pa.table({
+        "run_id": pa.array([run_id] * len(names), pa.string()),
+        "step": pa.array([it] * len(names), pa.int64()),
+        "name": pa.array(names, pa.string()),
+        "value": pa.array([float(metrics[n]) for n in names], pa.float64()),
+        "created_at": pa.array([now] * len(names), METRICS.field("created_at").type),
+    }, schema=METRICS)
+    store.append_metrics(table, key=f"{run_id}:metrics:{it}")
+
+
+def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    """``{name: [(step, value), ...]}`` of a run, from the store's ``metrics`` table."""
+    s = store if isinstance(store, Store) else open_store(store)
+    con = connect(s)
+    rows = con.execute("SELECT name, step, value FROM metrics WHERE run_id = $r "
+                       "ORDER BY name, step", {"r": run_id}).fetchall()
+    out: dict[str, list[tuple[int, float]]] = {}
+    for name, step, value in rows:
+        out.setdefault(name, []).append((int(step), float(value)))
+    return out
+
+
+__all__ = ["TrainError", "TrainReport", "check_config", "credit_for", "evaluate",
+           "latest_checkpoint", "read_metrics", "task_splits", "train"]
