@@ -37,7 +37,7 @@ from analysis.report import (
     markdown_table,
     open_study,
     register_study_report,
-    write_json,
+    write_study_results,
 )
 from analysis.stats import ClusterSums, group_index, paired_cluster_ranking, prefix_stats
 from analysis.verdicts import verdict, verdict_lines
@@ -152,9 +152,7 @@ def construction_results(study_dir: str | Path, out_dir: str | Path | None = Non
         "audit": "elpo-fig3", "config": config, "constructions": constructions,
         "aepo_stand_in": study["aepo_stand_in"], "envs": envs, "verdicts": verdicts,
         "plots": plots, "seconds": study["seconds"]}
-    (out / "report.md").write_text(construction_report(results))
-    write_json(out / "results.json", results)
-    return results
+    return write_study_results(out, results, construction_report(results))
 
 
 def construction_report(results: dict[str, Any]) -> str:

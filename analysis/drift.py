@@ -37,16 +37,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from analysis.report import (
-    NothingToReport,
     ReportOutput,
     fmt,
     fmt_ci,
     new_figure,
-    open_study,
-    read_study,
+    open_study_of_kinds,
     register_study_report,
     save_figure,
-    write_json,
+    write_study_results,
 )
 from analysis.stats import cluster_draws, percentile_ci, spearman
 from analysis.verdicts import verdict, verdict_lines
@@ -377,10 +375,8 @@ def drift_results(study_dir: str | Path, out_dir: str | Path | None = None) -> d
     """The drift report of a study directory (``study.json`` + ``pairs.parquet``): write
     ``results.json``, ``report.md`` and PNG plots into ``out_dir`` (default: the study
     directory); return the results dict (the content of results.json)."""
-    kind = str(read_study(Path(study_dir))["study"])
-    if kind not in DRIFT_KINDS:
-        raise NothingToReport(f"{study_dir} is a {kind!r} study, not one of {DRIFT_KINDS}")
-    src, out, study = open_study(study_dir, out_dir, kind)
+    src, out, study = open_study_of_kinds(study_dir, out_dir, DRIFT_KINDS)
+    kind = str(study["study"])
     config = study["config"]
     pairs_path = src / study["pairs_path"]
     summary = drift_summary(pairs_path, config["tau"], config["n_boot"], config["seed"])
@@ -390,9 +386,7 @@ def drift_results(study_dir: str | Path, out_dir: str | Path | None = None) -> d
     }
     results["plots"] = drift_plots(pq.read_table(pairs_path), summary, out)
     results["seconds"] = study["seconds"]
-    (out / "report.md").write_text(drift_report(results))
-    write_json(out / "results.json", results)
-    return results
+    return write_study_results(out, results, drift_report(results))
 
 
 @register_study_report("drift")

@@ -23,15 +23,13 @@ from typing import Any
 import numpy as np
 
 from analysis.report import (
-    NothingToReport,
     ReportOutput,
     fmt,
     new_figure,
-    open_study,
-    read_study,
+    open_study_of_kinds,
     register_study_report,
     save_figure,
-    write_json,
+    write_study_results,
 )
 from analysis.stats import cluster_bootstrap_means, percentile_ci
 from analysis.verdicts import verdict, verdict_lines
@@ -476,10 +474,8 @@ def gate_results(study_dir: str | Path, out_dir: str | Path | None = None) -> di
     """The gate report of a study directory (``study.json``, ``instances.parquet``,
     ``routes.parquet``): write ``results.json``, ``report.md`` and PNG plots into
     ``out_dir`` (default: the study directory); return the results dict."""
-    kind = str(read_study(Path(study_dir))["study"])
-    if kind not in GATE_KINDS:
-        raise NothingToReport(f"{study_dir} is a {kind!r} study, not one of {GATE_KINDS}")
-    src, out, study = open_study(study_dir, out_dir, kind)
+    src, out, study = open_study_of_kinds(study_dir, out_dir, GATE_KINDS)
+    kind = str(study["study"])
     summary = gate_summary(src / study["instances_path"], src / study["routes_path"],
                            study["config"])
     results: dict[str, Any] = {
@@ -491,9 +487,7 @@ def gate_results(study_dir: str | Path, out_dir: str | Path | None = None) -> di
         results["table2"] = extra
         results["verdicts"] = table2_verdicts(summary, extra, study["config"])
     results["plots"] = gate_plots(results, out)
-    (out / "report.md").write_text(gate_report(results))
-    write_json(out / "results.json", results)
-    return results
+    return write_study_results(out, results, gate_report(results))
 
 
 @register_study_report("gates")

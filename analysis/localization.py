@@ -25,7 +25,7 @@ from analysis.report import (
     open_study,
     register_study_report,
     save_figure,
-    write_json,
+    write_study_results,
 )
 from rollout_store import Store, connect
 
@@ -157,9 +157,7 @@ def localization_results(study_dir: str | Path, out_dir: str | Path | None = Non
         "audit": "localization", **{k: v for k, v in study.items() if k != "study"},
         **summary}
     results["plots"] = localization_plots(summary["table"], out)
-    (out / "report.md").write_text(localization_report(results))
-    write_json(out / "results.json", results)
-    return results
+    return write_study_results(out, results, localization_report(results))
 
 
 @register_study_report("localization")

@@ -33,7 +33,7 @@ from analysis.report import (
     markdown_table,
     open_study,
     register_study_report,
-    write_json,
+    write_study_results,
 )
 from analysis.stats import cluster_bootstrap_means, percentile_ci
 from analysis.verdicts import verdict, verdict_lines
@@ -237,9 +237,7 @@ def recovery_results(study_dir: str | Path, out_dir: str | Path | None = None
         "verdicts": verdicts, "paper": PAPER_FIG1, "plots": plots,
         "n_sampled_trajectories": study["n_sampled_trajectories"],
         "seconds": study["seconds"]}
-    (out / "report.md").write_text(recovery_report(results))
-    write_json(out / "results.json", results)
-    return results
+    return write_study_results(out, results, recovery_report(results))
 
 
 @register_study_report("elpo-fig1")

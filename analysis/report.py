@@ -132,6 +132,16 @@ def open_study(study_dir: str | Path, out_dir: str | Path | None, kind: str
     return src, out, study
 
 
+def open_study_of_kinds(study_dir: str | Path, out_dir: str | Path | None,
+                        kinds: Sequence[str]) -> tuple[Path, Path, dict[str, Any]]:
+    """``open_study`` for a report builder of several study kinds: the study's own kind
+    (``study["study"]``) must be one of ``kinds``, else ``NothingToReport``."""
+    kind = str(read_study(Path(study_dir))["study"])
+    if kind not in kinds:
+        raise NothingToReport(f"{study_dir} is a {kind!r} study, not one of {kinds}")
+    return open_study(study_dir, out_dir, kind)
+
+
 def build_study_report(study_dir: Path, out: Path | None = None) -> ReportOutput:
     """Rebuild one study's report from its directory (into ``out``, default the study
     directory itself)."""
@@ -208,6 +218,14 @@ def write_json(path: Path, obj: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_clean(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
     return path
+
+
+def write_study_results(out: Path, results: dict[str, Any], report: str) -> dict[str, Any]:
+    """Write a study report's two files into ``out``: the markdown ``report`` as
+    ``report.md``, then ``results`` as ``results.json`` (``write_json``); return ``results``."""
+    (out / "report.md").write_text(report)
+    write_json(out / "results.json", results)
+    return results
 
 
 def fmt(x: float | None, digits: int = 3) -> str:

@@ -34,48 +34,20 @@ are trees/min over ``one``'s; no target (on 2 cores the ceiling is 2x).
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from _common import Timings, print_table, verdict
 
 from rollout_store import Store, read_trees
-from train.envs import env_class
-from train.envs.workflow import ACTION_TEXTS, TOOLS
-from train.policies.base import Continuation, SampleConfig, Transcript
-from train.sampling.collect import collect
+from train.envs import Task, env_class
+from train.policies.tabular import UniformWorkflowPolicy
+from train.sampling.collect import CollectReport, collect
 
 TARGET = 0.5
-_VALID_RE = re.compile(r"Valid tools: ([a-z, ]+)\.")
-
-
-class UniformWorkflowPolicy:
-    """Uniform over the valid tools of the last state line: the uniform tabular policy."""
-
-    policy_version = "uniform-tabular"
-    policy_ref = None
-
-    def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
-               ) -> list[list[Continuation]]:
-        rng = np.random.default_rng(config.seed)
-        out = []
-        for tr in transcripts:
-            tools = [t.strip() for t in _VALID_RE.findall(tr[-1][1])[-1].split(",")]
-            h = math.log(len(tools))
-            picks = rng.integers(0, len(tools), config.n)
-            out.append([Continuation(ACTION_TEXTS[tools[int(i)]],
-                                     [TOOLS.index(tools[int(i)])], [-h], [h]) for i in picks])
-        return out
-
-    def score(self, transcripts: Sequence[Transcript], actions: Sequence[str]) -> list[Any]:
-        raise NotImplementedError
 
 
 def load(env: str, spec: str, fallback: bool, random_init: bool) -> tuple[str, Any, str]:
@@ -92,8 +64,22 @@ def load(env: str, spec: str, fallback: bool, random_init: bool) -> tuple[str, A
             why = "train.policies.load_policy does not exist"
         except (RuntimeError, FileNotFoundError, ValueError) as exc:  # e.g. no checkpoint
             why = f"load_policy({spec!r}, {env!r}) failed: {str(exc).splitlines()[0]}"
-    return "workflow", UniformWorkflowPolicy(), \
+    return "workflow", UniformWorkflowPolicy("uniform-tabular"), \
         f"uniform tabular policy on workflow (FALLBACK: {why})"
+
+
+def timed_collect(root: Path, label: str, rep: int, timings: Timings, env: str, policy: Any,
+                  sampler: str, tasks: list[Task], n_total: int, **options: Any
+                  ) -> tuple[Store, CollectReport]:
+    """One timed ``collect`` (seed ``rep``, run id ``bench-{label}``, no progress bar) into a
+    fresh store ``root/{label}-{rep}``; its seconds go to ``timings``. ``options`` are
+    ``collect``'s keyword options."""
+    store = Store(root / f"{label}-{rep}", create=True)
+    start = time.perf_counter()
+    report = collect(store, env, policy, sampler, tasks, n_total, seed=rep,
+                     run_id=f"bench-{label}", progress=False, **options)
+    timings.seconds.append(time.perf_counter() - start)
+    return store, report
 
 
 def compare_executors(args: argparse.Namespace) -> None:
@@ -122,12 +108,9 @@ def compare_executors(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):
             for name in args.executors:
-                store = Store(Path(tmp) / f"{name}-{rep}", create=True)
-                start = time.perf_counter()
-                report = collect(store, env, spec, sampler, tasks, args.n_total, seed=rep,
-                                 run_id=f"bench-{name}", commit_trees=args.commit_trees,
-                                 progress=False, **options[name])
-                timings[name].seconds.append(time.perf_counter() - start)
+                _, report = timed_collect(Path(tmp), name, rep, timings[name], env, spec,
+                                          sampler, tasks, args.n_total,
+                                          commit_trees=args.commit_trees, **options[name])
                 assert report.trees == args.tasks, report.summary()
     base = timings[args.executors[0]]
     rows = [[name, f"{t.min:.2f}", f"{t.median:.2f}", f"{60 * args.tasks / t.min:.1f}",
@@ -171,12 +154,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):
             for name in args.samplers:
-                store = Store(Path(tmp) / f"{name}-{rep}", create=True)
-                start = time.perf_counter()
-                report = collect(store, env, policy, name, tasks, args.n_total, seed=rep,
-                                 run_id=f"bench-{name}", progress=False,
-                                 sampler_params={"max_new_tokens": args.max_new_tokens})
-                timings[name].seconds.append(time.perf_counter() - start)
+                store, report = timed_collect(
+                    Path(tmp), name, rep, timings[name], env, policy, name, tasks,
+                    args.n_total, sampler_params={"max_new_tokens": args.max_new_tokens})
                 if rep == 0:
                     trees = read_trees(store)
                     metas = [t.meta or {} for t in trees]

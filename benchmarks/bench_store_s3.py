@@ -16,44 +16,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 from benchmarks._common import Timings, print_timings, timed
 from rollout_store import Store, connect
+from rollout_store.moto_server import (
+    create_bucket_when_up,
+    free_port,
+    start_moto_server,
+    stop_process,
+)
 from rollout_store.synthetic import bel_shaped_batch
 from rollout_store.tree import TreeBatch
 
 SIBLINGS = "SELECT count(*), sum(n_leaves), sum(n_success) FROM siblings"
-
-
-def _start_server() -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _make_bucket(endpoint: str, bucket: str) -> None:
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            client.create_bucket(Bucket=bucket)
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def main() -> None:
@@ -62,11 +40,13 @@ def main() -> None:
     parser.add_argument("--trees", type=int, default=40, help="trees per append")
     parser.add_argument("--repeat", type=int, default=5, help="siblings query runs each")
     args = parser.parse_args()
-    proc, endpoint = _start_server()
+    port = free_port()
+    proc = start_moto_server(port)
+    endpoint = f"http://127.0.0.1:{port}"
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)
     try:
-        _make_bucket(endpoint, "bench")
+        create_bucket_when_up(endpoint, "bench", proc)
         with tempfile.TemporaryDirectory() as tmp:
             local = Store(Path(tmp) / "local", create=True)
             remote = Store(f"s3://bench/{uuid.uuid4().hex[:8]}", create=True)
@@ -103,12 +83,7 @@ def main() -> None:
                   f"siblings {queries['s3'].min / queries['local'].min:.2f}x "
                   f"(median {queries['s3'].median / queries['local'].median:.2f}x)")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 if __name__ == "__main__":

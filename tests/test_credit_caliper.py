@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -339,8 +339,17 @@ def caliper_trees(draw: st.DrawFn, tree_id: str) -> tuple[Tree, dict[int, float]
     return Tree(tree_id, nodes), agreement, marked
 
 
+class CaliperCase(NamedTuple):
+    """A random CALIPER batch: its trees, the agreement extras and the y0-marked nodes
+    (both keyed by (tree id, node id))."""
+
+    trees: list[Tree]
+    agreement: dict[Key, float]
+    marked: set[Key]
+
+
 @st.composite
-def caliper_batches(draw: st.DrawFn) -> tuple[list[Tree], dict[Key, float], set[Key]]:
+def caliper_batches(draw: st.DrawFn) -> CaliperCase:
     names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=4, unique=True))
     trees: list[Tree] = []
     agreement: dict[Key, float] = {}
@@ -350,7 +359,7 @@ def caliper_batches(draw: st.DrawFn) -> tuple[list[Tree], dict[Key, float], set[
         trees.append(tree)
         agreement.update({(name, k): v for k, v in agr.items()})
         marked.update((name, k) for k in mk)
-    return trees, agreement, marked
+    return CaliperCase(trees, agreement, marked)
 
 
 params_st = st.builds(CaliperParams, lambda_loc=st.sampled_from([1.0, 0.5]),
@@ -377,9 +386,8 @@ def assert_same(got: dict, want: dict) -> None:
 
 @SETTINGS
 @given(caliper_batches(), params_st)
-def test_matches_reference_loop(data: tuple[list[Tree], dict[Key, float], set[Key]],
-                                params: CaliperParams) -> None:
-    trees, agreement, marked = data
+def test_matches_reference_loop(case: CaliperCase, params: CaliperParams) -> None:
+    trees, agreement, marked = case
     batch = batch_of(trees, agreement, marked)
     want: dict = {}
     for t in trees:
@@ -392,9 +400,8 @@ def test_matches_reference_loop(data: tuple[list[Tree], dict[Key, float], set[Ke
 # ----------------------------------------------------------------- 3. invariants
 @SETTINGS
 @given(caliper_batches(), params_st)
-def test_invariants(data: tuple[list[Tree], dict[Key, float], set[Key]],
-                    params: CaliperParams) -> None:
-    trees, agreement, marked = data
+def test_invariants(case: CaliperCase, params: CaliperParams) -> None:
+    trees, agreement, marked = case
     batch = batch_of(trees, agreement, marked)
     credit = caliper(batch, params)
     g = caliper_groups(batch, params)
@@ -425,9 +432,8 @@ def test_invariants(data: tuple[list[Tree], dict[Key, float], set[Key]],
 
 @SETTINGS
 @given(caliper_batches())
-def test_all_failed_full_rollouts_still_learn_from_mixed_groups(
-        data: tuple[list[Tree], dict[Key, float], set[Key]]) -> None:
-    trees, _, marked = data
+def test_all_failed_full_rollouts_still_learn_from_mixed_groups(case: CaliperCase) -> None:
+    trees, _, marked = case
     for t in trees:  # every full rollout fails
         for n in t.nodes:
             if n.reward is not None and n.phase != "local":
@@ -445,9 +451,8 @@ def test_all_failed_full_rollouts_still_learn_from_mixed_groups(
 
 @SETTINGS
 @given(caliper_batches())
-def test_without_resamples_it_is_grpo(data: tuple[list[Tree], dict[Key, float], set[Key]]
-                                      ) -> None:
-    trees, _, _ = data
+def test_without_resamples_it_is_grpo(case: CaliperCase) -> None:
+    trees = case.trees
     for t in trees:  # drop every resampled subtree
         local = {n.node_id for n in t.nodes if n.phase in ("local", "probe")}
         keep = []

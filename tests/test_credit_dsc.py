@@ -15,11 +15,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from credit_helpers import by_row, node
+from credit_helpers import by_row, node, random_trees
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_store.testing import parent_structures
 from rollout_store.tree import Node, Tree
 from train.credit import ESTIMATORS
 from train.credit.base import TreeArrays, from_trees, path_sum
@@ -36,34 +35,6 @@ from train.credit.dsc_gate import (
 def _node(nid: int, parent: int | None, reward: float | None = None, n_act: int = 1,
           n_obs: int = 1) -> Node:
     return node(nid, parent, [11] * n_act, [22] * n_obs, reward)
-
-
-@st.composite
-def _random_trees(draw: st.DrawFn, max_trees: int = 4, max_nodes: int = 20) -> list[Tree]:
-    """Random valid trees: shapes from ``rollout_store.testing.parent_structures``, shuffled
-    node ids and rows, 0-3 action / 0-2 observation tokens, 0/1 or float leaf rewards,
-    two task ids. (The full ``testing.trees()`` also draws texts, entropies and snapshots,
-    which credit never reads and which cost 95% of the time.)"""
-    shapes = draw(st.lists(parent_structures(max_nodes), min_size=1, max_size=max_trees))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    trees = []
-    for b, parents in enumerate(shapes):
-        ids = rng.permutation(len(parents)) + int(rng.choice([0, 1000]))
-        inner = {p for p in parents if p is not None}
-        nodes = []
-        for i, p in enumerate(parents):
-            n_act, n_obs = int(rng.integers(0, 4)), int(rng.integers(0, 3))
-            reward = None
-            if i not in inner:
-                reward = float(rng.integers(0, 2)) if rng.random() < 0.7 else float(rng.normal())
-            nodes.append(Node(int(ids[i]), None if p is None else int(ids[p]),
-                              kind="prompt" if p is None else "decision",
-                              action_token_ids=[11] * n_act, action_logprobs=[-0.5] * n_act,
-                              observation_token_ids=[22] * n_obs, terminal=reward is not None,
-                              reward=reward))
-        trees.append(Tree(f"t{b}", [nodes[j] for j in rng.permutation(len(nodes))],
-                          task_id=f"task{int(rng.integers(0, 2))}"))
-    return trees
 
 
 # ----------------------------------------------------------------- 1. hand-computed
@@ -270,7 +241,7 @@ def _reference(trees: list[Tree], ratio: np.ndarray, state: np.ndarray,
 
 
 @settings(max_examples=30, deadline=None)
-@given(trees=_random_trees(), seed=st.integers(0, 2**32 - 1),
+@given(trees=random_trees(), seed=st.integers(0, 2**32 - 1),
        mode=st.sampled_from(["transport", "reuse"]))
 def test_matches_reference_loop(trees: list[Tree], seed: int, mode: str) -> None:
     trees, ratio, state = _prepare(trees, seed)
@@ -287,7 +258,7 @@ def test_matches_reference_loop(trees: list[Tree], seed: int, mode: str) -> None
 
 # ----------------------------------------------------------------- 3. invariants
 @settings(max_examples=25, deadline=None)
-@given(trees=_random_trees(), seed=st.integers(0, 2**32 - 1))
+@given(trees=random_trees(), seed=st.integers(0, 2**32 - 1))
 def test_transport_with_pi_equal_mu_is_reuse(trees: list[Tree], seed: int) -> None:
     # D4: every z = 0, so T_i = R_i exactly, whatever the baselines.
     trees, _, state = _prepare(trees, seed)
@@ -302,7 +273,7 @@ def test_transport_with_pi_equal_mu_is_reuse(trees: list[Tree], seed: int) -> No
 
 
 @settings(max_examples=25, deadline=None)
-@given(trees=_random_trees(), seed=st.integers(0, 2**32 - 1),
+@given(trees=random_trees(), seed=st.integers(0, 2**32 - 1),
        perm_seed=st.integers(0, 1000))
 def test_batch_order_and_observation_tokens(trees: list[Tree], seed: int,
                                             perm_seed: int) -> None:
@@ -343,7 +314,7 @@ def test_batch_order_and_observation_tokens(trees: list[Tree], seed: int,
 
 
 @settings(max_examples=20, deadline=None)
-@given(trees=_random_trees(max_trees=3, max_nodes=25), seed=st.integers(0, 2**32 - 1))
+@given(trees=random_trees(max_trees=3, max_nodes=25), seed=st.integers(0, 2**32 - 1))
 def test_path_sum_is_the_sum_over_ancestors(trees: list[Tree], seed: int) -> None:
     batch = from_trees(trees)
     values = np.random.default_rng(seed).normal(size=batch.n_nodes)

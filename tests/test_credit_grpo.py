@@ -18,7 +18,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from credit_helpers import agent_tokens_of, by_row, group_key, node, ref_zscore
+from credit_helpers import (
+    agent_tokens_of,
+    by_row,
+    group_key,
+    node,
+    ref_zscore,
+    split_step,
+    with_more_tool_output,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -267,33 +275,6 @@ def test_tree_grpo_matches_reference(trees: list[Tree], std: str, single: str) -
 
 
 # ----------------------------------------------------------------- 3. invariants
-def split_step(tree: Tree, node_id: int) -> Tree:
-    """Split step ``node_id`` into an unbranched chain of two steps: the first keeps
-    its id, place and the first part of its agent tokens; a new only child takes the
-    rest, its tool output, its reward and its children. The token sequence of every
-    trajectory is unchanged."""
-    new_id = max(n.node_id for n in tree.nodes) + 1
-    nodes = []
-    for n in tree.nodes:
-        if n.node_id != node_id:
-            parent = new_id if n.parent_id == node_id else n.parent_id
-            nodes.append(replace(n, parent_id=parent, segments=[]))
-            continue
-        k = len(n.action_token_ids) // 2
-        nodes.append(replace(n, action_token_ids=n.action_token_ids[:k],
-                             action_logprobs=n.action_logprobs[:k],
-                             action_entropies=n.action_entropies[:k] if n.action_entropies
-                             else [], observation_token_ids=[], observation_text="",
-                             segments=[], terminal=False, reward=None, reward_parts={},
-                             n_gen_tokens=None))
-        nodes.append(replace(n, node_id=new_id, parent_id=node_id, kind="decision",
-                             action_token_ids=n.action_token_ids[k:],
-                             action_logprobs=n.action_logprobs[k:],
-                             action_entropies=n.action_entropies[k:] if n.action_entropies
-                             else [], segments=[], snapshot_id=None, n_gen_tokens=None))
-    return replace(tree, nodes=nodes)
-
-
 def no_segments(tree: Tree) -> Tree:
     return replace(tree, nodes=[replace(n, segments=[]) for n in tree.nodes])
 
@@ -344,9 +325,7 @@ def test_chain_tree_is_one_trajectory() -> None:
 @given(trees=batches(max_size=3), data=st.data())
 def test_tool_output_never_gets_or_changes_advantage(trees: list[Tree],
                                                      data: st.DataObject) -> None:
-    more = [replace(t, nodes=[replace(n, observation_token_ids=n.observation_token_ids
-                                      + data.draw(st.lists(st.integers(0, 9), max_size=3)))
-                              for n in t.nodes]) for t in trees]
+    more = with_more_tool_output(trees, data)
     x, y = from_trees(trees), from_trees(more)
     for name, params in ESTIMATOR_CASES:
         cx, cy = ESTIMATORS[name](x, params), ESTIMATORS[name](y, params)

@@ -15,11 +15,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from credit_helpers import by_row, node
+from credit_helpers import by_row, node, random_trees
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_store.testing import parent_structures
 from rollout_store.tree import Node, Tree
 from train.credit import ESTIMATORS
 from train.credit.base import from_trees
@@ -40,34 +39,6 @@ def _node(nid: int, parent: int | None, n_act: int = 1, n_obs: int = 1,
           reward: float | None = None) -> Node:
     """A node with ``n_act`` action tokens and ``n_obs`` observation tokens."""
     return node(nid, parent, [11] * n_act, [22] * n_obs, reward)
-
-
-@st.composite
-def _random_trees(draw: st.DrawFn, max_trees: int = 4, max_nodes: int = 20) -> list[Tree]:
-    """Random valid trees: shapes from ``rollout_store.testing.parent_structures``, shuffled
-    node ids and rows, 0-3 action / 0-2 observation tokens, 0/1 or float leaf rewards,
-    two task ids. (The full ``testing.trees()`` also draws texts, entropies and snapshots,
-    which credit never reads and which cost 95% of the time.)"""
-    shapes = draw(st.lists(parent_structures(max_nodes), min_size=1, max_size=max_trees))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    trees = []
-    for b, parents in enumerate(shapes):
-        ids = rng.permutation(len(parents)) + int(rng.choice([0, 1000]))
-        inner = {p for p in parents if p is not None}
-        nodes = []
-        for i, p in enumerate(parents):
-            n_act, n_obs = int(rng.integers(0, 4)), int(rng.integers(0, 3))
-            reward = None
-            if i not in inner:
-                reward = float(rng.integers(0, 2)) if rng.random() < 0.7 else float(rng.normal())
-            nodes.append(Node(int(ids[i]), None if p is None else int(ids[p]),
-                              kind="prompt" if p is None else "decision",
-                              action_token_ids=[11] * n_act, action_logprobs=[-0.5] * n_act,
-                              observation_token_ids=[22] * n_obs, terminal=reward is not None,
-                              reward=reward))
-        trees.append(Tree(f"t{b}", [nodes[j] for j in rng.permutation(len(nodes))],
-                          task_id=f"task{int(rng.integers(0, 2))}"))
-    return trees
 
 
 # ----------------------------------------------------------------- 1. hand-computed
@@ -242,7 +213,7 @@ _params = st.builds(
 
 
 @settings(max_examples=30, deadline=None)
-@given(trees=_random_trees(), seed=st.integers(0, 2**32 - 1),
+@given(trees=random_trees(), seed=st.integers(0, 2**32 - 1),
        params=_params)
 def test_matches_reference_loop(trees: list[Tree], seed: int, params: TraceParams) -> None:
     trees, lbar = _prepare(trees, seed)
@@ -260,7 +231,7 @@ def test_matches_reference_loop(trees: list[Tree], seed: int, params: TraceParam
 
 # ----------------------------------------------------------------- 3. invariants
 @settings(max_examples=25, deadline=None)
-@given(trees=_random_trees(max_trees=3, max_nodes=25), seed=st.integers(0, 2**32 - 1))
+@given(trees=random_trees(max_trees=3, max_nodes=25), seed=st.integers(0, 2**32 - 1))
 def test_td_credit_telescopes(trees: list[Tree], seed: int) -> None:
     # T4: along every trajectory, sum of delta = V_T - V_0 = log(d_0 / d_T).
     trees, lbar = _prepare(trees, seed)
@@ -284,7 +255,7 @@ def test_td_credit_telescopes(trees: list[Tree], seed: int) -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(trees=_random_trees(), seed=st.integers(0, 2**32 - 1),
+@given(trees=random_trees(), seed=st.integers(0, 2**32 - 1),
        params=_params, perm_seed=st.integers(0, 1000))
 def test_batch_order_slices_and_observation_tokens(trees: list[Tree], seed: int,
                                                    params: TraceParams,

@@ -46,6 +46,7 @@ from train.envs.workflow import (
     WorkflowModel,
 )
 from train.policies.base import Continuation, SampleConfig, Transcript
+from train.policies.tabular import UniformWorkflowPolicy
 from train.sampling import (
     SAMPLERS,
     BelSampler,
@@ -65,7 +66,6 @@ from train.sampling.bel import BelConfig
 from train.sampling.collect import collect, commit_key, stored_tree_ids, tree_id_for
 
 _TOOL_OF = {text: tool for tool, text in ACTION_TEXTS.items()}
-_VALID_RE = re.compile(r"Valid tools: ([a-z, ]+)\.")
 
 
 # ----------------------------------------------------------------- test policies
@@ -124,32 +124,9 @@ class TabularAdapter:
         raise NotImplementedError
 
 
-class UniformWorkflowPolicy:
-    """Uniform over the valid tools named in the last state line (needs no task)."""
-
-    policy_version = "uniform-test"
-    policy_ref = None
-
-    def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
-               ) -> list[list[Continuation]]:
-        rng = np.random.default_rng(config.seed)
-        out = []
-        for tr in transcripts:
-            tools = [t.strip() for t in _VALID_RE.findall(tr[-1][1])[-1].split(",")]
-            h = math.log(len(tools))
-            out.append([Continuation(ACTION_TEXTS[t], [TOOLS.index(t)], [-h], [h])
-                        for t in (tools[int(i)] for i in rng.integers(0, len(tools),
-                                                                     config.n))])
-        return out
-
-    def score(self, transcripts: Sequence[Transcript], actions: Sequence[str]
-              ) -> list[np.ndarray]:
-        raise NotImplementedError
-
-
 def uniform_factory(env_name: str) -> UniformWorkflowPolicy:
     """A picklable policy factory for worker processes."""
-    return UniformWorkflowPolicy()
+    return UniformWorkflowPolicy("uniform-test")
 
 
 class NoisyCalcPolicy:

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,12 @@ from typer.testing import CliRunner  # noqa: E402
 from cli.main import app  # noqa: E402
 from rollout_store import Store, connect, read_arrow, read_polars, read_trees  # noqa: E402
 from rollout_store.maintenance import compact, info, verify  # noqa: E402
+from rollout_store.moto_server import (  # noqa: E402
+    create_bucket_when_up,
+    free_port,
+    start_moto_server,
+    stop_process,
+)
 from rollout_store.objectstore import (  # noqa: E402
     LeaseLock,
     LockLostError,
@@ -52,20 +57,13 @@ BUCKET = "rtrees-test"
 LEASE_S = "3"  # short leases, so a killed holder's lock expires within the test
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """moto's S3 server on 127.0.0.1 and the AWS variables pointing at it (also for the
     worker processes, which inherit the environment)."""
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    proc = start_moto_server(port, log)
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
            "ROLLOUT_STORE_LOCK_LEASE_S": LEASE_S}
@@ -74,25 +72,10 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     for k in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
         os.environ.pop(k, None)
     try:
-        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"],
-                              region_name="us-east-1")
-        deadline = time.monotonic() + 30
-        while True:  # bounded wait for the server to answer
-            try:
-                client.create_bucket(Bucket=BUCKET)
-                break
-            except Exception:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.2)
+        create_bucket_when_up(env["AWS_ENDPOINT_URL"], BUCKET, proc)
         yield env
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
         for k, v in saved.items():
             if v is None:

@@ -40,14 +40,7 @@ from train.credit.base import (
     node_to_tokens,
     register,
 )
-from train.credit.groups import (
-    check_choice,
-    check_nonneg,
-    group_zscore,
-    leaf_groups,
-    trajectory_leaves,
-    trajectory_mean,
-)
+from train.credit.groups import check_choice, check_nonneg, group_zscore, trajectory_credit
 
 
 @dataclass(frozen=True)
@@ -165,11 +158,7 @@ def elpo(batch: TreeArrays, params: ElpoParams) -> Credit:
     * ``clip_high`` (T,): ``eps_high`` everywhere (E9).
     """
     lam = params.lambda_tree
-    leaf = trajectory_leaves(batch)
-    a_t = np.full(batch.n_nodes, np.nan)
-    a_t[leaf] = group_zscore(batch.reward[leaf], leaf_groups(batch, leaf, params.group),
-                             params.std, params.eps)  # E5
-    a_t_bar = trajectory_mean(batch, a_t)  # E6
+    a_t_bar = trajectory_credit(batch, params.group, params.std, params.eps)  # E5, E6
     a_b = branch_advantage(batch, node_value(batch), params.std, params.eps)  # E3, E4
     off = a_t_bar if params.off_branch == "trajectory" else (1.0 - lam) * a_t_bar
     a_hier = np.where(np.isnan(a_b), off, lam * a_b + (1.0 - lam) * a_t_bar)  # E7

@@ -1,7 +1,9 @@
 """Group helpers shared by the outcome-group estimators (METHODS G1, E5, E6).
 
 ``group_zscore`` is the G1 z-score within integer-keyed groups,
-``trajectory_mean`` the E6 mean over the trajectories through each node;
+``trajectory_mean`` the E6 mean over the trajectories through each node,
+``trajectory_credit`` the two composed (each trajectory's z-scored outcome, averaged
+onto the nodes);
 ``trajectory_leaves`` / ``leaf_groups`` pick the trajectories and their group
 (tree or prompt group). ``check_choice`` / ``check_nonneg`` validate estimator
 params. Used by ``grpo``, ``tree_grpo``, ``elpo``, ``caliper``, ``slca``;
@@ -89,6 +91,18 @@ def trajectory_mean(batch: TreeArrays, leaf_values: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         out = np.where(count > 0, total / count, np.nan)
     return np.where(has, leaf_values, out)
+
+
+def trajectory_credit(batch: TreeArrays, group: GroupBy, std: StdNorm, eps: float,
+                      single: SingleGroup = "zero") -> np.ndarray:
+    """(N,) outcome-group credit of every node: each trajectory's reward z-scored within
+    its ``group`` (G1 / E5, ``group_zscore`` over ``leaf_groups``), then each node's mean
+    over the trajectories through it (E6, ``trajectory_mean``)."""
+    leaf = trajectory_leaves(batch)
+    adv = np.full(batch.n_nodes, np.nan)
+    adv[leaf] = group_zscore(batch.reward[leaf], leaf_groups(batch, leaf, group), std, eps,
+                             single)
+    return trajectory_mean(batch, adv)
 
 
 def root_child(batch: TreeArrays) -> np.ndarray:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import numpy as np
-
 from train.credit.base import (
     Credit,
     GroupBy,
@@ -38,6 +36,7 @@ from train.credit.groups import (
     check_nonneg,
     group_zscore,
     leaf_groups,
+    trajectory_credit,
     trajectory_leaves,
     trajectory_mean,
 )
@@ -124,9 +123,5 @@ def grpo(batch: TreeArrays, params: GrpoParams) -> Credit:
     zero-variance group, which is exactly 0 here).
     """
     std, eps, single = params.resolved()
-    leaf = trajectory_leaves(batch)
-    adv = np.full(batch.n_nodes, np.nan)
-    adv[leaf] = group_zscore(batch.reward[leaf], leaf_groups(batch, leaf, params.group),
-                             std, eps, single)
-    node = trajectory_mean(batch, adv)
+    node = trajectory_credit(batch, params.group, std, eps, single)
     return Credit(node=node, token=node_to_tokens(batch, node))

@@ -19,12 +19,13 @@ step that ends the episode, 0.0 before) plus any environment-specific parts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Literal, NamedTuple, Protocol, TypeVar
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -241,6 +242,56 @@ def check_arguments(arguments: dict[str, Any], schema: dict[str, Any]) -> str | 
     return None
 
 
+MAX_MESSAGE_CHARS = 200  # error observations quote user text clipped to this
+
+
+def clip_quoted(text: str) -> str:
+    """User text inside an observation: repr-escaped (no control or lone surrogate
+    characters reach the tokenizer) and clipped to ``MAX_MESSAGE_CHARS``."""
+    quoted = repr(text)
+    if len(quoted) > MAX_MESSAGE_CHARS:
+        return quoted[:MAX_MESSAGE_CHARS] + "...(clipped)"
+    return quoted
+
+
+def tool_call_error(s: ToolEpisode, action: ParsedAction, tool: dict[str, Any]) -> str | None:
+    """The error observation for a non-answer ``action`` of a one-tool env, or None when it
+    is a valid call of ``tool`` (a JSON tool schema: ``name``, ``parameters``).
+
+    A malformed action is refused first; every other action counts in ``s.tool_calls``,
+    then an unknown tool name or arguments that break the schema are refused."""
+    if action.kind == "malformed":
+        return error_response(action.error or "malformed action")
+    s.tool_calls += 1
+    if action.name != tool["name"]:
+        return error_response(f"unknown tool {clip_quoted(action.name or '')}; "
+                              f"the only tool is {tool['name']!r}")
+    problem = check_arguments(action.arguments or {}, tool["parameters"])
+    if problem is not None:
+        return error_response(problem[:MAX_MESSAGE_CHARS])
+    return None
+
+
+def dump_snapshot(fmt: str, s: Any) -> bytes:
+    """Canonical JSON (sorted keys, no spaces, ASCII) of a dataclass episode state ``s``
+    holding a ``task``, tagged with the snapshot format ``fmt``."""
+    state = {"format": fmt, "task": dataclasses.asdict(s.task),
+             **{f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "task"}}
+    return json.dumps(state, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode("ascii")
+
+
+def load_snapshot(state: bytes, fmt: str) -> dict[str, Any]:
+    """The fields of a ``dump_snapshot`` of format ``fmt``, without the format tag.
+
+    Raises ``ValueError`` (``json.JSONDecodeError``, ``UnicodeDecodeError``) when
+    ``state`` is not JSON or not an object of that format."""
+    data = json.loads(state)
+    if not isinstance(data, dict) or data.pop("format", None) != fmt:
+        raise ValueError(f"expected format {fmt!r}")
+    return data
+
+
 class Environment(ABC):
     """A tool world with exact snapshot and restore (see the module docstring)."""
 
@@ -273,3 +324,50 @@ class Environment(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most worlds hold no resources
         """Release resources (subprocesses); the default holds none."""
+
+
+class OneToolEnv(Environment, Generic[EpisodeT]):
+    """The skeleton of an environment with one tool (``CalcEnv``, ``PythonEnv``).
+
+    A step (``run_step``) parses the action: an answer ends the episode with the reward
+    ``_grade`` gives; a malformed action, an unknown tool or bad arguments get an error
+    observation (``tool_call_error``); a valid call runs ``_run_tool``. The episode state
+    ``_state`` is a dataclass; ``snapshot`` is its ``dump_snapshot`` in ``snapshot_format``.
+    """
+
+    tool: ClassVar[dict[str, Any]]
+    """The JSON tool schema (``name``, ``parameters``)."""
+    snapshot_format: ClassVar[str]
+    _state: EpisodeT | None
+
+    def _require(self) -> EpisodeT:
+        return require_state(self._state, type(self).__name__)
+
+    def step(self, action_text: str) -> StepResult:
+        return run_step(self._require(), action_text, self._act)
+
+    def _act(self, s: EpisodeT, action_text: str) -> tuple[str, bool]:
+        """The observation of one action and whether it is an error; ends the episode on
+        an answer."""
+        action = parse_action(action_text)
+        if action.kind == "answer":
+            s.done = True
+            s.reward = self._grade(s, action.answer or "")
+            return "", False
+        refused = tool_call_error(s, action, self.tool)
+        if refused is not None:
+            return refused, True
+        return self._run_tool(s, action.arguments or {})
+
+    @abstractmethod
+    def _grade(self, s: EpisodeT, answer: str) -> float:
+        """The reward of the final ``answer``."""
+
+    @abstractmethod
+    def _run_tool(self, s: EpisodeT, arguments: dict[str, Any]) -> tuple[str, bool]:
+        """The observation of a valid tool call (its ``arguments`` fit the schema) and
+        whether it is an error."""
+
+    def snapshot(self) -> bytes:
+        """Canonical JSON (sorted keys, no spaces, ASCII) of the whole episode state."""
+        return dump_snapshot(self.snapshot_format, self._require())

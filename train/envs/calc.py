@@ -55,7 +55,6 @@ Example::
 from __future__ import annotations
 
 import ast
-import dataclasses
 import hashlib
 import json
 import math
@@ -65,17 +64,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
 
-from train.envs.base import (
-    Environment,
-    StepResult,
-    Task,
-    check_arguments,
-    error_response,
-    parse_action,
-    require_state,
-    run_step,
-    tool_response,
-)
+from train.envs.base import OneToolEnv, Task, error_response, load_snapshot, tool_response
 
 TOOL_NAME = "calc"
 TOOL_SCHEMA: dict[str, Any] = {
@@ -99,7 +88,6 @@ MAX_AST_DEPTH = 64
 MAX_AST_NODES = 256
 MAX_EXPONENT = 64
 MAX_ABS = 10**18  # bound on |value| and on the denominator of every intermediate result
-MAX_MESSAGE_CHARS = 200  # error observations quote user text clipped to this
 
 DIFFICULTIES = range(1, 7)
 DEFAULT_DIFFICULTIES = (1, 2)
@@ -256,15 +244,6 @@ def parse_number(text: str) -> Fraction | None:
         return None
 
 
-def _clip(text: str) -> str:
-    """User text inside an observation: repr-escaped (no control or lone surrogate
-    characters reach the tokenizer) and clipped to a bounded length."""
-    quoted = repr(text)
-    if len(quoted) > MAX_MESSAGE_CHARS:
-        return quoted[:MAX_MESSAGE_CHARS] + "...(clipped)"
-    return quoted
-
-
 def call_text(expr: str) -> str:
     """The action text of a ``calc`` call, in the canonical spelling the expert uses."""
     payload = {"name": TOOL_NAME, "arguments": {"expr": expr}}
@@ -362,10 +341,12 @@ def _check_state(s: _State) -> None:
         raise ValueError("not a calc snapshot: malformed task")
 
 
-class CalcEnv(Environment):
+class CalcEnv(OneToolEnv[_State]):
     """Arithmetic through a ``calc`` tool; exact-answer reward (see the module docstring)."""
 
     name: ClassVar[str] = "calc"
+    tool: ClassVar[dict[str, Any]] = TOOL_SCHEMA
+    snapshot_format: ClassVar[str] = SNAPSHOT_FORMAT
 
     def __init__(self) -> None:
         self._state: _State | None = None
@@ -383,58 +364,28 @@ class CalcEnv(Environment):
         self._state = _State(task=task, expected=format_number(gold))
         return task.prompt
 
-    def _require(self) -> _State:
-        return require_state(self._state, "CalcEnv")
-
-    def step(self, action_text: str) -> StepResult:
-        return run_step(self._require(), action_text, self._observe)
-
-    def _observe(self, s: _State, action_text: str) -> tuple[str, bool]:
-        observation, is_error = self._act(s, action_text)
+    def _act(self, s: _State, action_text: str) -> tuple[str, bool]:
+        observation, is_error = super()._act(s, action_text)
         s.last_observation = observation
         return observation, is_error
 
-    def _act(self, s: _State, action_text: str) -> tuple[str, bool]:
-        """The observation of one action and whether it is an error; ends the episode on
-        an answer."""
-        action = parse_action(action_text)
-        if action.kind == "answer":
-            value = parse_number(action.answer or "")
-            s.done = True
-            s.reward = 1.0 if value is not None and value == parse_number(s.expected) else 0.0
-            return "", False
-        if action.kind == "malformed":
-            return error_response(action.error or "malformed action"), True
-        s.tool_calls += 1
-        if action.name != TOOL_NAME:
-            return error_response(f"unknown tool {_clip(action.name or '')}; "
-                                  f"the only tool is {TOOL_NAME!r}"), True
-        args = action.arguments or {}
-        problem = check_arguments(args, TOOL_SCHEMA["parameters"])
-        if problem is not None:
-            return error_response(problem[:MAX_MESSAGE_CHARS]), True
+    def _grade(self, s: _State, answer: str) -> float:
+        value = parse_number(answer)
+        return 1.0 if value is not None and value == parse_number(s.expected) else 0.0
+
+    def _run_tool(self, s: _State, arguments: dict[str, Any]) -> tuple[str, bool]:
         try:
-            result = format_number(evaluate(args["expr"]))
+            result = format_number(evaluate(arguments["expr"]))
         except CalcError as exc:
             return error_response(str(exc)), True
         return tool_response(result), False
 
     # -- snapshot ----------------------------------------------------------
 
-    def snapshot(self) -> bytes:
-        """Canonical JSON (sorted keys, no spaces, ASCII) of the whole episode state."""
-        s = self._require()
-        state = {"format": SNAPSHOT_FORMAT, "task": dataclasses.asdict(s.task),
-                 **{f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "task"}}
-        return json.dumps(state, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                          allow_nan=False).encode("ascii")
-
     def restore(self, state: bytes) -> None:
         """Replace the whole state; ``ValueError`` if ``state`` is not a calc snapshot."""
         try:
-            data = json.loads(state)
-            if not isinstance(data, dict) or data.pop("format", None) != SNAPSHOT_FORMAT:
-                raise ValueError(f"expected format {SNAPSHOT_FORMAT!r}")
+            data = load_snapshot(state, SNAPSHOT_FORMAT)
             restored = _State(task=Task(**data.pop("task")), **data)
         except (ValueError, TypeError, KeyError) as exc:  # UnicodeDecodeError is a ValueError
             raise ValueError(f"not a calc snapshot: {type(exc).__name__}: {exc}") from None

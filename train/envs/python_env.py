@@ -83,17 +83,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from train.envs.base import (
-    Environment,
-    StepResult,
-    Task,
-    check_arguments,
-    error_response,
-    parse_action,
-    require_state,
-    run_step,
-    tool_response,
-)
+from train.envs.base import OneToolEnv, Task, error_response, load_snapshot, tool_response
 from train.envs.python_tasks import (
     DEFAULT_MAX_STEPS,
     answers_match,
@@ -123,7 +113,6 @@ TOOL_SCHEMA: dict[str, Any] = {
     },
 }
 SNAPSHOT_FORMAT = "python/1"
-MAX_MESSAGE_CHARS = 200  # error observations quote user text clipped to this
 
 
 @dataclass(frozen=True)
@@ -148,6 +137,9 @@ class PythonEnvConfig(SandboxConfig):
 
 @dataclass
 class _State:
+    """A python episode; its snapshot is the task, the counters, the seed and the source of
+    every call in the interpreter's state."""
+
     task: Task
     seed: int
     cells: list[str] = field(default_factory=list)
@@ -187,13 +179,6 @@ def answer_text(answer: str) -> str:
     return f"<answer>{answer}</answer>"
 
 
-def _clip(text: str) -> str:
-    quoted = repr(text)
-    if len(quoted) > MAX_MESSAGE_CHARS:
-        return quoted[:MAX_MESSAGE_CHARS] + "...(clipped)"
-    return quoted
-
-
 def _safe_text(text: str) -> str:
     """No lone surrogates reach a tokenizer (an exception message can carry one)."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -214,7 +199,7 @@ def format_output(result: CellResult, output_bytes: int) -> str:
     return _safe_text(text)
 
 
-class PythonEnv(Environment):
+class PythonEnv(OneToolEnv[_State]):
     """A sandboxed Python interpreter tool with word-problem tasks (see the module docstring).
 
     Holds up to two sandbox processes (the live interpreter and, with ``prewarm``, a
@@ -223,6 +208,8 @@ class PythonEnv(Environment):
     """
 
     name: ClassVar[str] = "python"
+    tool: ClassVar[dict[str, Any]] = TOOL_SCHEMA
+    snapshot_format: ClassVar[str] = SNAPSHOT_FORMAT
 
     def __init__(self, config: PythonEnvConfig | None = None, **overrides: Any) -> None:
         config = config or PythonEnvConfig()
@@ -253,29 +240,11 @@ class PythonEnv(Environment):
             self._spare = self._new_sandbox()
         return task.prompt
 
-    def _require(self) -> _State:
-        return require_state(self._state, "PythonEnv")
+    def _grade(self, s: _State, answer: str) -> float:
+        return 1.0 if answers_match(answer, s.task.answer) else 0.0
 
-    def step(self, action_text: str) -> StepResult:
-        return run_step(self._require(), action_text, self._act)
-
-    def _act(self, s: _State, action_text: str) -> tuple[str, bool]:
-        action = parse_action(action_text)
-        if action.kind == "answer":
-            s.done = True
-            s.reward = 1.0 if answers_match(action.answer or "", s.task.answer) else 0.0
-            return "", False
-        if action.kind == "malformed":
-            return error_response(action.error or "malformed action"), True
-        s.tool_calls += 1
-        if action.name != TOOL_NAME:
-            return error_response(f"unknown tool {_clip(action.name or '')}; "
-                                  f"the only tool is {TOOL_NAME!r}"), True
-        args = action.arguments or {}
-        problem = check_arguments(args, TOOL_SCHEMA["parameters"])
-        if problem is not None:
-            return error_response(problem[:MAX_MESSAGE_CHARS]), True
-        code: str = args["code"]
+    def _run_tool(self, s: _State, arguments: dict[str, Any]) -> tuple[str, bool]:
+        code: str = arguments["code"]
         if len(code) > self.config.max_code_chars:
             return error_response(f"code is longer than {self.config.max_code_chars} "
                                   f"characters"), True
@@ -392,24 +361,13 @@ class PythonEnv(Environment):
 
     # -- snapshot ----------------------------------------------------------
 
-    def snapshot(self) -> bytes:
-        """Canonical JSON (sorted keys, no spaces, ASCII) of the episode: the task, the
-        counters, the seed and the source of every call in the interpreter's state."""
-        s = self._require()
-        state = {"format": SNAPSHOT_FORMAT, "task": dataclasses.asdict(s.task),
-                 **{f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "task"}}
-        return json.dumps(state, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                          allow_nan=False).encode("ascii")
-
     def restore(self, state: bytes) -> None:
         """Return to a snapshot's state (``ValueError`` if it is not a python snapshot).
 
         Lazy: the interpreter is brought to the state by the next call or ``sync()``.
         """
         try:
-            data = json.loads(state)
-            if not isinstance(data, dict) or data.pop("format", None) != SNAPSHOT_FORMAT:
-                raise ValueError(f"expected format {SNAPSHOT_FORMAT!r}")
+            data = load_snapshot(state, SNAPSHOT_FORMAT)
             restored = _State(task=Task(**data.pop("task")), **data)
         except (ValueError, TypeError, UnicodeDecodeError) as exc:
             raise ValueError(f"not a python snapshot: {exc}") from None

@@ -48,6 +48,7 @@ ACTION_IDS: dict[str, int] = {text: i for i, text in enumerate(ACTION_VOCAB)}
 
 _HEADER_RE = re.compile(r"Run this workflow of (\d+) stages, in order, within (\d+) tool calls:")
 _STAGE_RE = re.compile(r"^  (\d+)\. ([a-z][a-z0-9_]*) \(needs: ([^)]*)\)$", re.MULTILINE)
+_VALID_RE = re.compile(r"Valid tools: ([a-z, ]+)\.")
 
 
 def model_from_prompt(prompt: str) -> WorkflowModel:
@@ -176,3 +177,31 @@ class TabularBackend:
             out.append(np.array([policy.log_prob(key, action) if valid else -math.inf],
                                 dtype=np.float64))
         return out
+
+
+class UniformWorkflowPolicy:
+    """Uniform over the valid tools named in the last observation's ``Valid tools:`` line
+    (needs no task, no model): one token per action (its index in ``TOOLS``), logprob
+    -log |A(s)| and entropy log |A(s)|, actions drawn with ``numpy`` seeded by
+    ``SampleConfig.seed``. Picklable, so worker processes can build it."""
+
+    policy_ref = None
+
+    def __init__(self, policy_version: str = "uniform-workflow") -> None:
+        self.policy_version = policy_version
+
+    def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
+               ) -> list[list[Continuation]]:
+        rng = np.random.default_rng(config.seed)
+        out = []
+        for tr in transcripts:
+            tools = [t.strip() for t in _VALID_RE.findall(tr[-1][1])[-1].split(",")]
+            h = math.log(len(tools))
+            picks = rng.integers(0, len(tools), config.n)
+            out.append([Continuation(ACTION_TEXTS[tools[int(i)]],
+                                     [TOOLS.index(tools[int(i)])], [-h], [h]) for i in picks])
+        return out
+
+    def score(self, transcripts: Sequence[Transcript], actions: Sequence[str]
+              ) -> list[np.ndarray]:
+        raise NotImplementedError("UniformWorkflowPolicy only samples")

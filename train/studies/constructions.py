@@ -57,7 +57,13 @@ from train.envs.base import Task
 from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
 from train.envs.workflow_model import PolicyValues
 from train.envs.workflow_policy import TabularPolicy
-from train.studies.workflow_study import base_policy, make_tasks, task_model, write_study
+from train.studies.workflow_study import (
+    base_policy,
+    make_study_dir,
+    make_tasks,
+    task_model,
+    write_study,
+)
 
 # name -> (sampler, credit method); the order of the report's tables.
 CONSTRUCTIONS: dict[str, tuple[str, str]] = {
@@ -167,8 +173,7 @@ def run_construction_study(out_dir: str | Path, config: ConstructionConfig | Non
     from train.sampling.references import ReferenceConfig, collect_references
 
     config = config or ConstructionConfig()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_study_dir(out_dir)
     started = time.perf_counter()
     envs: dict[str, dict[str, Any]] = {}
     samplers = sorted({s for s, _ in CONSTRUCTIONS.values()})

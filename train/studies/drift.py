@@ -41,6 +41,7 @@ from train.studies.workflow_study import (
     UPDATE_KINDS,
     UpdateKind,
     base_policy,
+    make_study_dir,
     make_tasks,
     make_updates,
     task_model,
@@ -136,8 +137,7 @@ def run_drift_study(out_dir: str | Path, config: DriftConfig | None = None,
     ``drift``, or ``dsc-l1`` for ``rtrees study dsc-l1``) to ``out_dir`` (the report:
     ``analysis.drift.drift_results``); return the path of ``study.json``."""
     config = config or DriftConfig()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_study_dir(out_dir)
     start = time.perf_counter()
     pairs_path = out / "pairs.parquet"
     pq.write_table(collect_pairs(config), pairs_path)

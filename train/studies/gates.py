@@ -111,6 +111,7 @@ from train.studies.workflow_study import (
     config_hash,
     context_snapshots,
     load_route_data,
+    make_study_dir,
     make_tasks,
     make_updates,
     policy_from_json,
@@ -425,8 +426,7 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
     ``gates``, or ``dsc-table2`` for ``rtrees study dsc-table2``) to ``out_dir`` (the
     report: ``analysis.gates.gate_results``); return the path of ``study.json``."""
     config = config or GateStudyConfig()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_study_dir(out_dir)
     start = time.perf_counter()
     store_path = out / "store"
     store = Store(store_path, create=not store_path.exists())

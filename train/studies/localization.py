@@ -33,11 +33,8 @@ binary search of lines 4-9 of the section 2.1 pseudocode on trajectories sampled
 by ``workflow_study.sample_from`` (the continuation primitive of
 ``train.sampling.base``: every suffix restores the anchor's snapshot and reseeds);
 kept as a fast reference with a fixed X per probe and no budget, and for probing a
-given trajectory by hand. It archives only the failed trajectory as a chain.
-
-Consistency metrics: the pairwise agreement rate is the share of repeat pairs that
-return the same step, the unanimity rate the share of trajectories on which every
-repeat agrees.
+given trajectory by hand. It archives only the failed trajectory as a chain; the
+consistency metrics over the repeats are defined in ``analysis.localization``.
 """
 
 from __future__ import annotations
@@ -61,6 +58,7 @@ from train.sampling.bel import EXPLORE_PHASE, FILL_PHASE, PROBE_PHASE, BelConfig
 from train.studies.workflow_study import (
     base_policy,
     config_hash,
+    make_study_dir,
     make_tasks,
     sample_from,
     stream_key,
@@ -313,8 +311,7 @@ def run_localization_study(out_dir: str | Path, config: LocalizationConfig | Non
     """Run the localizations into ``out_dir/store`` and write ``study.json`` (the report:
     ``analysis.localization.localization_results``); return the path of ``study.json``."""
     config = config or LocalizationConfig()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_study_dir(out_dir)
     start = time.perf_counter()
     store_path = out / "store"
     store = Store(store_path, create=not store_path.exists())

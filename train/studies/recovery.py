@@ -1,10 +1,10 @@
 """ELPO Fig. 1 study (``rtrees study elpo-fig1``): recovery after fixing one step, the data.
 
-ELPO's Fig. 1 (METHODS.md section 2.5): for failed trajectories, fix one step and
+ELPO's Fig. 1 (docs/METHODS.md section 8.1): for failed trajectories, fix one step and
 resample the rest; the recovery rate when the fixed step is the first irrecoverable
 step, the first error step, or a random error step (AIME25: 32.8% / 23.6% / 4.2%).
 
-On ``workflow`` every term is exact [R; docs/METHODS.md should carry these definitions]:
+On ``workflow`` every term is exact [R; docs/METHODS.md section 8.1]:
 
 * a *failed trajectory* is a complete episode of the old policy mu
   (``workflow_study.base_policy``) with reward 0; its full states s_0 .. s_K come
@@ -58,6 +58,7 @@ import pyarrow.parquet as pq
 from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
 from train.studies.workflow_study import (
     base_policy,
+    make_study_dir,
     make_tasks,
     sample_from,
     stream_key,
@@ -112,8 +113,7 @@ def run_recovery_study(out_dir: str | Path, config: RecoveryConfig | None = None
     ``recovery.parquet`` and ``study.json`` to ``out_dir``; return the path of
     ``study.json`` (the report: ``analysis.recovery.recovery_results``)."""
     config = config or RecoveryConfig()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_study_dir(out_dir)
     started = time.perf_counter()
     rows: dict[str, list[Any]] = {}
     n_failed = n_sampled = 0

@@ -555,6 +555,13 @@ def context_snapshots(store: Store, run_id: str) -> dict[str, bytes]:
 
 
 # ----------------------------------------------------------------- small shared helpers
+def make_study_dir(out_dir: str | Path) -> Path:
+    """A study's output folder ``out_dir``, created (with its parents) if missing."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def write_study(path: Path, doc: Mapping[str, Any]) -> Path:
     """Write a study's ``study.json`` (what the study did: kind, config, run id, data file
     names, timings); plain JSON (NaN and inf as JSON's ``NaN`` / ``Infinity``), read back
@@ -575,8 +582,8 @@ __all__ = [
     "CONTEXT_SNAPSHOT", "DEFAULT_KL_TARGETS", "UPDATE_KINDS", "Direction", "Rollout",
     "RouteData", "Update", "UpdateKind", "apply_update", "base_policy", "branch_action_for",
     "config_hash", "context_snapshots", "key_from_json", "key_to_json", "load_route_data",
-    "make_tasks", "make_updates", "matched_update", "observable_keys", "policy_from_json",
-    "policy_to_json", "rollout", "route_tree", "runner_up_action", "sample_from",
-    "state_code", "stream_key", "task_model", "tool_name", "update_direction",
-    "visible_state", "write_study",
+    "make_study_dir", "make_tasks", "make_updates", "matched_update", "observable_keys",
+    "policy_from_json", "policy_to_json", "rollout", "route_tree", "runner_up_action",
+    "sample_from", "state_code", "stream_key", "task_model", "tool_name",
+    "update_direction", "visible_state", "write_study",
 ]
