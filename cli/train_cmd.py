@@ -2,7 +2,9 @@
 
 ``rtrees train --config FILE`` or ``rtrees train --env calc --policy tiny --sampler bel
 --credit elpo --steps N --store DIR --out DIR [--resume] [--reuse none|all|transport|dsc|
-refresh --reuse-from SQL --reuse-per-step N --max-staleness V --is-cap C --is-mode M]``.
+refresh --reuse-from SQL --reuse-per-step N --max-staleness V --is-cap C --is-mode M]
+[--nproc N]``; ``--nproc N`` runs N data-parallel ranks (``train.distributed.launch``; the
+same run as ``torchrun --nproc-per-node N -m cli.main train ...``).
 Every option is optional and passed on only when given: the defaults live in
 ``train.config.TrainConfig`` alone (``--set FIELD=VALUE`` reaches any field;
 ``rtrees train --fields`` lists them with their documentation).
@@ -53,6 +55,8 @@ def train_command(
     reuse_param: Annotated[list[str] | None, typer.Option(
         "--reuse-param", help="Gate/refresh knob KEY=VALUE (TrainConfig.reuse_params).")
                            ] = None,
+    nproc: Annotated[int | None, typer.Option(help="Data-parallel ranks on this machine "
+                                              "(train.distributed; gloo on CPU).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from "
                                          "its newest checkpoint.")] = False,
     tensorboard: Annotated[bool, typer.Option("--tensorboard", help="Also write TensorBoard "
@@ -62,7 +66,8 @@ def train_command(
 ) -> None:
     """Train a policy on-policy on rollout trees (sample, commit, credit, PPO, publish)."""
     from train.config import ConfigError, apply_overrides, field_docs, load_config, read_config
-    from train.trainer import TrainError, train
+    from train.distributed import DistributedError, launch
+    from train.trainer import TrainError
 
     if fields:
         for name, doc in field_docs().items():
@@ -89,10 +94,11 @@ def train_command(
             cfg = apply_overrides(read_config(out), given)
         else:
             cfg = load_config(config, given)
-        report = train(cfg, resume=resume)
-    except (ConfigError, TrainError) as exc:
+        report = launch(cfg, resume=resume, **({} if nproc is None else {"nproc": nproc}))
+    except (ConfigError, TrainError, DistributedError) as exc:
         fail(f"{type(exc).__name__}: {exc}", code=2)
-    console.print(report.summary(), highlight=False, markup=False)
+    if report.rank == 0:  # under torchrun every rank runs this command
+        console.print(report.summary(), highlight=False, markup=False)
 
 
 def register(app: typer.Typer) -> None:

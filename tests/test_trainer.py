@@ -43,7 +43,9 @@ def test_named_errors_before_any_work(tmp_path: Path) -> None:
     for kw, match in (({"sampler": "nope"}, "unknown sampler"),
                       ({"credit": "nope"}, "unknown credit"),
                       ({"env": "nope"}, "unknown env"),
-                      ({"credit": "trace"}, "trace_ref_logprob"),
+                      ({"credit": "dsc"}, "use --reuse dsc"),
+                      ({"credit": "trace", "credit_params": {"ref": "tiny"}}, "drop ref="),
+                      ({"credit": "trace", "reuse": "all"}, "use reuse none"),
                       ({"policy": "tabular"}, "tiny' or 'hf:PATH")):
         with pytest.raises(ConfigError, match=match):
             train(_cfg(tmp_path, "bad", **kw))

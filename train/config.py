@@ -26,9 +26,8 @@ from train.loss import AGGREGATIONS, KL_ESTIMATORS, Aggregation, ISMode, KLEstim
 # Fields a resumed run may change: how long it runs and what it displays.
 RESUMABLE_FIELDS: frozenset[str] = frozenset({"steps", "tensorboard", "progress"})
 # Estimators whose inputs the trainer does not produce (yet).
+# (trace is supported: the trainer scores T2 with the frozen initial policy.)
 UNSUPPORTED_CREDIT: dict[str, str] = {
-    "trace": "needs extras['trace_ref_logprob'] (gold-answer logprobs of a frozen reference "
-             "at every node), which the trainer does not compute yet",
     "dsc": "needs stored ratios and states: use --reuse dsc to gate stored trees",
 }
 

@@ -25,6 +25,16 @@ One iteration, top to bottom in ``train``:
    a temporary directory and renamed into place. The last ``keep_last`` checkpoints and
    every ``save_every``-th are kept.
 
+Trace credit (T2) scores the gold answer at every node of the fresh trees under a frozen
+copy of the initial policy; the scores are committed to ``policy_scores`` (keyed) and the
+credit is computed from them (``credit_for``), as ``rtrees credit --method trace`` would.
+
+Data-parallel (issue 16, ``train.distributed``; ``torchrun --nproc-per-node N`` or
+``rtrees train --nproc N``): the lines marked ``DDP`` split the iteration's trees over
+ranks (tree j on rank j mod N), gather them, let rank 0 commit, checkpoint and evaluate,
+normalise each mini-batch's loss by global counts and sum the gradients over ranks, so N
+ranks compute the single-rank update (within float summation order).
+
 Resume (``resume=True``) loads the newest complete checkpoint; every random choice is
 seeded from (seed, iteration, ...) and all state is restored, so on CPU a resumed run
 gives the same per-step losses and final weights as an uninterrupted one.
@@ -54,6 +64,7 @@ from rollout_store.reader import connect
 from rollout_store.schema import METRICS
 from rollout_store.store import Store, now_utc, open_store
 from rollout_store.tree import Tree
+from train import distributed as dp
 from train import reuse as rz
 from train.batches import (
     NodeCredit,
@@ -71,6 +82,7 @@ from train.config import (
     read_config,
     write_config,
 )
+from train.credit.scores import GOLD, score_extras, score_trees
 from train.envs import ENVIRONMENTS, Environment, Task, env_class, make_env
 from train.loss import (
     aggregate,
@@ -102,6 +114,8 @@ class TrainReport:
     losses: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     heldout: dict[int, dict[str, float]] = field(default_factory=dict)
+    rank: int = 0
+    """Data-parallel rank that returns this report (rank 0 evaluates and holds ``heldout``)."""
 
     def summary(self) -> str:
         last = self.heldout[max(self.heldout)] if self.heldout else {}
@@ -112,8 +126,9 @@ class TrainReport:
 
 # ----------------------------------------------------------------------------- setup
 
-def check_config(config: TrainConfig) -> None:
-    """Every named error that needs no heavy work (before anything is loaded or written)."""
+def check_config(config: TrainConfig, world_size: int = 1) -> None:
+    """Every named error that needs no heavy work (before anything is loaded or written);
+    ``world_size``: the number of data-parallel ranks (``train.distributed``)."""
     if not config.store or not config.out:
         raise ConfigError("store and out are required")
     if config.env not in ENVIRONMENTS:
@@ -127,6 +142,9 @@ def check_config(config: TrainConfig) -> None:
         raise ConfigError(f"unknown credit {config.credit!r}; choose from {sorted(ESTIMATORS)}")
     if config.credit in UNSUPPORTED_CREDIT:
         raise ConfigError(f"credit {config.credit!r} {UNSUPPORTED_CREDIT[config.credit]}")
+    if config.credit == "trace" and "ref" in config.credit_params:
+        raise ConfigError("credit_params: trace in the trainer scores with the frozen initial "
+                          "policy (T2); drop ref=")
     try:
         resolve_method(config.credit, {k: str(v) for k, v in config.credit_params.items()})
     except CreditError as exc:
@@ -149,6 +167,15 @@ def check_config(config: TrainConfig) -> None:
         except ImportError as exc:
             raise ConfigError("--tensorboard needs the tensorboard package "
                               "(pip install tensorboard)") from exc
+    if config.credit == "trace" and config.reuse != "none":
+        raise ConfigError("credit 'trace' with reuse: the trainer scores only the fresh trees "
+                          "under the frozen reference (T2); use reuse none")
+    if world_size > 1 and config.reuse != "none":
+        raise ConfigError(f"reuse {config.reuse!r} is not data-parallel yet (stored trees are "
+                          "drawn and refreshed by one process): train with one rank")
+    if world_size > 1 and config.sampler == "caliper":
+        raise ConfigError("sampler 'caliper' updates its bucket statistics tree by tree "
+                          "within an iteration, which ranks cannot share: train with one rank")
 
 
 def check_store_env(store: Store, env: str) -> None:
@@ -242,19 +269,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------- credit / eval
 
-def credit_for(trees: Sequence[Tree], config: TrainConfig
+def credit_for(trees: Sequence[Tree], config: TrainConfig, scores: pa.Table | None = None,
+               ref_version: str | None = None
                ) -> tuple[pa.Table, dict[tuple[str, int], NodeCredit]]:
     """Credit rows (committed) and per-node token credit (trained on), through the
     registry: ``credit_trees`` is the code path of ``rtrees credit``; per-token clip
-    bounds (ELC E8, CALIPER C8) come from the same estimator call on the same trees."""
+    bounds (ELC E8, CALIPER C8) come from the same estimator call on the same trees.
+    ``scores``: trace's ``policy_scores`` rows (kind ``gold_answer``, T2) of these trees
+    under the frozen reference of version ``ref_version`` (recorded as the params' ``ref``,
+    so the params hash names the reference weights, as ``rtrees credit --param ref=``)."""
     from rollout_store.tree import TreeBatch
     from train.credit.base import from_trees
     from train.credit.store_io import credit_trees, resolve_method, stored_extras
 
     params = {k: str(v) for k, v in config.credit_params.items()}
-    rows = credit_trees(trees, config.credit, params, run_id=config.resolved_run_id)
+    if ref_version is not None:
+        params["ref"] = ref_version
+    rows = credit_trees(trees, config.credit, params, run_id=config.resolved_run_id,
+                        scores=scores)
     estimator, p = resolve_method(config.credit, params)
-    arrays = from_trees(list(trees), stored_extras(TreeBatch.from_trees(list(trees)).nodes))
+    nodes = TreeBatch.from_trees(list(trees)).nodes
+    extras = stored_extras(nodes)
+    if scores is not None and ref_version is not None:
+        extras.update(score_extras(nodes, scores, GOLD, ref_version))
+    arrays = from_trees(list(trees), extras)
     credit = estimator(arrays, p)
     bounds: dict[tuple[str, int], tuple[np.ndarray | None, np.ndarray | None]] = {}
     a_len = np.bincount(arrays.token_node[arrays.agent_mask], minlength=arrays.n_nodes)
@@ -304,8 +342,13 @@ def evaluate(policy: HFPolicy, env_name: str, tasks: Sequence[Task], greedy: boo
 # ------------------------------------------------------------------------------ loop
 
 def train(config: TrainConfig, resume: bool = False) -> TrainReport:
-    """Run (or with ``resume``, continue) the training run described by ``config``."""
-    check_config(config)
+    """Run (or with ``resume``, continue) the training run described by ``config``.
+
+    Under ``torchrun`` / ``train.distributed.launch`` every rank runs this function; the
+    lines marked ``DDP`` are the data-parallel ones (``train.distributed``); with one
+    process they do nothing."""
+    world = dp.init_world()  # DDP: rank and size from the environment (1: no group)
+    check_config(config, world.size)
     config = config.replace(store=str(Path(config.store).resolve()),
                             out=str(Path(config.out).resolve()))
     out = Path(config.out)
@@ -316,7 +359,10 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
         start_ckpt = latest_checkpoint(out)  # None: killed before step 0 was published
     elif (out / "config.json").exists():
         raise TrainError(f"{out} already holds a run; pass --resume to continue it")
-    store = open_store(config.store, create=True)
+    dp.barrier(world)  # DDP: every rank has checked the run directory before rank 0 writes
+    store = open_store(config.store, create=True) if world.is_main else None
+    dp.barrier(world)  # DDP: the store exists before the other ranks open it
+    store = store or open_store(config.store)
     if config.reuse == "none":
         check_store_env(store, config.env)
     else:  # stored trees of another env are skipped and counted, not refused
@@ -326,17 +372,22 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
             raise TrainError(str(exc)) from exc
     reuse_params = rz.ReuseParams.parse(config.reuse_params)
     train_tasks, heldout = task_splits(config)
-    write_config(config, out)
-    if config.reuse != "none":
-        rz.write_params(out, reuse_params)
-    for tmp in (out / CHECKPOINTS).glob(".step-*") if (out / CHECKPOINTS).is_dir() else []:
-        shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint write a kill interrupted
+    if world.is_main:  # DDP: rank 0 writes the run directory
+        write_config(config, out)
+        if config.reuse != "none":
+            rz.write_params(out, reuse_params)
+        for tmp in (out / CHECKPOINTS).glob(".step-*") if (out / CHECKPOINTS).is_dir() else []:
+            shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint write a kill interrupted
 
     policy = load_start_policy(config, start_ckpt)
     model = policy.model
     ref_model = None
     if config.kl_coef > 0:  # frozen initial policy
         ref_model = copy.deepcopy(load_start_policy(config).model).eval().requires_grad_(False)
+    ref_policy = None
+    if config.credit == "trace":  # T2: gold-answer logprobs of the frozen initial policy
+        ref_policy = load_start_policy(config)
+        ref_policy.model.eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
     warm = config.warmup_steps
@@ -354,25 +405,25 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
             sampler.state = CaliperState.from_dict(state["sampler_state"])
         start = int(state["iteration"])
     writer = None
-    if config.tensorboard:
+    if config.tensorboard and world.is_main:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(str(out / "tensorboard"))
-    report = TrainReport(run_id, out)
+    report = TrainReport(run_id, out, rank=world.rank)
 
     def publish(step: int) -> HFPolicy:
         version = f"{run_id}-{state_dict_version(model)}"
         return policy.published(str(checkpoint_dir(out, step)), version)
 
     current = publish(start)
-    if start_ckpt is None:
+    if start_ckpt is None and world.is_main:  # DDP: rank 0 writes checkpoints
         save_checkpoint(out, 0, current, current.policy_version,
                         _state(0, optimizer, scheduler, sampler, store), config)
-    else:
+    elif start_ckpt is not None:
         current = policy.published(str(start_ckpt), json.loads(
             (start_ckpt / META_FILE).read_text())["policy_version"])
 
-    if start == 0 and config.eval_every and heldout:  # the starting weights: step -1
+    if start == 0 and config.eval_every and heldout and world.is_main:  # step -1
         initial = _heldout(current, heldout, config, 0)
         _commit_metrics(store, run_id, -1, initial)
         report.heldout[0] = initial
@@ -385,18 +436,30 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
         picks = rng.choice(len(train_tasks), size=min(config.tasks_per_step, len(train_tasks)),
                            replace=False)
         model.eval()
-        trees = [sampler.sample_tree(env, current, train_tasks[i], config.n_total,
-                                     seed=mix_seed(config.seed, "tree", it, j),
-                                     tree_id=f"{run_id}/it{it:06d}/{j:03d}",
-                                     run_id=run_id)
-                 for j, i in enumerate(picks)]
+        mine = [sampler.sample_tree(env, current, train_tasks[i], config.n_total,
+                                    seed=mix_seed(config.seed, "tree", it, j),
+                                    tree_id=f"{run_id}/it{it:06d}/{j:03d}",
+                                    run_id=run_id)
+                for j, i in enumerate(picks) if world.owns(j)]  # DDP: tree j on rank j mod W
+        trees = dp.gather_shards(world, mine, len(picks))  # DDP: every tree on every rank
         t1 = time.perf_counter()
-        # 3. commit with policy_version / policy_ref of these weights
-        store.append_trees(trees, key=f"{run_id}:trees:{it}")
+        # 3. commit with policy_version / policy_ref of these weights (DDP: rank 0 commits
+        #    every rank's trees under the single-process key, so they land once)
+        if world.is_main:
+            store.append_trees(trees, key=f"{run_id}:trees:{it}")
         t2 = time.perf_counter()
-        # 4. credit through the registry, committed
-        credit_rows_, credit = credit_for(trees, config)
-        store.append_credits(credit_rows_, key=f"{run_id}:credit:{it}")
+        # 4. credit through the registry, committed; trace (T2) first scores the gold
+        #    answer under the frozen initial policy (DDP: each rank its own trees)
+        scores = ref_version = None
+        if ref_policy is not None:
+            ref_version = ref_policy.policy_version
+            scores = pa.concat_tables(dp.gather_list(world, [score_trees(
+                mine, ref_policy, GOLD, policy_ref=config.policy, run_id=run_id)]))
+            if world.is_main:
+                store.append_policy_scores(scores, key=f"{run_id}:scores:{it}")
+        credit_rows_, credit = credit_for(trees, config, scores, ref_version)
+        if world.is_main:
+            store.append_credits(credit_rows_, key=f"{run_id}:credit:{it}")
         # 4b. stored trees (issue 12; train.reuse): earlier versions, scored under the
         #     pre-update weights pi_prox (D3, G8), comparisons resolved by the reuse rule,
         #     refreshed routes re-sampled and committed, their credit committed
@@ -449,7 +512,8 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
         parts = _minibatch_parts(len(batch_trees), config, it)
         part_batches = []
         for part in parts:
-            part_seqs = [seqs[i] for i in part]
+            own = [i for i in part if world.owns(i)]  # DDP: this rank's trees of the part
+            part_seqs = [seqs[i] for i in own]
             rows = make_rows(part_seqs, credit, config.layout, config.node_weight,
                              config.clip_low, config.clip_high,
                              max_row_tokens=config.tree_row_tokens or None, prox=prox)
@@ -457,13 +521,14 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
                                 pad_id=current.pad_id)
             n_tokens = sum(float(mb.traj_count.sum()) for mb in mbs)
             n_seqs = sum(len(s.leaves) for s in part_seqs)
-            d = denominator(config.aggregation, n_tokens, n_seqs, config.norm_length)
-            part_batches.append((mbs, d, part))
+            tokens, paths = dp.all_sum(world, [n_tokens, n_seqs])  # DDP: global counts (G4)
+            d = denominator(config.aggregation, tokens, paths, config.norm_length)
+            part_batches.append((mbs, d, own))
         if config.check_logprobs:
             with torch.no_grad():
                 diffs = [float((forward_logprobs(model, mb)[0] - mb.old_logp).abs().max())
                          for mbs, _, _ in part_batches for mb in mbs if mb.n_loss_tokens]
-            metrics["logprob_diff_max"] = max(diffs, default=0.0)
+            metrics["logprob_diff_max"] = dp.all_max(world, [max(diffs, default=0.0)])[0]
         model.train()
         sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual": 0.0, "kl": 0.0,
                 "entropy": 0.0, "tokens": 0.0}
@@ -515,6 +580,7 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
                     sums["dual"] += float(out_t.dual_clipped.sum())
                     sums["kl"] += masked_mean(out_t.kl, mask) * k
                     sums["entropy"] += float(entropy.detach().sum())
+                dp.all_reduce_grads(world, model.parameters())  # DDP: the whole part's grad
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
                 grad_norms.append(float(grad_norm))
@@ -522,6 +588,9 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
                 scheduler.step()
                 sums["loss"] += step_loss
         model.eval()
+        sums = dp.reduce_sums(world, sums)  # DDP: every rank's tokens
+        n_loss_tokens, forward_tokens = (int(v) for v in dp.all_sum(
+            world, [n_loss_tokens, forward_tokens]))
         t4 = time.perf_counter()
         n_steps = max(len(grad_norms), 1)
         leaves = [n for t in trees for n in t.nodes if n.reward is not None]
@@ -553,6 +622,11 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
         })
         # 6. publish version it + 1; held-out success; metrics; checkpoint
         current = publish(it + 1)
+        report.iterations = it + 1
+        report.losses.append(metrics["loss"])
+        report.rewards.append(metrics["reward"])
+        if not world.is_main:  # DDP: rank 0 evaluates, commits metrics, checkpoints
+            continue
         if config.eval_every and heldout and ((it + 1) % config.eval_every == 0 or
                                               it + 1 == config.steps):
             t5 = time.perf_counter()
@@ -566,9 +640,6 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
             writer.flush()
         save_checkpoint(out, it + 1, current, current.policy_version,
                         _state(it + 1, optimizer, scheduler, sampler, store), config)
-        report.iterations = it + 1
-        report.losses.append(metrics["loss"])
-        report.rewards.append(metrics["reward"])
         if config.progress:
             extra = "".join(f" {k.split('_')[1]} {metrics[k]:.3f}" for k in
                             ("heldout_sampled", "heldout_greedy") if k in metrics)
@@ -578,6 +649,7 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
                   f"{metrics['tokens_per_s']:.0f} tok/s{extra}", file=sys.stderr, flush=True)
     if writer is not None:
         writer.close()
+    dp.finish(world)  # DDP: leave the process group this call joined
     return report
 
 
