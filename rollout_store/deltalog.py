@@ -6,6 +6,9 @@ delta-rs reports a damaged log (a garbled or truncated commit, a gap in the vers
 wrong with it, so that every command can say which table and which log file is damaged
 (``store.open_delta``) and ``store validate`` can list every such problem.
 
+``checkpoint_if_due`` writes a Delta checkpoint every ``store.CHECKPOINT_EVERY`` commits,
+so that opening a table replays a bounded log (memory and time per open stay flat).
+
 ``fsync_commit`` makes a commit durable: delta-rs writes the commit file but never
 fsyncs it or its directory, so after a power cut a later table's commit could survive
 while an earlier one's is lost. Appends call it after each table's commit, before the
@@ -24,6 +27,9 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from deltalake import DeltaTable
+from deltalake.exceptions import DeltaError
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -179,3 +185,38 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def checkpoint_if_due(dt: DeltaTable, before: int, every: int,
+                      table_dir: str | os.PathLike[str] | None = None) -> int | None:
+    """Write a Delta checkpoint of ``dt`` (just committed, loaded at its latest version)
+    when its commits since ``before`` crossed a multiple of ``every``; returns its version.
+
+    A checkpoint is one Parquet file holding the table's whole state at a version; opening
+    the table then replays only the commits after it, so memory and time per open stay
+    bounded by ``every`` commits instead of growing with the log (delta-rs checkpoints
+    every 100 commits by default). The log stays complete (time travel and ``history``
+    still read every commit). ``table_dir`` (a local table) gets the checkpoint and the
+    ``_last_checkpoint`` hint fsync'd, so a power cut cannot leave a hint naming a lost
+    file. A checkpoint that cannot be written is skipped: the commit has landed, and the
+    table reads the same from its log (the next due checkpoint tries again)."""
+    version = dt.version()
+    if every <= 0 or version // every <= before // every:
+        return None
+    try:
+        dt.create_checkpoint()
+    except (DeltaError, OSError):
+        return None
+    if table_dir is not None:
+        log = Path(table_dir) / "_delta_log"
+        for name in (f"{version:020d}.checkpoint.parquet", "_last_checkpoint"):
+            try:
+                fd = os.open(log / name, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(log)
+    return version

@@ -43,7 +43,8 @@ its storage, and the rest of ``rollout_store`` goes through it:
   at the commit point of an append, and the inputs of a compaction. A third lease,
   ``.create.lock``, serialises creating the tables of a new store: delta-rs retries a
   create that lost the race for version 0 as a second metadata commit (version 1), which
-  the tests caught when two processes created one store at once. The Delta log itself
+  the tests caught when two processes created one store at once (a local store takes the
+  same lock as an ``flock``: the race is the same on a file system). The Delta log itself
   never depends on it (conditional puts keep every commit, lock or not); the one window
   left is a holder stalled for longer than the lease between its last check and its
   commit (seconds against a 60 s lease), documented here rather than hidden.
@@ -54,10 +55,14 @@ its storage, and the rest of ``rollout_store`` goes through it:
 
 Credentials come from the standard AWS environment variables: ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY`` (optionally ``AWS_SESSION_TOKEN``), ``AWS_REGION`` (or
-``AWS_DEFAULT_REGION``; default ``us-east-1``) and, for an S3-compatible server,
-``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``. Plain ``http://`` endpoints are allowed
-for loopback hosts (a test server on 127.0.0.1) and elsewhere only with
-``AWS_ALLOW_HTTP=true``.
+``AWS_DEFAULT_REGION``) and, for an S3-compatible server, ``AWS_ENDPOINT_URL_S3`` or
+``AWS_ENDPOINT_URL``. One of the two must be set: with neither, an ``s3://`` store is
+refused (``S3ConfigError``) instead of silently going to AWS's public endpoint in
+``us-east-1`` (a test or a MinIO user who forgot the endpoint would otherwise send their
+credentials and data to AWS). A region alone means AWS S3 in that region; an endpoint
+without a region uses ``us-east-1``, which S3-compatible servers accept. Plain ``http://``
+endpoints are allowed for loopback hosts (a test server on 127.0.0.1) and elsewhere only
+with ``AWS_ALLOW_HTTP=true``.
 
 Needs the optional extra ``.[s3]`` (boto3 for the lease locks' conditional requests,
 which pyarrow's filesystem does not expose).
@@ -89,10 +94,17 @@ DEFAULT_LEASE_S = 60.0
 LEASE_ENV = "ROLLOUT_STORE_LOCK_LEASE_S"
 LOCK_TIMEOUT_S = 900.0  # give up waiting for a lock after this long (one-line error)
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # first set wins
+REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
+ENDPOINT_ONLY_REGION = "us-east-1"  # the signing region with an endpoint but no region
 
 
 class ObjectStoreError(StoreError):
     """The object store cannot be reached or used as asked (one line, no traceback)."""
+
+
+class S3ConfigError(ObjectStoreError):
+    """An ``s3://`` store with neither an endpoint nor a region configured."""
 
 
 class LockLostError(ObjectStoreError):
@@ -161,11 +173,18 @@ def _env(*names: str) -> str | None:
 
 
 class S3Config:
-    """Endpoint, region and credentials from the standard AWS environment variables."""
+    """Endpoint, region and credentials from the standard AWS environment variables
+    (an endpoint or a region is required: see the module docstring)."""
 
     def __init__(self) -> None:
-        self.endpoint = _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
-        self.region = _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1"
+        self.endpoint = _env(*ENDPOINT_ENV)
+        region = _env(*REGION_ENV)
+        if self.endpoint is None and region is None:
+            raise S3ConfigError(
+                "s3:// store: no endpoint or region configured; set AWS_ENDPOINT_URL (or "
+                "AWS_ENDPOINT_URL_S3) for an S3-compatible server, or AWS_REGION (or "
+                "AWS_DEFAULT_REGION) for AWS S3 (not defaulting to AWS's public endpoint)")
+        self.region = region or ENDPOINT_ONLY_REGION
         self.access_key = _env("AWS_ACCESS_KEY_ID")
         self.secret_key = _env("AWS_SECRET_ACCESS_KEY")
         self.session_token = _env("AWS_SESSION_TOKEN")
@@ -499,4 +518,4 @@ def locate(path: str | os.PathLike[str]) -> Location:
 
 
 __all__ = ["DEFAULT_LEASE_S", "LEASE_ENV", "Lease", "LeaseLock", "Location", "LockLostError",
-           "ObjectPath", "ObjectStoreError", "is_remote", "locate"]
+           "ObjectPath", "ObjectStoreError", "S3ConfigError", "is_remote", "locate"]

@@ -35,6 +35,16 @@ Hardening (issue 13):
   before the next table's commit (``deltalog.fsync_commit``).
 * A damaged Delta log is a ``DamagedLogError`` naming the table and the log file.
 
+Issue 16, locally as on object storage:
+
+* Creating tables (``Store(path, create=True)``, and the tables a newer schema added) is
+  serialised by ``.create.lock`` and re-checked under it: delta-rs turns a create that
+  lost the race for version 0 into a second metadata commit, and two processes creating
+  one new store at once used to both fail ("'nodes' is missing but 'trees' holds data").
+* Every ``CHECKPOINT_EVERY`` commits of a table, the committing append writes a Delta
+  checkpoint (``deltalog.checkpoint_if_due``), so opening a table replays at most that
+  many JSON commits and a long-lived writer's memory stays flat.
+
 Object storage (issue 16): ``Store("s3://bucket/prefix")`` is the same store on S3. Every
 access to storage goes through ``self.loc`` (``objectstore.Location``): data files through
 ``pyarrow.fs``, the Delta log through delta-rs ``storage_options`` (commits by conditional
@@ -45,13 +55,12 @@ the concurrency design.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -67,7 +76,13 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 from deltalake.transaction import AddAction, CommitProperties, Transaction
 
 from rollout_store import snapshots as snap
-from rollout_store.deltalog import describe_failure, fsync_commit, fsync_dir
+from rollout_store.deltalog import checkpoint_if_due, describe_failure, fsync_commit, fsync_dir
+from rollout_store.digests import (  # noqa: F401  (re-exported: store.content_digest, ...)
+    DIGEST_COLUMNS,
+    LEGACY_TXN_VERSION,
+    content_digest,
+    default_digest,
+)
 from rollout_store.errors import StoreError
 from rollout_store.objectstore import Lease, Location, ObjectPath
 from rollout_store.schema import (
@@ -99,9 +114,13 @@ class CommitKeyConflictError(StoreError):
     """A commit key was already used for other content (a retry that is not a retry)."""
 
 
-LEGACY_TXN_VERSION = 1  # appends before digests recorded version 1: nothing to compare
 APPEND_LOCK = ".append.lock"
-CREATE_LOCK = ".create.lock"  # object storage only: creating the tables of a new store
+CREATE_LOCK = ".create.lock"  # creating the tables of a new store (flock, or a lease on S3)
+# A Delta checkpoint of a table every this many of its commits (0: only delta-rs's own,
+# every 100). Opening a table replays the log since its last checkpoint; at 100 JSON
+# commits per replay one process's RSS crept up ~0.5 MiB per commit between checkpoints
+# (benchmarks/bench_store_rss.py), and every open (several per append) got slower.
+CHECKPOINT_EVERY = 10
 
 
 def open_delta(uri: str, version: int | None = None, what: str = "",
@@ -117,69 +136,6 @@ def open_delta(uri: str, version: int | None = None, what: str = "",
     except (DeltaError, OSError) as exc:
         raise DamagedLogError(describe_failure(
             uri, exc, what, None if loc is None else loc.filesystem)) from None
-
-
-def content_digest(table: pa.Table, columns: Sequence[str], sort: Sequence[str]) -> int:
-    """A 60-bit digest of ``columns`` of ``table``, rows sorted by ``sort`` (order-free).
-
-    Canonical: values only (never Arrow buffer bytes, whose null slots and padding are
-    undefined). Stored as a Delta application-transaction version, so it is an int >= 2
-    (``LEGACY_TXN_VERSION`` is 1)."""
-    t = table.select(list(columns))
-    if t.num_rows and sort:
-        t = t.take(pc.sort_indices(t, sort_keys=[(c, "ascending") for c in sort]))
-    h = hashlib.sha256()
-    for name in t.column_names:
-        h.update(name.encode() + b"\x00")
-        _hash_array(h, t.column(name).combine_chunks())
-    return int(h.hexdigest()[:15], 16) + 2
-
-
-def _hash_array(h: Any, arr: pa.Array) -> None:
-    typ = arr.type
-    h.update(str(typ).encode() + np.asarray(pc.is_valid(arr)).astype(np.uint8).tobytes())
-    if pa.types.is_list(typ) or pa.types.is_large_list(typ):
-        h.update(np.asarray(pc.fill_null(pc.list_value_length(arr), -1)).tobytes())
-        _hash_array(h, pc.list_flatten(arr))
-    elif pa.types.is_string(typ) or pa.types.is_binary(typ):
-        filled = pc.fill_null(arr, "" if pa.types.is_string(typ) else b"")
-        offsets = np.frombuffer(filled.buffers()[1], np.int32)[
-            filled.offset:filled.offset + len(filled) + 1]
-        h.update(np.diff(offsets).tobytes())
-        data = filled.buffers()[2]
-        if data is not None and len(offsets):
-            h.update(data.to_pybytes()[offsets[0]:offsets[-1]])
-    elif pa.types.is_boolean(typ) or pa.types.is_integer(typ) or pa.types.is_floating(typ):
-        fill = False if pa.types.is_boolean(typ) else 0
-        h.update(np.asarray(pc.fill_null(arr, fill).to_numpy(zero_copy_only=False)).tobytes())
-    else:  # structs, maps, timestamps: rare in digests, canonical through Python values
-        h.update(json.dumps(arr.to_pylist(), default=str, sort_keys=True).encode())
-
-
-# What a retry under the same key must reproduce exactly, per table.
-DIGEST_COLUMNS: dict[str, tuple[list[str], list[str]]] = {
-    "trees": (["tree_id", "run_id", "task_id", "env", "sampler", "budget", "seed", "n_nodes",
-               "critical_node_id"], ["tree_id"]),
-    "nodes": (["tree_id", "node_id", "parent_id", "kind", "action_token_ids",
-               "observation_token_ids", "terminal", "reward", "snapshot_id"],
-              ["tree_id", "node_id"]),
-    "snapshots": (["snapshot_id", "tree_id"], ["tree_id", "snapshot_id"]),
-    # Row identities only: a recomputed float may differ in its last bits.
-    "credits": (["run_id", "method", "method_params_hash", "tree_id", "node_id"],
-                ["method", "method_params_hash", "tree_id", "node_id", "run_id"]),
-    "mc_references": (["run_id", "tree_id", "node_id", "k"], ["tree_id", "node_id", "k", "run_id"]),
-    "metrics": (["run_id", "step", "name"], ["run_id", "step", "name"]),
-    "policy_scores": (["run_id", "tree_id", "node_id", "kind", "policy_version"],
-                      ["tree_id", "node_id", "kind", "policy_version", "run_id"]),
-}
-
-
-def default_digest(name: str, table: pa.Table) -> int:
-    """The digest recorded for an append of ``table`` to ``name`` (see ``DIGEST_COLUMNS``;
-    a table without an entry: every column but ``created_at``, in the given order)."""
-    if name in DIGEST_COLUMNS:
-        return content_digest(table, *DIGEST_COLUMNS[name])
-    return content_digest(table, [c for c in table.column_names if c != "created_at"], [])
 
 
 class CorruptFileError(StoreError):
@@ -296,7 +252,13 @@ class Store:
             except OSError as exc:
                 raise StoreError(f"{path}: cannot create the store: "
                                  f"{exc.strerror or exc}") from None
-            self._create_tables()
+            if not all(self._is_table(name) for name in TABLE_NAMES):
+                # Two processes creating one store at once: delta-rs retries a create that
+                # lost version 0 as a second metadata commit (version 1), and the next
+                # table was then refused as "missing while trees holds data" in both
+                # (tests/test_store_create_race.py). Serialised, and re-checked under it.
+                with self._create_lock():
+                    self._create_tables()
         elif path.exists() and not path.is_dir():
             raise StoreError(f"{path}: not a directory (a store is a directory of tables)")
         elif not path.is_dir():
@@ -309,10 +271,8 @@ class Store:
             raise StoreError(f"{self.path}: bucket {self.path.bucket!r} does not exist or is "
                              "not readable with these credentials (create the bucket first)")
         if create and not all(self._is_table(name) for name in TABLE_NAMES):
-            # Two processes creating one table at once: delta-rs retries the loser's create
-            # as version 1, a second metadata commit (the tests caught it), so creation is
-            # serialised by a lease lock and re-checked under it.
-            with self.loc.lock(CREATE_LOCK):
+            # As locally (_prepare_local), serialised by a lease lock and re-checked under it.
+            with self._create_lock():
                 self._create_tables()
         elif not create and not self._is_table("trees"):
             raise StoreError(f"{self.path}: no such store (create one with Store(path, "
@@ -336,10 +296,11 @@ class Store:
                 configuration=_table_config(name), raise_if_key_not_exists=False,
                 storage_options=self.loc.storage_options(),
             )
-        except (DeltaError, OSError):
-            if not self.loc.remote or not self._is_table(name):
-                raise
-            # another process created it at the same moment (its version 0 won the put)
+        except (DeltaError, OSError) as exc:
+            if not self._is_table(name):
+                raise StoreError(f"{self.path}: cannot create table {name!r}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else exc}") from None
+            # a writer that does not take our create lock created it meanwhile
 
     def _create_tables(self) -> None:
         for name in TABLE_NAMES:
@@ -353,20 +314,31 @@ class Store:
         if not self._is_table("trees"):
             return  # not a store (yet): _check_table names what is missing
         missing = [name for name in ADDED_TABLES if not self._is_table(name)]
-        if missing and self.loc.remote:
-            with self.loc.lock(CREATE_LOCK):
+        if missing:
+            with self._create_lock(f"add tables {missing} (new in schema versions "
+                                   f"{sorted({ADDED_TABLES[n] for n in missing})})"):
                 self._create_added([n for n in missing if not self._is_table(n)])
-        else:
-            self._create_added(missing)
+
+    @contextmanager
+    def _create_lock(self, why: str = "create its tables") -> Iterator[None]:
+        """Serialise creating tables: ``flock`` on ``.create.lock`` in the store directory
+        (every process of a host), a lease lock object on object storage."""
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(self.loc.lock(CREATE_LOCK))
+            except OSError as exc:
+                raise StoreError(f"{self.path}: cannot {why}: cannot take {CREATE_LOCK}: "
+                                 f"{exc.strerror or exc}; open the store once with write "
+                                 "access") from None
+            yield
 
     def _create_added(self, names: list[TableName]) -> None:
         for name in names:
             try:
                 self._create_table(name)
-            except OSError as exc:
-                raise StoreError(f"{self.path}: cannot add table {name!r} (new in schema "
-                                 f"version {ADDED_TABLES[name]}): {exc}; open the store once "
-                                 "with write access") from None
+            except StoreError as exc:
+                raise StoreError(f"{exc} (new in schema version {ADDED_TABLES[name]}); open "
+                                 "the store once with write access") from None
 
     # ------------------------------------------------------------------ schema
     def _refuse_recreate(self, name: TableName) -> None:
@@ -377,8 +349,10 @@ class Store:
             return
         for other in core:
             uri = self._uri(other)
+            # "Holds data": committed files, not version > 0 (a store left by the old
+            # create race has a second metadata commit and nothing else).
             if (other != name and self._is_table(other)
-                    and open_delta(uri, what=f"table {other!r}", loc=self.loc).version() > 0):
+                    and open_delta(uri, what=f"table {other!r}", loc=self.loc).file_uris()):
                 raise StoreError(f"{self.path}: table {name!r} is missing but {other!r} "
                                  "holds data: the store is damaged (not recreating it)")
 
@@ -620,8 +594,11 @@ class Store:
                 return
             raise StoreError(f"{self.path}: commit to table {name!r} failed: "
                              f"{str(exc).splitlines()[0] if str(exc) else exc}") from None
+        after = self.delta_table(name)
         if not self.loc.remote:
-            fsync_commit(self._uri(name), before, self.delta_table(name).version())
+            fsync_commit(self._uri(name), before, after.version())
+        checkpoint_if_due(after, before, CHECKPOINT_EVERY,
+                          None if self.loc.remote else self._uri(name))
         report.rows[name] = table.num_rows
         report.bytes[name] = size
 

@@ -26,6 +26,12 @@ LOG = "_delta_log"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _dir(store: Store) -> Path:
+    """The directory of a local store (``Store.path`` is a ``Path`` or an ``ObjectPath``)."""
+    assert isinstance(store.path, Path)
+    return store.path
+
+
 def _race(path: Path, keys: list[str]) -> list[str]:
     """Start one writer process per key, release them together, collect their outcomes."""
     procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.race_worker", str(path), k],
@@ -66,7 +72,7 @@ def test_validate_reports_a_tree_stored_twice(store: Store) -> None:
     # What two racing writers left on main: the same trees under a second key.
     store._refuse_stored_trees = lambda ids: None  # type: ignore[method-assign,assignment]
     store.append_trees(batch, key="b")
-    report = verify(Store(store.path))
+    report = verify(Store(_dir(store)))
     assert not report.ok
     assert any("stored more than once" in p and "tree-4-0000000" in p for p in report.problems)
 
@@ -106,19 +112,19 @@ def test_validate_finds_trees_whose_nodes_commit_is_gone(store: Store) -> None:
     for i in range(3):
         store.append_trees(bel_shaped_batch(2, rollouts=3, depth=3, seed=i,
                                             tree_prefix=f"b{i}"), key=f"k{i}")
-    last = sorted((store.path / "nodes" / LOG).glob("*.json"))[-1]
+    last = sorted((_dir(store) / "nodes" / LOG).glob("*.json"))[-1]
     last.unlink()
-    report = verify(Store(store.path))
+    report = verify(Store(_dir(store)))
     assert not report.ok
     assert any("nodes are missing" in p and "'b2-" in p for p in report.problems), report
 
 
 def test_missing_nodes_table_is_not_recreated_empty(store: Store) -> None:
     store.append_trees(bel_shaped_batch(2, rollouts=3, depth=3), key="k")
-    shutil.rmtree(store.path / "nodes")
+    shutil.rmtree(_dir(store) / "nodes")
     with pytest.raises(StoreError, match="'nodes' is missing but 'trees' holds data"):
-        Store(store.path, create=True)
-    assert not (store.path / "nodes").exists()
+        Store(_dir(store), create=True)
+    assert not (_dir(store) / "nodes").exists()
 
 
 def _damage(path: Path, how: str) -> str:
@@ -143,9 +149,9 @@ def test_damaged_delta_log_is_named(store: Store, how: str) -> None:
     for i in range(3):
         store.append_trees(bel_shaped_batch(1, rollouts=2, depth=2, seed=i,
                                             tree_prefix=f"d{i}"), key=f"k{i}")
-    name = _damage(store.path, how)
+    name = _damage(_dir(store), how)
     with pytest.raises(DamagedLogError) as info:
-        Store(store.path)
+        Store(_dir(store))
     message = str(info.value)
     assert "'nodes'" in message and name in message and "\n" not in message
     assert "DeltaError" not in message and "<unknown>" not in message
@@ -297,7 +303,7 @@ def test_a_footer_bit_flip_that_pyarrow_reads_is_caught_by_validate(store: Store
             check_data_file(victim.path, victim.size)
         except Exception:  # pyarrow noticed: not the case we look for
             continue
-        report = verify(Store(store.path))
+        report = verify(Store(_dir(store)))
         if not report.ok:
             assert any(Path(victim.path).name in p for p in report.problems), report
             found = True
@@ -319,10 +325,42 @@ def test_commands_on_a_damaged_log_print_one_line(store: Store,
     for i in range(2):
         store.append_trees(bel_shaped_batch(1, rollouts=2, depth=2, seed=i,
                                             tree_prefix=f"d{i}"), key=f"k{i}")
-    name = _damage(store.path, "garbled")
+    name = _damage(_dir(store), "garbled")
     for args in (["store", "validate"], ["store", "info"], ["sql", "SELECT 1"]):
         with pytest.raises(SystemExit) as info:
             app([*args, "--store", str(store.path)])
         err = capsys.readouterr().err
         assert info.value.code == 1 and err.count("\n") == 1, err
         assert name in err and "'nodes'" in err and "Traceback" not in err
+
+
+def _metric_rows(step: int) -> pa.Table:
+    return pa.table({"run_id": ["cp"], "step": [step], "name": ["loss"], "value": [1.0],
+                     "created_at": pa.array([0], SCHEMAS["metrics"].field("created_at").type)},
+                    schema=SCHEMAS["metrics"])
+
+
+def test_checkpoints_every_n_commits_keep_keys_and_rows(store: Store,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """Issue 16: a Delta checkpoint every ``CHECKPOINT_EVERY`` commits of a table (opens
+    replay a bounded log); the application transactions (commit keys, digests) and every
+    row survive it, and a store read through its checkpoint validates."""
+    import json
+
+    from rollout_store import store as store_mod
+
+    monkeypatch.setattr(store_mod, "CHECKPOINT_EVERY", 3)
+    for step in range(1, 8):  # metrics versions 1..7 (0 is the create)
+        store.append_metrics(_metric_rows(step), key=f"m{step}")
+    log = _dir(store) / "metrics" / LOG
+    assert sorted(p.name for p in log.glob("*.checkpoint.parquet")) == [
+        f"{v:020d}.checkpoint.parquet" for v in (3, 6)]
+    assert json.loads((log / "_last_checkpoint").read_text())["version"] == 6
+    again = Store(_dir(store))
+    assert again.append_metrics(_metric_rows(1), key="m1").skipped == ["metrics"]
+    with pytest.raises(CommitKeyConflictError):
+        again.append_metrics(_metric_rows(99), key="m2")  # other content, same key
+    assert read_arrow(again, "metrics").num_rows == 7
+    report = verify(again)
+    assert report.ok, report.problems
