@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 # Modules whose import registers report builders (kept sorted).
 AUDIT_MODULES: tuple[str, ...] = ("analysis.constructions", "analysis.drift", "analysis.gates",
                                    "analysis.localization", "analysis.ranking_report",
-                                   "analysis.recovery")
+                                   "analysis.recovery", "analysis.table1")
 
 
 @dataclass(frozen=True)

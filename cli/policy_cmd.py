@@ -1,9 +1,9 @@
 """``rtrees policy ...``: train the embedded tiny policy and inspect policies (issue 6).
 
-``rtrees policy init --env calc|workflow [--seed 0] [--out DIR] [--minutes 10] [--force]``
+``rtrees policy init --env calc|workflow|sgls [--seed 0] [--out DIR] [--minutes 10] [--force]``
 trains the tiny policy by SFT on the environment's noisy expert traces
 (``train.policies.tiny_train.init_policy``), prints the sampled success on held-out
-tasks per difficulty (calc) or horizon (workflow) and overall, and caches the
+tasks per difficulty (calc), horizon (workflow) or task kind (sgls) and overall, and caches the
 checkpoint; a later ``init`` (without ``--force``) or ``load_policy("tiny", env)``
 reuses it.
 
@@ -32,7 +32,7 @@ TARGET_BAND = (0.2, 0.8)  # a policy that always or never succeeds gives no lear
 
 @policy_app.command("init")
 def init(
-    env: Annotated[str, typer.Option(help="Environment: calc or workflow.")],
+    env: Annotated[str, typer.Option(help="Environment: calc, workflow or sgls.")],
     seed: Annotated[int, typer.Option(help="Seed of the model, data and batch order.")] = 0,
     out: Annotated[Path | None, typer.Option(
         help="Checkpoint directory (default: ~/.cache/rollout-trees/policies/ENV-SEED).")
@@ -44,10 +44,10 @@ def init(
 ) -> None:
     """Train the tiny policy by SFT on noisy expert traces; print held-out success."""
     from train.policies.tiny import default_cache_dir, find_checkpoint, read_meta
-    from train.policies.tiny_train import init_policy
+    from train.policies.tiny_train import TINY_ENVS, init_policy
 
-    if env not in ("calc", "workflow"):
-        fail(f"tiny policies exist for calc and workflow, not {env!r}", 2)
+    if env not in TINY_ENVS:
+        fail(f"tiny policies exist for {', '.join(TINY_ENVS)}, not {env!r}", 2)
     require(minutes > 0, f"--minutes must be positive, got {minutes}")
     try:
         result = init_policy(env, seed=seed, out=out, minutes=minutes, force=force,

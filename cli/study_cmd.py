@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
     @app.command("study")
     def study(
         name: Annotated[str, typer.Argument(help="The study: dsc-l1, elpo-fig3, dsc-table2, "
-                                                 "elpo-fig1 (see train.jobs.STUDIES).")],
+                                                 "elpo-fig1, table1 (see train.jobs.STUDIES).")],
         out: Annotated[Path, typer.Option("--out", help="Directory for the study's data, "
                                                         "results.json, report.md, plots.")],
         param: Annotated[list[str] | None, typer.Option(

@@ -26,6 +26,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from train.envs.calc import CalcEnv
+from train.envs.sgls import render_prompt
+from train.envs.sgls_worlds import WORLDS
 from train.envs.workflow import WorkflowEnv
 from train.envs.workflow_model import ACTION_TEXTS, ObsKey, WorkflowModel
 from train.envs.workflow_policy import TabularPolicy
@@ -44,6 +46,8 @@ from train.policies.tiny import (
     CALC_CALL_SUFFIX,
     COMMITTED_DIR,
     PHRASE_TOKENS,
+    SGLS_PHRASE_TOKENS,
+    SGLS_TEXT_TOKENS,
     WORKFLOW_ACTION_TOKENS,
     build_tokenizer,
     committed_checkpoint,
@@ -547,3 +551,82 @@ def test_cli_audit_ranking_default_policy_on_a_fresh_tiny_store(
     assert con.sql("SELECT DISTINCT policy_ref FROM trees").fetchall() == [
         (str(COMMITTED_DIR / "calc"),)]
     assert (Path(out) / "report.md").is_file()
+
+
+# ---------------------------------------------------------------------------
+# sgls: the tokenizer with the sgls phrases, and the committed checkpoint
+
+
+def _sgls_episodes(n: int, seed: int, p_error: float = 0.5) -> list[Transcript]:
+    """Noisy-expert sgls episodes (``p_error``: the chance of one detour per episode)."""
+    rng = random.Random(seed)
+    return [expert_episode("sgls", task, rng, p_error).turns
+            for task in make_tasks("sgls", n, seed)]
+
+
+def test_sgls_tokenizer_extends_the_shared_one() -> None:
+    shared, sgls = build_tokenizer(), build_tokenizer("sgls")
+    vocab = sgls.get_vocab()
+    assert {t: i for t, i in vocab.items() if i < len(shared)} == shared.get_vocab()
+    assert len(sgls) == len(shared) + len(SGLS_PHRASE_TOKENS)
+    turns = _sgls_episodes(60, seed=5)
+    texts = [render(t, False) for t in turns]
+    for episode, text in zip(turns, texts, strict=True):
+        ids, is_action = encode_episode(sgls, episode)
+        assert ids == sgls(text, add_special_tokens=False)["input_ids"]
+        assert sgls.decode(ids) == text and sgls.unk_token_id not in ids
+        actions = "".join(a for role, a in episode if role == "action")
+        assert sgls.decode([i for i, a in zip(ids, is_action, strict=True) if a]) == actions
+        assert len(ids) < 2048  # fits the model's positions
+    joined = "".join(texts)
+    # the fixed text (schema blocks, questions, replies, the calls the expert makes) still
+    # occurs in episodes; JSON-key variants and calls of other tools may go unused
+    fixed = [*SGLS_TEXT_TOKENS, *(render_prompt(w, "") for w in WORLDS.values()),
+             *(f'<tool_call>{{"name": "{c["name"]}", "arguments": {{'
+               for task in make_tasks("sgls", 60, 5) for step in task.config["gold"]
+               for c in step)]
+    assert [p for p in fixed if p not in joined] == []
+    assert set(fixed) <= set(SGLS_PHRASE_TOKENS)
+    # the whole prompt after the question is one token
+    prompt = turns[0][0][1]
+    assert len(sgls(prompt, add_special_tokens=False)["input_ids"]) < len(prompt) // 4
+
+
+def test_sgls_demonstrations_recover_from_detours() -> None:
+    from train.envs.sgls import SglsEnv
+
+    rng = random.Random(7)
+    n_detours = 0
+    for task in make_tasks("sgls", 40, seed=7):
+        episode = expert_episode("sgls", task, rng, p_error=0.5)
+        n_detours += sum(episode.mistakes)
+        assert sum(episode.mistakes) <= 1
+        env = SglsEnv()
+        env.reset(task)
+        result = None
+        for role, text in episode.turns[1:]:
+            if role == "action":
+                result = env.step(text)
+        assert result is not None and result.reward_parts["success"] == 1.0
+    assert n_detours >= 10
+
+
+def test_trained_sgls_policy_loads_and_calls_a_tool(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _committed("sgls")
+    monkeypatch.setenv("RTREES_CACHE_DIR", str(tmp_path))  # no cached one: the committed
+    trained = load_policy("tiny", "sgls")
+    assert trained.policy_ref is not None
+    assert Path(trained.policy_ref).resolve() == path.resolve()
+    task = make_tasks("sgls", 1, seed=2_000_001)[0]
+    cont = trained.sample([[("prompt", task.prompt)]],
+                          SampleConfig(n=1, max_new_tokens=64, top_p=GREEDY))[0][0]
+    assert cont.finished and cont.text.startswith("<tool_call>{")
+
+
+@pytest.mark.slow
+def test_trained_sgls_policy_success_in_band() -> None:
+    trained = load_policy("tiny", "sgls", checkpoint=_committed("sgls"))
+    tasks = make_tasks("sgls", 100, seed=3_000_000)
+    report = success_report(trained, "sgls", tasks, seed=0, max_new_tokens=64)
+    assert 0.2 <= report.overall <= 0.8, report.lines()

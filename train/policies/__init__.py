@@ -3,8 +3,9 @@
 ``load_policy(spec, env, **kw)`` builds one by spec:
 
 ============  ==============================================================
-``tiny``      the embedded ~0.8M-parameter Llama trained for ``env`` (calc or
-              workflow) by ``rtrees policy init``; kw ``seed`` (0),
+``tiny``      the embedded ~0.8M-parameter Llama trained for ``env`` (calc,
+              workflow or sgls; no sgls checkpoint is committed yet) by
+              ``rtrees policy init``; kw ``seed`` (0),
               ``checkpoint`` (a directory), ``random_init=True`` (fresh random
               weights, nothing loaded: for tests and benchmarks)
 ``hf:PATH``   any local transformers checkpoint with a chat template

@@ -20,6 +20,12 @@ Tokenizer (``build_tokenizer``)
     (``WORKFLOW_PHRASE_TOKENS``). Boilerplate tokens cut sequences about 3x
     (GOTCHAS.md); the workflow phrases cut an episode of the default mix from about
     2,300 characters to about 205 tokens (11x), which makes SFT on it affordable on CPU.
+    ``build_tokenizer("sgls")`` appends ``SGLS_PHRASE_TOKENS`` (each world's tool-schema
+    block, every tool's call prefix, the JSON keys of arguments and responses, the fixed
+    text of questions and replies) after the shared vocabulary, so the calc and workflow
+    tokenizers (and their checkpoints) are unchanged; an sgls episode of the default mix
+    is then ~305 tokens (about 12x fewer than characters; the prompt's ~2,100-character
+    schema block is one token).
     Text is split on these tokens first (leftmost-longest), then into characters, so
     ``decode(encode(text)) == text`` for any ASCII text, and concatenating the
     encodings of turns equals encoding their concatenation.
@@ -33,7 +39,7 @@ so ``tiny`` and ``hf:PATH`` on a tiny checkpoint render identically. Generation
 starts after ``<|assistant|>`` and stops at ``</tool_call>`` / ``</answer>``; the
 model needs no end-of-turn token.
 
-Checkpoints. ``rtrees policy init --env calc|workflow --seed S`` trains one by SFT
+Checkpoints. ``rtrees policy init --env calc|workflow|sgls --seed S`` trains one by SFT
 (``train.policies.tiny_train``) into ``default_cache_dir(env, S)``
 (``$RTREES_CACHE_DIR`` or ``$XDG_CACHE_HOME/rollout-trees`` or
 ``~/.cache/rollout-trees``, then ``policies/<env>-<seed>``). ``find_checkpoint``
@@ -42,6 +48,11 @@ looks there first, then in the committed checkpoints ``COMMITTED_DIR/<env>``
 
     rtrees policy init --env calc --seed 0 --out train/policies/checkpoints/calc --force
     rtrees policy init --env workflow --seed 0 --out train/policies/checkpoints/workflow --force
+
+The sgls checkpoint is made the same way (``--env sgls --out
+train/policies/checkpoints/sgls``) but none is committed yet: on the 2-core machine
+shared by eight jobs, 45 minutes at nice 19 gave 94 optimizer steps, far from the
+stopping checks (every 150 steps).
 
 Training is seeded and its stopping rule counts optimizer steps, not seconds, so
 the same command regenerates an equivalent checkpoint (same data, same steps; the
@@ -66,6 +77,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from train.envs.calc import call_text
+from train.envs.sgls import render_prompt
+from train.envs.sgls_worlds import AIRPORTS, CABINS, CATEGORIES, PAY_METHODS, SHIPPING_CENTS, WORLDS
 from train.envs.workflow import STAGE_NAMES
 from train.envs.workflow_model import ACTION_TEXTS, TOOLS
 from train.policies.base import Transcript
@@ -112,6 +125,63 @@ WORKFLOW_PHRASE_TOKENS: tuple[str, ...] = (
 PHRASE_TOKENS: tuple[str, ...] = (*TAG_TOKENS, *CALC_TOKENS, *WORKFLOW_ACTION_TOKENS,
                                   *WORKFLOW_PHRASE_TOKENS)
 
+# JSON keys of the sgls tool responses (the argument names come from the schemas), by the
+# kind of value they hold: strings get the opening quote in their token.
+SGLS_STRING_KEYS: tuple[str, ...] = (
+    "item_id", "name", "category", "order_id", "shipping", "status", "method", "flight_id",
+    "origin", "destination", "date", "depart", "booking_id", "passenger", "cabin", "query")
+SGLS_OTHER_KEYS: tuple[str, ...] = (
+    "items", "price", "stock", "cart", "quantity", "unit_price", "subtotal", "total",
+    "paid_with", "amount", "flights", "price_economy", "price_business", "seats_economy",
+    "seats_business", "bookings", "refund", "max_price", "arguments")
+# The fixed text of the sgls questions and reference replies (train.envs.sgls_worlds).
+SGLS_TEXT_TOKENS: tuple[str, ...] = (
+    "Buy ", " units of the cheapest item in the ", " unit of the cheapest item in the ",
+    " category that has at least ", " in stock, with ", " shipping, and pay by ",
+    ". Tell me the order id and the total charged.", "Compare items ",
+    " and order one unit of the cheaper one with standard shipping. Do not pay yet. "
+    "Tell me the order id and the total.", "How much does item ",
+    " cost, and how many units are in stock?", "Book the cheapest flight from ",
+    "Book the earliest flight from ", " that has a free ", " seat, in ",
+    ". Tell me the booking id, the flight number and the price.",
+    " wants to cancel their booking on flight ",
+    ". Cancel it and tell me the booking id and the refund.", " is booked from ",
+    " and wants to move to the cheapest economy flight with a free seat on ",
+    ". Cancel the old booking, book the new flight in economy, and tell me the new "
+    "booking id, the new flight number and the refund for the old booking.",
+    "I bought ", " (order ", " shipping) and paid by ", "; the total charged was $",
+    " is the cheaper one; I placed order ",
+    " for one unit with standard shipping, total $", " (not paid yet).", "Item ",
+    ") costs $", " and there are ", " units in stock.", "Booked ", " on flight ",
+    "), booking ", ", price $", "Cancelled booking ", "; the refund is $", "Cancelled ",
+    " (refund $", ") and booked ", " in economy, booking ", "SKU-", "ORD-", "BK-", "FL",
+    "2025-", "null", *CATEGORIES, *SHIPPING_CENTS, *PAY_METHODS, *CABINS, *AIRPORTS,
+    "active", "cancelled", "placed", "paid")
+
+
+def _sgls_phrase_tokens() -> tuple[str, ...]:
+    """Single tokens for the sgls boilerplate: each world's tool-schema block and protocol
+    (everything of the prompt after the question), each tool's call prefix, the JSON keys
+    (``"key": "`` for strings, ``"key": `` otherwise, also after ``, ``, ``{`` and
+    ``[{``), and the fixed text of questions and replies."""
+    phrases: list[str] = [render_prompt(world, "") for world in WORLDS.values()]
+    for world in WORLDS.values():
+        for tool in world.tools.values():
+            prefix = f'<tool_call>{{"name": "{tool.name}", "arguments": {{'
+            phrases.append(prefix + "}}</tool_call>" if not tool.parameters["properties"]
+                           else prefix)
+    keys = [*(f'"{k}": "' for k in SGLS_STRING_KEYS), *(f'"{k}": ' for k in SGLS_OTHER_KEYS)]
+    for key in keys:
+        phrases += [key, ", " + key, "{" + key, "[{" + key]
+    phrases += ["}}</tool_call>", "<tool_response>{", "}</tool_response>",
+                "}]}</tool_response>", "}, {", ".0, ", ".0}", *SGLS_TEXT_TOKENS]
+    return tuple(dict.fromkeys(p for p in phrases if p not in PHRASE_TOKENS))
+
+
+# Only the sgls tokenizer has these (appended after the shared vocabulary, so the calc and
+# workflow tokenizers and their checkpoints are unchanged).
+SGLS_PHRASE_TOKENS: tuple[str, ...] = _sgls_phrase_tokens()
+
 # Renders exactly like ``render_segments`` (checked by the tests).
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -122,7 +192,7 @@ CHAT_TEMPLATE = (
 
 COMMITTED_DIR = Path(__file__).resolve().parent / "checkpoints"
 META_FILE = "rtrees_policy.json"  # training config and held-out results, beside the weights
-ENVS: tuple[str, ...] = ("calc", "workflow")
+ENVS: tuple[str, ...] = ("calc", "workflow", "sgls")
 
 
 @dataclass(frozen=True)
@@ -143,15 +213,17 @@ class TinyModelConfig:
                              f"num_attention_heads {self.num_attention_heads}")
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The tiny tokenizer: characters plus single boilerplate tokens (module docstring)."""
+def build_tokenizer(env: str | None = None) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer: characters plus single boilerplate tokens (module docstring);
+    ``env="sgls"`` adds ``SGLS_PHRASE_TOKENS`` after them (other envs: the shared one)."""
     vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARS))}
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()  # concatenate, no spaces between tokens
     core.add_special_tokens([AddedToken(t, normalized=False, special=True)
                              for t in SPECIAL_TOKENS])
-    core.add_tokens([AddedToken(t, normalized=False, special=False) for t in PHRASE_TOKENS])
+    phrases = (*PHRASE_TOKENS, *SGLS_PHRASE_TOKENS) if env == "sgls" else PHRASE_TOKENS
+    core.add_tokens([AddedToken(t, normalized=False, special=False) for t in phrases])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD, unk_token=UNK, eos_token=EOS,
         clean_up_tokenization_spaces=False, padding_side="left",

@@ -1,6 +1,6 @@
 """SFT cold start of the ``tiny`` policy on an environment's noisy expert traces.
 
-``rtrees policy init --env calc|workflow [--seed S] [--out DIR] [--minutes M]`` calls
+``rtrees policy init --env calc|workflow|sgls [--seed S] [--out DIR] [--minutes M]`` calls
 ``init_policy``. The recipe (``SFTConfig``, per-environment defaults in
 ``default_config``, chosen from measurements on the 2-core machine):
 
@@ -13,11 +13,17 @@
    broken JSON, wrong answers, each followed by the expert's recovery); workflow
    replaces the optimal action (``WorkflowEnv.expert_action``, which knows the hidden
    tool probabilities) with a uniformly random valid action with probability
-   ``p_error`` (0.2). The default task mix of the environment is used (calc: 1-2
-   operations; workflow: horizons 6, 9, 12).
+   ``p_error`` (0.2); sgls plays ``SglsEnv.expert_action`` (the task's gold calls, then
+   the reference reply) and with probability ``p_error`` (0.15) per step, at most once
+   per episode, takes a detour first (``sgls_detour``: a read-only call on an id of the
+   world, ``view_cart``, or the expert's call with its JSON broken), which costs one of
+   the task's three spare steps and changes no effect. The default task mix of the
+   environment is used (calc: 1-2 operations; workflow: horizons 6, 9, 12; sgls: the
+   shop and flight worlds alternating, every task kind).
 2. Loss. Episodes are rendered with ``tiny.render_segments`` and tokenized; the loss
    is the mean next-token cross-entropy over ACTION tokens only: prompt,
-   observations (tool responses) and role markers are masked out. calc trains on
+   observations (tool responses) and role markers are masked out. sgls, like workflow,
+   trains on the expert's own actions only (the detours are not imitated). calc trains on
    its mistakes too (``train_on_mistakes``): imitating the noisy expert keeps the
    policy's own error rate, and its traces show recoveries. workflow trains on the
    expert's own actions only: the noise shows the states that mistakes lead to
@@ -34,7 +40,8 @@
    Because the checks count steps, a seeded run is reproducible unless the time cap
    cuts it short.
 5. Report. The final weights are evaluated on ``test_tasks`` (sampled, temperature 1),
-   per difficulty (calc: number of operations) or per horizon (workflow), and saved
+   per difficulty (calc: number of operations), per horizon (workflow) or per task kind
+   (sgls), and saved
    with ``tiny.save_checkpoint`` together with the config and these numbers.
 
 The target is a policy that succeeds sometimes, not always (20-80%): a group of
@@ -44,6 +51,7 @@ credit.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -56,6 +64,7 @@ import torch
 
 from train.envs import Task, make_env
 from train.envs.calc import CalcEnv
+from train.envs.sgls import SglsEnv
 from train.envs.workflow import WorkflowEnv
 from train.policies.base import Policy, SampleConfig, Transcript, Turn
 from train.policies.hf import HFPolicy
@@ -69,7 +78,8 @@ from train.policies.tiny import (
     shape_dict,
 )
 
-TinyEnv = Literal["calc", "workflow"]
+TinyEnv = Literal["calc", "workflow", "sgls"]
+TINY_ENVS: tuple[str, ...] = ("calc", "workflow", "sgls")
 Log = Callable[[str], None]
 
 EVAL_SEED_OFFSET = 1_000_000
@@ -115,8 +125,9 @@ class SFTConfig:
     threads: int = 2
 
     def __post_init__(self) -> None:
-        if self.env not in ("calc", "workflow"):
-            raise ValueError(f"tiny policies exist for calc and workflow, not {self.env!r}")
+        if self.env not in TINY_ENVS:
+            raise ValueError(f"tiny policies exist for {', '.join(TINY_ENVS)}, "
+                             f"not {self.env!r}")
         if self.minutes <= 0:
             raise ValueError(f"minutes must be > 0, got {self.minutes}")
         if not 0.0 <= self.p_error < 1.0:
@@ -144,6 +155,14 @@ def default_config(env: str, seed: int = 0, minutes: float = 10.0, **overrides: 
         # and ~45% from check to check after ~500 steps (measured with seed 0).
         "workflow": {"train_tasks": 12_000, "p_error": 0.2, "train_on_mistakes": False,
                      "max_steps": 2500, "max_new_tokens": 16},
+        # Episodes of ~305 tokens on average (at most ~830; the tool-schema block is one
+        # token), actions of at most ~42 tokens (a reply with ids and amounts). Detours
+        # (a harmless read-only or malformed call) as noise, the loss on the expert's own
+        # actions only, as for workflow. Not yet measured to its first stopping check
+        # (see tiny.py: the loaded machine gave 94 steps in 45 minutes).
+        "sgls": {"train_tasks": 6000, "p_error": 0.15, "train_on_mistakes": False,
+                 "max_steps": 3000, "eval_every": 150, "eval_tasks": 100,
+                 "test_tasks": 200, "max_new_tokens": 64, "stop_band": (0.3, 0.7)},
     }
     if env not in per_env:
         raise ValueError(f"tiny policies exist for {sorted(per_env)}, not {env!r}")
@@ -155,16 +174,22 @@ def default_config(env: str, seed: int = 0, minutes: float = 10.0, **overrides: 
 # Data
 
 
-def task_group(task: Task) -> int:
-    """The reporting group of a task: calc difficulty or workflow horizon."""
+GROUP_NAMES: dict[str, str] = {"calc": "difficulty", "workflow": "horizon", "sgls": "kind"}
+
+
+def task_group(task: Task) -> int | str:
+    """The reporting group of a task: calc difficulty, workflow horizon or sgls kind."""
+    if task.env == "sgls":
+        return str(task.config["kind"])
     key = "difficulty" if task.env == "calc" else "horizon"
     return int(task.config[key])
 
 
 def make_tasks(env: str, n: int, seed: int) -> list[Task]:
     """``n`` tasks of the default mix of ``env``, seeded."""
-    cls = CalcEnv if env == "calc" else WorkflowEnv
-    return cls.generate_tasks(n, seed)
+    if env == "sgls":
+        return SglsEnv.generate_tasks(n, seed)
+    return (CalcEnv if env == "calc" else WorkflowEnv).generate_tasks(n, seed)
 
 
 @dataclass(frozen=True)
@@ -176,16 +201,41 @@ class Episode:
     mistakes: list[bool]
 
 
+def sgls_detour(env: SglsEnv, rng: random.Random) -> str:
+    """A mistake that costs a step but no effect: a read-only call on an id of the
+    world (``get_item`` / ``get_flight``), ``view_cart``, or the expert's next call with
+    its JSON broken (answered by an error). The expert's recovery follows it."""
+    state = json.loads(env.snapshot())
+    kind = rng.randrange(3)
+    expert = env.expert_action()
+    if kind == 0 and expert.startswith("<tool_call>"):
+        return expert.replace("}}</tool_call>", "}</tool_call>", 1)
+    if state["task"]["world"] == "shop":
+        if kind == 1:
+            return '<tool_call>{"name": "view_cart", "arguments": {}}</tool_call>'
+        item = rng.choice(sorted(state["world"]["items"]))
+        return f'<tool_call>{{"name": "get_item", "arguments": {{"item_id": "{item}"}}}}' \
+               "</tool_call>"
+    flight = rng.choice(sorted(state["world"]["flights"]))
+    return f'<tool_call>{{"name": "get_flight", "arguments": {{"flight_id": "{flight}"}}}}' \
+           "</tool_call>"
+
+
 def expert_episode(env_name: str, task: Task, rng: random.Random, p_error: float
                    ) -> Episode:
     """One episode of the noisy expert (prompt, action, observation, ...)."""
-    env: CalcEnv | WorkflowEnv = CalcEnv() if env_name == "calc" else WorkflowEnv()
+    env: CalcEnv | WorkflowEnv | SglsEnv = {"calc": CalcEnv, "workflow": WorkflowEnv,
+                                            "sgls": SglsEnv}[env_name]()
     turns: list[Turn] = [("prompt", env.reset(task))]
     mistakes: list[bool] = []
     while True:
         expert = env.expert_action()
         if isinstance(env, CalcEnv):
             action = env.noisy_expert_action(rng, p_error)
+        elif isinstance(env, SglsEnv):
+            # at most one detour per episode: the step budget has 3 spare steps
+            detour = rng.random() < p_error and not any(mistakes)
+            action = sgls_detour(env, rng) if detour else expert
         else:
             action = rng.choice(env.valid_actions()) if rng.random() < p_error else expert
         result = env.step(action)
@@ -281,7 +331,7 @@ def build_dataset(config: SFTConfig, tokenizer: Any, exclude_prompts: set[str]) 
 class SuccessReport:
     """Sampled success on a task set: per group (difficulty / horizon) and overall."""
 
-    per_group: dict[int, tuple[int, int]]  # group -> (successes, tasks)
+    per_group: dict[int | str, tuple[int, int]]  # group -> (successes, tasks)
     group_name: str
 
     @property
@@ -290,7 +340,7 @@ class SuccessReport:
         total = sum(n for _, n in self.per_group.values())
         return wins / total if total else 0.0
 
-    def rate(self, group: int) -> float:
+    def rate(self, group: int | str) -> float:
         wins, total = self.per_group[group]
         return wins / total if total else 0.0
 
@@ -341,11 +391,11 @@ def success_report(policy: Policy, env_name: str, tasks: Sequence[Task], seed: i
                    max_new_tokens: int = 48) -> SuccessReport:
     """Sampled (temperature 1) success rate per difficulty / horizon."""
     rewards = rollout_rewards(policy, env_name, tasks, seed, max_new_tokens)
-    groups: dict[int, tuple[int, int]] = {}
+    groups: dict[int | str, tuple[int, int]] = {}
     for task, reward in zip(tasks, rewards, strict=True):
         wins, total = groups.get(task_group(task), (0, 0))
         groups[task_group(task)] = (wins + (reward == 1.0), total + 1)
-    return SuccessReport(groups, "difficulty" if env_name == "calc" else "horizon")
+    return SuccessReport(groups, GROUP_NAMES[env_name])
 
 
 # ---------------------------------------------------------------------------
@@ -387,7 +437,7 @@ def train_sft(config: SFTConfig, out: Path, log: Log = print) -> SFTResult:
 
 def _train(config: SFTConfig, out: Path, log: Log, start: float, deadline: float
            ) -> SFTResult:
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(config.env)
     model = init_model(tokenizer, seed=config.seed)
     eval_tasks = make_tasks(config.env, config.eval_tasks, EVAL_SEED_OFFSET + config.seed)
     test_tasks = make_tasks(config.env, config.test_tasks, TEST_SEED_OFFSET + config.seed)

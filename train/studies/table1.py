@@ -1,0 +1,215 @@
+"""Table 1 in miniature (``rtrees study table1``): held-out success after training, the data.
+
+The seed papers' main tables compare methods by the held-out success of a policy trained
+with each, at an equal rollout budget per prompt (ELPO's Table 1: "for every method, we
+enforce the same per-input rollout budget N_total = 16 ... every branch expansion is also
+counted as one rollout"; TRACE's Table 1: GRPO vs TRACE; CALIPER: vs GRPO; SLCA-GRPO: vs
+GRPO on SGLS). Here each *config* is an (env, sampler, credit) triple trained by the
+public trainer API, ``train.trainer.train(TrainConfig(...))``, from the same tiny starting
+policy, for the same number of iterations, tasks per iteration and ``n_total``:
+
+=====================  ======  ==========  ===========
+config                 env     sampler     credit
+=====================  ======  ==========  ===========
+grpo+group             calc    group       grpo
+tree_grpo+random       calc    random      tree_grpo
+elpo+bel               calc    bel         elpo
+caliper+caliper        calc    caliper     caliper
+trace+group            calc    group       trace
+grpo+group (sgls)      sgls    group       grpo
+slca+group (sgls)      sgls    group       slca
+=====================  ======  ==========  ===========
+
+``grpo+group (sgls)`` is the baseline SLCA-GRPO's claim needs on the same env.
+
+Layout of ``OUT``: ``study.json`` (written last, after every run) and one directory per
+(config, seed), ``runs/<slug>-s<seed>/`` holding ``train/`` (the trainer's run
+directory: ``config.json``, checkpoints) and ``store/`` (its trees, credit and the
+``metrics`` table the report reads). Resumable: a run whose checkpoint of the last
+iteration exists is skipped, one with a ``config.json`` but fewer checkpoints is resumed
+(``train(config, resume=True)``: exact resume), the rest start. A config the trainer
+refuses (``ConfigError`` / ``TrainError``, e.g. an estimator whose inputs it does not
+produce, or a policy without a checkpoint) is recorded as ``not run: <reason>`` and the
+study goes on.
+
+**Size.** The defaults (7 configs x 3 seeds, 20 iterations x 16 tasks x n_total 8, 100
+held-out tasks evaluated sampled and greedy at iterations 0, 5, 10, 15, 20) are sized
+for under 90 minutes on 2 cores, estimated from measured iteration times: the default
+``TrainConfig`` calc run (60 iterations of the same 16 x 8 trees, 7 evaluations of 200
+held-out tasks) took 1.2 min (grpo+group) and 1.5 min (elpo+bel) per run on the shared
+2-core machine (``benchmarks/learning.py``, benchmarks/README.md), so a calc run here
+(1/3 of the iterations, 5/14 of the evaluation episodes) is about 0.5 min and the 15
+calc runs about 8 min, 16 with a 2x allowance for caliper and trace (reference scoring).
+An sgls step costs more: its episodes take 2-5 tool turns of ~18 tokens over ~300-token
+contexts where calc's take 1-3 of ~10; at an assumed 6x a calc run (the random-weights
+sgls run sampled 13x slower than a calc run of the same size, but it never stops before
+the token cap), the 6 sgls runs take about 18 min. Total about 35 min, leaving 2.5x for
+load; each run's own seconds per iteration are in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from train.studies.workflow_study import make_study_dir, write_study
+
+# name -> (env, sampler, credit); the order of the report's table.
+CONFIGS: dict[str, tuple[str, str, str]] = {
+    "grpo+group": ("calc", "group", "grpo"),
+    "tree_grpo+random": ("calc", "random", "tree_grpo"),
+    "elpo+bel": ("calc", "bel", "elpo"),
+    "caliper+caliper": ("calc", "caliper", "caliper"),
+    "trace+group": ("calc", "group", "trace"),
+    "grpo+group (sgls)": ("sgls", "group", "grpo"),
+    "slca+group (sgls)": ("sgls", "group", "slca"),
+}
+Log = Callable[[str], None]
+RUN_FILE = "table1_run.json"  # beside train/ and store/: the run's status and seconds
+
+
+@dataclass(frozen=True)
+class Table1Config:
+    """Settings of the Table 1 study (``rtrees study table1``). Every config trains with
+    the same iterations, tasks per iteration and ``n_total``; the rest of ``TrainConfig``
+    stays at its defaults."""
+
+    configs: tuple[str, ...] = tuple(CONFIGS)
+    """Configs to run (names of ``CONFIGS``)."""
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """Trainer seeds (task draws, sampling, mini-batch order) of every config."""
+    steps: int = 20
+    """Training iterations of every run (equal iterations)."""
+    tasks_per_step: int = 16
+    """Training tasks per iteration, one tree each."""
+    n_total: int = 8
+    """Rollout budget per tree, every config (equal n_total; every suffix counts)."""
+    heldout_tasks: int = 100
+    """Size of the fixed held-out split (the trainer's ``heldout_seed``; the same tasks for
+    every run of an env)."""
+    eval_every: int = 5
+    """Held-out evaluation every this many iterations (and at the start and the end)."""
+    max_new_tokens: int = 48
+    """Token cap of one agent step on calc."""
+    sgls_max_new_tokens: int = 64
+    """Token cap of one agent step on sgls (a reply takes up to ~45 tiny tokens)."""
+    n_boot: int = 2000
+    """Bootstrap resamples of the report (seeds, then held-out tasks)."""
+    boot_seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.configs) - set(CONFIGS))
+        if unknown or not self.configs:
+            raise ValueError(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+        if not self.seeds:
+            raise ValueError("name at least one seed")
+        if min(self.steps, self.tasks_per_step, self.n_total, self.max_new_tokens,
+               self.sgls_max_new_tokens, self.n_boot) < 1:
+            raise ValueError("steps, tasks_per_step, n_total, max_new_tokens and n_boot "
+                             "must be >= 1")
+        if self.heldout_tasks < 1 or self.eval_every < 1:
+            raise ValueError("heldout_tasks and eval_every must be >= 1 (the table is "
+                             "held-out success)")
+        if self.n_total < 4:
+            raise ValueError(f"n_total must be >= 4 for a tree to branch, got {self.n_total}")
+
+
+def slug(name: str) -> str:
+    """``slca+group (sgls)`` -> ``sgls-slca-group``: the config's directory name."""
+    env, sampler, credit = CONFIGS[name]
+    return re.sub(r"[^a-z0-9_-]", "-", f"{env}-{credit}-{sampler}")
+
+
+def run_config(name: str, seed: int, config: Table1Config, run_dir: Path) -> Any:
+    """The ``TrainConfig`` of one (config, seed) run in ``run_dir``."""
+    from train.config import TrainConfig
+
+    env, sampler, credit = CONFIGS[name]
+    return TrainConfig(
+        store=str(run_dir / "store"), out=str(run_dir / "train"),
+        run_id=f"table1-{slug(name)}-s{seed}", env=env, policy="tiny", sampler=sampler,
+        credit=credit, steps=config.steps, tasks_per_step=config.tasks_per_step,
+        n_total=config.n_total, heldout_tasks=config.heldout_tasks,
+        eval_every=config.eval_every, seed=seed,
+        max_new_tokens=config.sgls_max_new_tokens if env == "sgls" else config.max_new_tokens,
+        keep_last=1, save_every=config.steps, progress=False)
+
+
+def run_finished(train_dir: Path, steps: int) -> bool:
+    """Whether the trainer's run directory holds the checkpoint of its last iteration."""
+    from train.trainer import checkpoint_dir, latest_checkpoint
+
+    last = latest_checkpoint(train_dir)
+    return last is not None and last == checkpoint_dir(train_dir, steps)
+
+
+def run_one(name: str, seed: int, config: Table1Config, run_dir: Path,
+            log: Log | None = None) -> dict[str, Any]:
+    """Run (or skip, or resume) one (config, seed); returns its record (``RUN_FILE``:
+    status, the refusal's reason, seconds of the invocation that finished it)."""
+    from train.config import ConfigError
+    from train.policies import PolicyUnavailableError
+    from train.trainer import TrainError, train
+
+    cfg = run_config(name, seed, config, run_dir)
+    env, sampler, credit = CONFIGS[name]
+    record: dict[str, Any] = {"config": name, "seed": seed, "env": env, "sampler": sampler,
+                              "credit": credit, "run_id": cfg.run_id,
+                              "dir": run_dir.name, "store": "store", "train": "train"}
+    file = run_dir / RUN_FILE
+    train_dir = Path(cfg.out)
+    if file.is_file() and run_finished(train_dir, config.steps):
+        done: dict[str, Any] = json.loads(file.read_text())
+        return {**done, "skipped": True}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resume = (train_dir / "config.json").is_file()
+    t0 = time.perf_counter()
+    try:
+        if not (resume and run_finished(train_dir, config.steps)):
+            train(cfg, resume=resume)
+    except (ConfigError, TrainError, PolicyUnavailableError) as exc:
+        record.update(status="not run", reason=f"{type(exc).__name__}: {exc}",
+                      seconds=time.perf_counter() - t0)
+    else:
+        record.update(status="done", resumed=resume, seconds=time.perf_counter() - t0)
+    if log is not None:
+        log(f"{name} seed {seed}: {record['status']} ({record['seconds']:.0f} s)"
+            + (f": {record['reason']}" if record["status"] != "done" else ""))
+    file.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def run_table1_study(out_dir: str | Path, config: Table1Config | None = None,
+                     log: Log | None = None) -> Path:
+    """Every (config, seed) run into ``out_dir/runs`` (module docstring), then
+    ``study.json``; returns its path. A rerun skips finished runs, resumes unfinished ones
+    and retries refused ones."""
+    config = config or Table1Config()
+    out = make_study_dir(out_dir)
+    started = time.perf_counter()
+    runs = []
+    for name in config.configs:
+        for seed in config.seeds:
+            runs.append(run_one(name, seed, config, out / "runs" / f"{slug(name)}-s{seed}",
+                                log))
+    return write_study(out / "study.json", {
+        "study": "table1", "config": asdict(config),
+        "configs": {k: list(CONFIGS[k]) for k in config.configs},
+        "runs": [{**r, "dir": f"runs/{r['dir']}"} for r in runs],
+        "seconds": time.perf_counter() - started})
+
+
+# The settings of the study's test (``StudySpec.small``): one seed, one iteration, a
+# config the trainer runs and the one it may refuse.
+SMALL: dict[str, Any] = {"configs": ("grpo+group", "trace+group"), "seeds": (0,),
+                         "steps": 1, "tasks_per_step": 2, "n_total": 4, "heldout_tasks": 4,
+                         "eval_every": 1, "n_boot": 100}
+
+
+__all__ = ["CONFIGS", "RUN_FILE", "SMALL", "Table1Config", "run_config", "run_finished",
+           "run_one", "run_table1_study", "slug"]
