@@ -1,4 +1,4 @@
-# Two entry points (README): `make demo` runs the main job (rtrees pipeline), `make test` the CI checks.
+# Two entry points (README): `make demo` runs the main job (rtrees demo), `make test` the CI checks.
 # Both create the virtual environment from scratch when it is missing.
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -31,7 +31,7 @@ test-all: lint
 	$(BIN)/pytest -q
 
 demo: $(STAMP)
-	$(BIN)/rtrees pipeline --store store-demo --out out/demo
+	$(BIN)/rtrees demo --store store-demo --out out/demo
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done

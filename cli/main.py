@@ -11,7 +11,7 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -233,32 +233,50 @@ def credit(
     console.print(report.summary(), markup=False)
 
 
-@app.command("pipeline")
-def pipeline(
-    store: StoreOpt = Path("store-demo"),
-    out: Annotated[Path, typer.Option(help="Directory of the ranking report.")] = Path(
-        "out/demo"),
-    env: Annotated[str, typer.Option(help="Environment.")] = "calc",
-    policy: Annotated[str, typer.Option(help="Policy spec.")] = "tiny",
-    tasks: Annotated[int, typer.Option(help="Tasks per sampler.")] = 12,
-    n_total: Annotated[int, typer.Option(help="Rollout budget per tree.")] = 16,
-    k: Annotated[int, typer.Option(help="Rollouts per Mean@k reference.")] = 32,
-    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
-) -> None:
-    """The main job: tiny policy (cached), collect with group and bel, credit, ranking audit."""
-    from train.jobs import PipelineConfig, run_pipeline
-
-    run_pipeline(PipelineConfig(store=store, out=out, env=env, policy=policy, tasks=tasks,
-                                n_total=n_total, k=k, seed=seed), console=console)
-
-
 @app.command("demo")
 def demo(
-    store: StoreOpt = Path("store-demo"),
+    store: Annotated[Path | None, typer.Option(help="Store directory.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Report directory.")] = None,
+    env: Annotated[str | None, typer.Option(help="Environment (calc or workflow).")] = None,
+    tasks: Annotated[int | None, typer.Option(help="Tasks collected per sampler.")] = None,
+    n_total: Annotated[int | None, typer.Option(help="Rollout budget per tree.")] = None,
+    k: Annotated[int | None, typer.Option(help="Rollouts per Mean@k reference.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Training iterations.")] = None,
+    tasks_per_step: Annotated[int | None, typer.Option(
+        help="Fresh trees per training iteration.")] = None,
+    reuse_per_step: Annotated[int | None, typer.Option(
+        help="Stored trees reused per training iteration.")] = None,
+    heldout_tasks: Annotated[int | None, typer.Option(help="Held-out tasks.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed.")] = None,
+) -> None:
+    """The main job: tiny policy, collect (group, bel, caliper), credit (grpo, tree_grpo,
+    elpo, caliper), Mean@32 ranking audit, a short training run reusing the stored trees
+    (--reuse dsc) with held-out success before and after; report in OUT. A rerun reuses
+    everything that exists."""
+    from train.jobs import DemoConfig, JobError, run_demo_job
+
+    given: dict[str, Any] = {
+        "store": store, "out": out, "env": env, "tasks": tasks, "n_total": n_total, "k": k,
+        "train_steps": steps, "tasks_per_step": tasks_per_step,
+        "reuse_per_step": reuse_per_step, "heldout_tasks": heldout_tasks, "seed": seed}
+    try:
+        config = DemoConfig(**{name: v for name, v in given.items() if v is not None})
+    except ValueError as exc:
+        fail(str(exc))
+    try:
+        run_demo_job(config, console=console)
+    except JobError as exc:
+        fail(str(exc))
+
+
+@store_app.command("demo")
+def store_demo(
+    store: StoreOpt = Path("out/store-synthetic"),
     trees: Annotated[int, typer.Option(help="Synthetic BEL-shaped trees to write.")] = 2000,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
-    """The store demo: write synthetic BEL-shaped trees, compact, query, validate."""
+    """The store tour: write synthetic BEL-shaped trees, compact, query, validate (no
+    policy needed)."""
     from rollout_store.demo import run_demo
 
     run_demo(store, n_trees=trees, seed=seed, console=console)

@@ -1,11 +1,12 @@
-"""The store tour behind ``rtrees demo``: write, compact, query, validate (no policy needed).
+"""The store tour behind ``rtrees store demo``: write, compact, query, validate (no policy
+needed).
 
 Synthetic BEL-shaped trees (``rollout_store.synthetic``) are appended in several
 idempotent commits, the store is compacted, queried through the DuckDB views
 (``siblings`` joined to ``nodes``) and fully verified. A rerun with the same seed
 reuses what is stored (every commit key is already present). It exercises the store
-alone; the main job (``make demo`` = ``rtrees pipeline``: a tiny policy, collection,
-credit, the ranking audit) lives in ``train.pipeline``.
+alone; the main job (``make demo`` = ``rtrees demo``: a tiny policy, collection, credit,
+the ranking audit, training with reuse) is ``train.jobs.run_demo_job``.
 """
 
 from __future__ import annotations

@@ -79,8 +79,8 @@ def test_missing_store_is_a_clear_error(tmp_path: Path) -> None:
     assert result.exit_code == 1 and "no such store" in result.stderr
 
 
-def test_demo_runs_and_reruns_as_a_process(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "cli.main", "demo", "--store", str(tmp_path / "demo"),
+def test_store_demo_runs_and_reruns_as_a_process(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "cli.main", "store", "demo", "--store", str(tmp_path / "demo"),
            "--trees", "300"]
     root = Path(__file__).resolve().parents[1]
     first = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
