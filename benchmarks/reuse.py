@@ -54,19 +54,27 @@ def _cum(points: list[tuple[int, float]]) -> dict[int, float]:
 
 
 def run_one(out: Path, env: str, rule: str, seed: int, budget: float, max_steps: int,
-            overrides: dict[str, str]) -> dict[str, Any]:
+            overrides: dict[str, str], report_only: bool = False) -> dict[str, Any] | None:
+    """Train (resumably) until ``budget`` new tool steps or ``max_steps`` iterations, then
+    read the run's metrics; ``report_only``: only read what the run has committed so far
+    (None when it has no finished iteration)."""
     name = f"{env}-{rule}-seed{seed}"
     run = out / name
     base = {**DEFAULTS, **overrides, "env": env, "reuse": rule, "seed": str(seed),
             "store": str(out / "stores" / name), "out": str(run), "run_id": name}
-    for k in range(1, max_steps + 1):
+    cfg = load_config(None, {**base, "steps": "1"})
+    for k in range(1, 0 if report_only else max_steps + 1):
         cfg = load_config(None, {**base, "steps": str(k)})
         if not (run / "checkpoints" / f"step-{k:06d}").is_dir():  # else: an earlier call did
             train(cfg, resume=(run / "config.json").exists())
         m = read_metrics(cfg.store, name)
         if sum(v for s, v in m["new_tool_steps"] if s < k) >= budget:
             break
+    if not (out / "stores" / name).is_dir():
+        return None
     m = read_metrics(str(out / "stores" / name), name)
+    if not m.get("new_tool_steps"):
+        return None
     tools = _cum(m["new_tool_steps"])
     curve = [(0.0, v) for s, v in m.get("heldout_sampled", []) if s == -1]
     curve += [(tools[s], v) for s, v in m.get("heldout_sampled", []) if s >= 0]
@@ -84,7 +92,23 @@ def run_one(out: Path, env: str, rule: str, seed: int, budget: float, max_steps:
             "is_weight_mean": statistics.mean(v for _, v in m["is_weight_mean"])
             if m.get("is_weight_mean") else 1.0,
             "regret": workflow_regret(run, cfg.store) if env == "workflow" and rule != "none"
-            else None}
+            else None, "calibration": calibration(run) if rule == "dsc" else None}
+
+
+def calibration(run: Path) -> dict[str, Any] | None:
+    """The D7 calibration a ``dsc`` run recorded (``reuse_params.json``): status, split,
+    kappas, calibration trees and the new tool steps the calibration draws spent."""
+    path = run / "reuse_params.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    cal = data.get("calibration") or {}
+    return {"status": cal.get("status"), "iteration": cal.get("iteration"),
+            "split": cal.get("split"), "trees": cal.get("trees"),
+            "tool_steps": cal.get("tool_steps", 0),
+            "kappas": {k: data.get(k) for k in ("kappa_R", "kappa_delta", "kappa_T",
+                                                 "residual_var_R", "residual_var_delta",
+                                                 "residual_var_T")}}
 
 
 def workflow_regret(run: Path, store: str) -> dict[str, float] | None:
@@ -102,6 +126,8 @@ def workflow_regret(run: Path, store: str) -> dict[str, float] | None:
         try:
             r = json.loads(line)
         except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if "tree_id" not in r:  # a calibration line
             continue
         records[(r["iteration"], r["tree_id"])] = r  # a resumed iteration logs again
     trees = {t.tree_id: t for t in read_trees(store, sorted({k[1] for k in records}))}
@@ -151,12 +177,26 @@ def report(results: list[dict[str, Any]], out: Path) -> str:
         ref = [r for r in results if r["env"] == env and r["rule"] == "refresh"]
         if dsc and ref:
             a = statistics.mean(float(r["refresh_tool_steps"]) for r in dsc)
+            cal = statistics.mean(float((r["calibration"] or {}).get("tool_steps") or 0)
+                                  for r in dsc)
             b = statistics.mean(float(r["refresh_tool_steps"]) for r in ref)
-            lines.append(f"\n{env}: dsc spent {a:.0f} refresh tool steps vs {b:.0f} for "
-                         f"refresh ({(1 - a / b) * 100 if b else float('nan'):.0f}% fewer; "
-                         "DSC-Gate reports 39% fewer than a gap gate at matched regret)\n")
+            lines.append(f"\n{env}: dsc spent {a:.0f} stored-tree tool steps ({cal:.0f} of "
+                         f"them on the D7 calibration draws) vs {b:.0f} for refresh "
+                         f"({(1 - a / b) * 100 if b else float('nan'):.0f}% fewer; without the "
+                         f"calibration {(1 - (a - cal) / b) * 100 if b else float('nan'):.0f}% "
+                         "fewer; DSC-Gate reports 39% fewer than a gap gate at matched "
+                         "regret)\n")
+            for r in dsc:
+                c = r["calibration"] or {}
+                kap = c.get("kappas") or {}
+                lines.append(f"- dsc seed {r['seed']}: calibration {c.get('status')} at "
+                             f"iteration {c.get('iteration')} on {len(c.get('trees') or {})} "
+                             f"held-apart trees ({c.get('split')}); kappa_R "
+                             f"{kap.get('kappa_R')}, kappa_delta {kap.get('kappa_delta')}, "
+                             f"kappa_T {kap.get('kappa_T')}")
     text = "\n".join(lines)
-    (out / "report.md").write_text("# Reuse experiment (issue 12)\n\n" + text + "\n")
+    (out / "report.md").write_text("# Reuse experiment (issue 12)\n\n`" + " ".join(sys.argv)
+                                   + "`\n\n" + text + "\n")
     return text
 
 
@@ -167,6 +207,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     envs = sorted({r["env"] for r in results})
+    if not envs:
+        return
     fig, axes = plt.subplots(1, len(envs), figsize=(6 * len(envs), 4), squeeze=False)
     for ax, env in zip(axes[0], envs, strict=True):
         for rule in RULES:
@@ -189,16 +231,24 @@ def main() -> None:
     ap.add_argument("--envs", default="workflow,calc")
     ap.add_argument("--rules", default=",".join(RULES))
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seed-ids", default="", help="comma-separated seeds (instead of "
+                    "0..SEEDS-1): one process per seed runs them side by side")
     ap.add_argument("--budget", type=float, default=1500.0, help="new tool steps per run")
     ap.add_argument("--max-steps", type=int, default=60)
     ap.add_argument("--set", action="append", default=[], help="TrainConfig FIELD=VALUE")
+    ap.add_argument("--report-only", action="store_true",
+                    help="train nothing: report the iterations the runs have finished")
     args = ap.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
-    results = [run_one(args.out, env, rule, seed, args.budget, args.max_steps, overrides)
+    got = [run_one(args.out, env, rule, seed, args.budget, args.max_steps, overrides,
+                   args.report_only)
                for env in args.envs.split(",") for rule in args.rules.split(",")
-               for seed in range(args.seeds)]
+               for seed in ([int(x) for x in args.seed_ids.split(",")] if args.seed_ids
+                            else range(args.seeds))]
+    results = [r for r in got if r is not None]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "results.json").write_text(json.dumps(
+        {"argv": sys.argv, "results": results}, indent=2) + "\n")
     print(report(results, args.out))
     plot(results, args.out)
 

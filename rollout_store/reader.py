@@ -418,21 +418,73 @@ def _split_complete(table: pa.Table, expected: dict[str, int]) -> tuple[pa.Table
     return table.filter(mask), table.filter(pc.invert(mask))
 
 
+def _rows_of_trees(store: Store, name: TableName, version: StoreVersion,
+                   tree_ids: pa.Array, tree_keys: set[str], committed: pa.Array) -> pa.Table:
+    """The committed rows of ``name`` (``nodes`` or ``snapshots``) of just ``tree_ids``.
+
+    The filter is pushed down to the scan: a file our writer appended (one commit key)
+    whose key is not the commit key of a wanted tree (``tree_keys``) is skipped unread;
+    every other file is read with the Parquet predicate ``tree_id IN tree_ids`` (row
+    groups whose ``tree_id`` statistics exclude every id are skipped, the rest filtered
+    as they are decoded), plus ``commit_key IN committed keys`` for files that hold
+    uncommitted rows (``committed``: the commit keys of ``trees``). Columns an older
+    schema version lacks read as nulls.
+    """
+    visible = visible_files(store, name, version, committed)
+    wanted = SCHEMAS[name].names
+    present = [c for c in wanted if c in visible.columns]
+    by_id = pc.field("tree_id").isin(tree_ids)
+    parts = []
+    for f in visible.whole + visible.filtered:
+        if not f.compacted and f.min_key is not None and f.min_key == f.max_key \
+                and f.min_key not in tree_keys:
+            continue  # an append of other trees only
+        clean = f in visible.whole
+        predicate = by_id if clean else by_id & pc.field("commit_key").isin(visible.keys)
+        cols = present if clean or "commit_key" in present else [*present, "commit_key"]
+        try:
+            table = store.loc.read_table(f.path, columns=cols, filters=predicate,
+                                         page_checksum_verification=True)
+        except (OSError, pa.ArrowException) as exc:
+            raise CorruptFileError(f.path, f"cannot be read: {exc}") from exc
+        parts.append(table.select(present))
+    schema = pa.schema([SCHEMAS[name].field(c) for c in present])
+    table = (pa.concat_tables([p.cast(schema) for p in parts]) if parts
+             else SCHEMAS[name].empty_table().select(present))
+    for c in wanted:
+        if c not in present:
+            field = SCHEMAS[name].field(c)
+            table = table.append_column(field, pa.nulls(len(table), field.type))
+    return table.select(wanted)
+
+
 def read_trees(store: StoreLike, tree_ids: list[str] | None = None,
-               version: StoreVersion | int | None = None) -> list[Tree]:
-    """Load whole trees (nodes and decompressed snapshots) into ``Tree`` objects."""
+               version: StoreVersion | int | None = None, *,
+               snapshots: bool = True) -> list[Tree]:
+    """Load whole trees (nodes and, with ``snapshots``, decompressed snapshots) into
+    ``Tree`` objects, in ``trees`` table order.
+
+    With ``tree_ids`` only those trees are read: the filter is pushed down to the
+    ``nodes`` / ``snapshots`` scans (``_rows_of_trees``: files of other appends are not
+    opened, row groups of other trees not decoded), so the cost follows the trees
+    asked for, not the store. Without ``snapshots`` trees come back with none.
+    """
     s = as_store(store)
     pinned = s.resolve(version)
     trees = read_arrow(s, "trees", pinned)
-    nodes = read_arrow(s, "nodes", pinned)
-    snaps = read_arrow(s, "snapshots", pinned)
-    if tree_ids is not None:
-        wanted = pa.array(tree_ids, pa.string())
+    if tree_ids is None:
+        nodes = read_arrow(s, "nodes", pinned)
+        snaps = read_arrow(s, "snapshots", pinned) if snapshots else None
+    else:
+        wanted = pa.array(list(tree_ids), pa.string())
+        committed = pc.unique(trees.column("commit_key").combine_chunks())
         trees = trees.filter(pc.is_in(trees.column("tree_id"), value_set=wanted))
-        nodes = nodes.filter(pc.is_in(nodes.column("tree_id"), value_set=wanted))
-        snaps = snaps.filter(pc.is_in(snaps.column("tree_id"), value_set=wanted))
+        keys = {k for k in trees.column("commit_key").to_pylist() if k is not None}
+        nodes = _rows_of_trees(s, "nodes", pinned, wanted, keys, committed)
+        snaps = (_rows_of_trees(s, "snapshots", pinned, wanted, keys, committed) if snapshots
+                 else None)
     nodes = nodes.sort_by([("tree_id", "ascending"), ("node_id", "ascending")])
-    return trees_from_tables(trees, nodes, from_stored(snaps))
+    return trees_from_tables(trees, nodes, None if snaps is None else from_stored(snaps))
 
 
 __all__ = ["Visible", "committed_keys", "connect", "iter_tree_batches", "read_arrow",

@@ -27,6 +27,7 @@ from train.credit.dsc_gate import (
     DSCGateParams,
     GatePairs,
     calibrate_kappa,
+    calibrate_radii,
     dsc_gate,
     gate_decision,
 )
@@ -107,6 +108,63 @@ def test_gate_on_the_hand_tree() -> None:
     # residual variance widens r_T again: s_T^2 = 3.8125 + 3 -> r_T = .5 * 2.61 = 1.305 -> refresh
     wide = DSCGateParams(kappa_T=0.5, residual_var_T=3.0)
     assert dsc_gate(_hand_batch(), wide).decision.tolist() == ["refresh"]
+
+
+# Two levels: the comparison at the inner branching node a (its children x, y) is
+# anchored at a (D4): x and y are its forced actions, the downstream steps are the nodes
+# two or more levels below a (L1, L2, L3), the trajectories the leaves below a.
+#   r(0) -+- a(1) -+- x(2) --- L1(3)  R=1      leaf rank below a: 0 -> fold 0
+#         |        +- y(4) -+- L2(5)  R=0      rank 1 -> fold 1
+#         |                 +- L3(6)  R=1      rank 2 -> fold 0
+#         +- b(7) --- L4(8)  R=0               (not below a: out of scope)
+# ratios: x 3.0, y 1.0 (forced at a: ignored there), L1 2.0 (z=1) state 5,
+#   L2 .5 (z=-.5) state 6, L3 1.5 (z=.5) state 6.
+# b^0 (fold 0 = L1, L3): state 5 -> R_L1 = 1, state 6 -> R_L3 = 1.
+# b^1 (fold 1 = L2): state 5 never -> fold-1 mean 0; state 6 -> R_L2 = 0.
+#   L1 (fold 0, b^1): 1 + 1 * (1 - 0) = 2
+#   L2 (fold 1, b^0): 0 - .5 * (0 - 1) = .5
+#   L3 (fold 0, b^1): 1 + .5 * (1 - 0) = 1.5
+_TWO = Tree("two", [_node(0, None, n_act=0), _node(1, 0), _node(2, 1), _node(3, 2, 1.0),
+                    _node(4, 1), _node(5, 4, 0.0), _node(6, 4, 1.0), _node(7, 0),
+                    _node(8, 7, 0.0)])
+_TWO_RATIO = np.array([np.nan, np.nan, 3.0, 2.0, 1.0, 0.5, 1.5, np.nan, 1.0])
+_TWO_STATE = np.array([-1, -1, 1, 5, 1, 6, 6, -1, 7])
+
+
+def test_transport_anchored_at_an_inner_node_by_hand() -> None:
+    batch = from_trees([_TWO], extras={RATIO: _TWO_RATIO, STATE: _TWO_STATE})
+    row = {int(i): r for r, i in enumerate(batch.node_ids)}
+    a = np.array([row[1]])
+    tr = transport_returns(batch, anchor=a)
+    assert [int(batch.node_ids[r]) for r in tr.leaf] == [3, 5, 6]
+    assert [int(batch.node_ids[r]) for r in tr.action] == [2, 4, 4]
+    assert tr.fold.tolist() == [0, 1, 0]
+    np.testing.assert_allclose(tr.transported, [2.0, 0.5, 1.5])
+    # the forced actions' own ratios do not enter the comparison at a ...
+    other = _TWO_RATIO.copy()
+    other[[2, 4]] = [0.25, 4.0]
+    moved = transport_returns(from_trees([_TWO], extras={RATIO: other, STATE: _TWO_STATE}),
+                              anchor=a)
+    np.testing.assert_allclose(moved.transported, tr.transported)
+    # ... while the root-level rule counts them (x is a downstream step of the root)
+    root = transport_returns(from_trees([_TWO], extras={RATIO: other, STATE: _TWO_STATE}))
+    assert root.transported[0] != pytest.approx(2.0)
+    # the root as explicit anchor is the default
+    np.testing.assert_allclose(transport_returns(batch, anchor=np.array([row[0]])).transported,
+                               transport_returns(batch).transported)
+    # gate at a: Q_R(x) = 1 > Q_R(y) = .5 -> leader x; c_R = .5, c_T = 2 - 1 = 1, delta = .5
+    # s_R^2: x N=1 -> floor 1/4; y var(0, 1) = .5 / 2 = .25 -> .5
+    # s_T^2: x floor 1/4; y var(.5, 1.5) = .5 / 2 = .25 -> .5
+    # s_D^2: x floor 1/4; y D = (.5, .5) var 0 -> floor 1/16 -> .3125
+    pairs = dsc_gate(batch, DSCGateParams(kappa_R=1, kappa_delta=1, kappa_T=1), anchor=a)
+    assert pairs.leader.tolist() == [row[2]] and pairs.competitor.tolist() == [row[4]]
+    np.testing.assert_allclose([pairs.c_R[0], pairs.c_T[0], pairs.delta[0]], [0.5, 1.0, 0.5])
+    np.testing.assert_allclose([pairs.s_R[0], pairs.s_T[0], pairs.s_delta[0]],
+                               np.sqrt([0.5, 0.5, 0.3125]))
+    # D8: .5 - .707 > .5 + .559? no; D9: 1 > .707 -> transport
+    assert pairs.decision.tolist() == ["transport"]
+    with pytest.raises(ValueError, match="anchor"):
+        transport_returns(batch, anchor=np.array([0, 1]))
 
 
 def test_gate_reuse_branch_with_variance_floor() -> None:
@@ -325,3 +383,59 @@ def test_path_sum_is_the_sum_over_ancestors(trees: list[Tree], seed: int) -> Non
             total += values[cur]
             cur = batch.parent[cur]
         assert got[v] == pytest.approx(total, abs=1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(trees=random_trees(), seed=st.integers(0, 2**32 - 1))
+def test_anchored_transport_is_the_subtree_s_own(trees: list[Tree], seed: int) -> None:
+    """Anchored at any node v (D4), the transport of a tree equals the root-level
+    transport of v's subtree taken as a tree of its own (v its root)."""
+    trees, ratio, state = _prepare(trees, seed)
+    batch = from_trees(trees, extras={RATIO: ratio, STATE: state})
+    rng = np.random.default_rng(seed)
+    anchor = np.array([rng.choice(np.flatnonzero(batch.node_tree == b))
+                       for b in range(batch.n_trees)])
+    got = transport_returns(batch, anchor=anchor)
+    for b in range(batch.n_trees):
+        v = int(anchor[b])
+        rows = np.arange(v, v + int(batch.subtree_size[v]))
+        ids = batch.node_ids[rows].tolist()
+        tree = next(t for t in trees if t.tree_id == batch.tree_ids[b])
+        by_id = {n.node_id: n for n in tree.nodes}
+        sub = Tree(f"{tree.tree_id}/sub", [replace(by_id[i], parent_id=None) if i == ids[0]
+                                         else by_id[i] for i in ids])
+        alone = transport_returns(from_trees(
+            [sub], extras={RATIO: batch.extras[RATIO][rows], STATE: batch.extras[STATE][rows]}))
+        mine = got.tree == b
+        assert [ids[r] for r in alone.leaf] == batch.node_ids[got.leaf[mine]].tolist()
+        np.testing.assert_allclose(got.transported[mine], alone.transported,
+                                   rtol=1e-12, atol=1e-12)
+        assert [ids[r] for r in alone.action] == batch.node_ids[got.action[mine]].tolist()
+
+
+def test_calibrate_radii_is_the_gate_study_s_calibration() -> None:
+    """``dsc_gate.calibrate_radii`` (used by the trainer's reuse) gives exactly what the
+    gate study's ``calibrate`` gives, and hand values on a two-tree case."""
+    from train.studies.gates import calibrate
+
+    rng = np.random.default_rng(3)
+    trees = [Tree(f"c{k}", [_node(0, None), _node(1, 0), _node(2, 0),
+                            *[_node(3 + i, 1, float(rng.integers(0, 2))) for i in range(4)],
+                            *[_node(7 + i, 2, float(rng.integers(0, 2))) for i in range(4)]])
+             for k in range(6)]
+    batch = from_trees(trees, extras={RATIO: rng.uniform(0.5, 1.5, 66),
+                                      STATE: np.zeros(66, np.int64)})
+    pairs = dsc_gate(batch, DSCGateParams(kappa_R=1, kappa_delta=1, kappa_T=1))
+    c_mu, c_pi = rng.normal(0, 0.3, (2, pairs.tree.size))
+    split = ["dev", "calib", "dev", "calib", "calib", "eval"]
+    assert calibrate_radii([(pairs, c_mu, c_pi)], split, 0.5) == calibrate(
+        [(pairs, c_mu, c_pi)], split, 0.5)  # type: ignore[arg-type]
+    # by hand: kappa_T at level .5 over 3 calib trees = the ceil(4 * .5) = 2nd smallest
+    got = calibrate_radii([(pairs, c_mu, c_pi)], split, 0.5)
+    dev = np.isin(pairs.tree, [0, 2])
+    resid = max(0.0, float(np.mean((pairs.c_T - c_pi)[dev] ** 2 - pairs.s_T[dev] ** 2)))
+    assert got["T"]["residual_var"] == pytest.approx(resid)
+    std = np.abs(pairs.c_T - c_pi) / np.sqrt(pairs.s_T ** 2 + resid)
+    per_tree = sorted(float(std[pairs.tree == t].max()) for t in (1, 3, 4))
+    assert got["T"]["kappa"] == pytest.approx(per_tree[1])
+    assert got["n_calib_tasks"] == 3

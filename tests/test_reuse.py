@@ -3,32 +3,41 @@ refresh from the stored snapshot, named skips, and reuse across a real ``kill -9
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from rollout_store.maintenance import compact
 from rollout_store.reader import connect, read_trees
-from rollout_store.store import open_store
+from rollout_store.store import CorruptFileError, Store, open_store
 from rollout_store.tree import Node, Tree
 from train.batches import build_sequences
 from train.config import ConfigError, TrainConfig, load_config
 from train.envs import make_env
 from train.policies import load_policy
 from train.reuse import (
+    CALIB_FRAC,
     ReuseParams,
+    calibrate_gate,
+    gate_params,
+    in_calib_split,
     policy_step,
     refresh_routes,
     resolve_tree,
     score_actions,
+    select_stored,
     tree_problem,
+    write_params,
 )
 from train.sampling import make_sampler
 from train.trainer import TrainError, latest_checkpoint, read_metrics, train
@@ -60,19 +69,77 @@ def _prox(ratios: dict[int, float], scale: float = 1.0) -> dict[tuple[str, int],
 def test_transport_equals_d4_by_hand_and_is_linear_in_z() -> None:
     z = {3: 1.5, 4: 0.8, 5: 1.2, 6: 0.5}
     res = resolve_tree(_hand_tree(), "transport", _prox(z), ReuseParams())
-    # folds by leaf preorder rank: 3, 5 -> fold 0; 4, 6 -> fold 1. State = parent.
-    # b^0(1) = R_3 = 1, b^1(1) = R_4 = 0, b^0(2) = R_5 = 0, b^1(2) = R_6 = 1.
+    # root comparison (anchor 0): folds by leaf preorder rank: 3, 5 -> fold 0; 4, 6 ->
+    # fold 1. State = parent. b^0(1) = R_3 = 1, b^1(1) = R_4 = 0, b^0(2) = R_5 = 0,
+    # b^1(2) = R_6 = 1.
     by_hand = {3: 1 + 0.5 * (1 - 0), 4: 0 + (-0.2) * (0 - 1),
                5: 0 + 0.2 * (0 - 1), 6: 1 + (-0.5) * (1 - 0)}
     for leaf, value in by_hand.items():
         assert res.transported[leaf] == pytest.approx(value, abs=1e-12)
+    # Q_T(1) = (1.5 + .2) / 2 = .85, Q_T(2) = (-.2 + .5) / 2 = .15 (Qbar = .5). Nodes 1
+    # and 2 compare leaves (no step below: reused), so within them the stored gaps stay:
+    # leaves of 1 -> .85 -+ .5, leaves of 2 -> .15 -+ .5.
+    composed = {3: 1.35, 4: 0.35, 5: -0.35, 6: 0.65}
+    for leaf, value in composed.items():
         assert res.returns[leaf] == pytest.approx(value, abs=1e-12)
-    assert res.pairs == {"transport": 1} and res.refresh == []
+    assert res.pairs == {"transport": 1, "reuse": 2} and res.refresh == []
     # linear in z: scaling every z by 1.5 scales T - R by 1.5 (no products of ratios)
     scaled = resolve_tree(_hand_tree(), "transport", _prox(z, 1.5), ReuseParams())
     for leaf in by_hand:
         assert scaled.transported[leaf] - scaled.reward[leaf] == pytest.approx(
             1.5 * (res.transported[leaf] - res.reward[leaf]), abs=1e-12)
+
+
+def _two_level_tree() -> Tree:
+    """0 -+- 1 -+- 2 --- 3 (R=1)
+          |     +- 4 -+- 5 (R=0)
+          |           +- 6 (R=1)
+          +- 7 --- 8 (R=0)"""
+    nodes = [_node(0, None), _node(1, 0), _node(2, 1), _node(3, 2, 1.0), _node(4, 1),
+             _node(5, 4, 0.0), _node(6, 4, 1.0), _node(7, 0), _node(8, 7, 0.0)]
+    return Tree(tree_id="t", nodes=nodes, run_id="r", env="calc")
+
+
+def test_comparisons_below_the_root_are_anchored_at_their_node() -> None:
+    """D4 at each branching node of a two-level tree, by hand, and the composed returns.
+
+    ratios (z): 2: 1.5 (.5), 3: 2 (1), 4: .5 (-.5), 5: .5 (-.5), 6: 1.5 (.5), 8: 1.2 (.2);
+    states are parents.
+    Anchor 1 (children 2, 4; steps 3, 5, 6; folds 3 -> 0, 5 -> 1, 6 -> 0):
+      b^0(2) = R_3 = 1, b^0(4) = R_6 = 1; b^1(2): no visit -> fold-1 mean 0, b^1(4) = R_5 = 0
+      T_3 = 1 + 1 (1 - 0) = 2, T_5 = 0 - .5 (0 - 1) = .5, T_6 = 1 + .5 (1 - 0) = 1.5
+      Q(2) = 2, Q(4) = 1 (the root-level rule would count z_2, z_4 too).
+    Anchor 0 (children 1, 7; steps 2-6, 8; folds 3 -> 0, 5 -> 1, 6 -> 0, 8 -> 1):
+      b^0(1) = 1 (leaves 3, 6), b^0(2) = 1, b^0(4) = 1, b^0(7): none -> fold-0 mean 1;
+      b^1(1) = 0 (leaf 5), b^1(2): none -> 0, b^1(4) = 0, b^1(7) = 0
+      T_3 = 1 + .5 (1 - 0) + 1 (1 - 0) = 2.5; T_5 = 0 - .5 (0 - 1) - .5 (0 - 1) = 1
+      T_6 = 1 - .5 (1 - 0) + .5 (1 - 0) = 1; T_8 = 0 + .2 (0 - 1) = -.2
+      Q(1) = 4.5 / 3 = 1.5, Q(7) = -.2.
+    Anchor 4: leaf children, reused.
+    Composition: root Qbar = (3 * 1.5 - .2) / 4 = 1.075; leaves of 1 shifted to mean 1.5
+      (+5/6): 3 -> 11/6, 5 -> 5/6, 6 -> 11/6; 8 -> -.2. Node 1 (mean 1.5, Qbar 4/3):
+      child 2 -> 1.5 + 2 - 4/3 = 13/6, child 4 -> mean 7/6: 5 -> 2/3, 6 -> 5/3.
+    """
+    z = {2: 1.5, 3: 2.0, 4: 0.5, 5: 0.5, 6: 1.5, 7: 1.0, 8: 1.2}
+    res = resolve_tree(_two_level_tree(), "transport", _prox(z), ReuseParams())
+    assert [c.node for c in res.comparisons] == [0, 1, 4]
+    root, inner, low = res.comparisons
+    assert root.value == pytest.approx({1: 1.5, 7: -0.2})
+    assert inner.value == pytest.approx({2: 2.0, 4: 1.0})
+    assert low.use == {5: "reuse", 6: "reuse"}
+    assert res.transported == pytest.approx({3: 2.5, 5: 1.0, 6: 1.0, 8: -0.2})
+    assert res.returns == pytest.approx({3: 13 / 6, 5: 2 / 3, 6: 5 / 3, 8: -0.2})
+    assert res.pairs == {"transport": 2, "reuse": 1}
+    # reuse: the stored returns exactly; refresh: the inner comparison is refreshed too
+    assert resolve_tree(_two_level_tree(), "all", _prox(z), ReuseParams()).returns == {
+        3: 1.0, 5: 0.0, 6: 1.0, 8: 0.0}
+    ref = resolve_tree(_two_level_tree(), "refresh", _prox(z), ReuseParams())
+    assert [c.refresh for c in ref.comparisons] == [[1, 7], [2, 4], []]
+    # a posterior replaces a refreshed child's value at its comparison only
+    moved = ref.compose({(1, 2): 0.0, (1, 4): 1.0})
+    assert moved[5] - moved[6] == pytest.approx(-1.0)  # the leaf gap below 4 is kept
+    assert moved[3] - np.mean([moved[5], moved[6]]) == pytest.approx(-1.0)
+    assert np.mean([moved[3], moved[5], moved[6]]) == pytest.approx(1.5)  # Q_T(1) kept
 
 
 def test_pi_equals_mu_transport_is_reuse_and_dsc_has_no_drift() -> None:
@@ -89,7 +156,8 @@ def test_pi_equals_mu_transport_is_reuse_and_dsc_has_no_drift() -> None:
     same = {("t", n.node_id): np.array(n.action_logprobs) for n in clear.nodes
             if n.parent_id is not None}
     res = resolve_tree(clear, "dsc", same, ReuseParams(kappa_R=1, kappa_delta=1, kappa_T=1))
-    assert res.pairs == {"reuse": 1} and res.refresh == []
+    assert res.pairs == {"reuse": 15} and res.refresh == []  # 1 root pair + 2 x 7 leaf pairs
+    assert not any(c.refresh for c in res.comparisons)
     assert res.returns == res.reward
 
 
@@ -137,7 +205,7 @@ def test_refresh_starts_from_the_stored_snapshot() -> None:
         assert child.action_token_ids == stored.action_token_ids
         assert child.action_logprobs == stored.action_logprobs  # mu, for G8
         assert (child.meta or {})["refresh_of"]["node_id"] == stored.node_id
-    assert set(got.posterior) == set(res.refresh)
+    assert {c for _, c in got.posterior} == set(res.refresh)
 
 
 def test_named_skips_and_config_errors(tmp_path: Path) -> None:
@@ -177,9 +245,139 @@ def test_cli_has_the_reuse_flags() -> None:
         assert name in fields
 
 
+def _calc_trees(n: int, sampler: str = "group", seed: int = 0) -> list[Tree]:
+    policy = load_policy("tiny", "calc")
+    env = make_env("calc")
+    tasks = type(env).generate_tasks(n, seed=seed)
+    return [make_sampler(sampler, max_new_tokens=40).sample_tree(
+        env, policy, task, 3, seed=seed + i, tree_id=f"t{i}", run_id="r")
+        for i, task in enumerate(tasks)]
+
+
+def test_read_trees_streams_only_the_named_trees(tmp_path: Path) -> None:
+    """With ids, ``read_trees`` opens only the files that can hold them (a corrupt file
+    of another append is never read), equals the whole read, and skips snapshots when
+    told; after compaction the tree_id predicate still selects exactly those trees."""
+    trees = [Tree(tree_id=f"t{i}", run_id="r", env="calc", snapshots={f"t{i}/0": bytes([i]) * 9},
+                  nodes=[replace(n, snapshot_id=f"t{i}/0") if n.parent_id is None else n
+                         for n in _hand_tree().nodes]) for i in range(3)]
+    store = Store(tmp_path / "s", create=True)
+    for i, t in enumerate(trees):
+        store.append_trees([t], key=f"k{i}")
+    whole = {t.tree_id: t for t in read_trees(store)}
+    got = read_trees(store, ["t1"])
+    assert [t.tree_id for t in got] == ["t1"]
+    assert got[0].nodes == whole["t1"].nodes and got[0].snapshots == whole["t1"].snapshots
+    assert read_trees(store, ["t1"], snapshots=False)[0].snapshots == {}
+    assert read_trees(store, []) == []
+    # corrupt the nodes file of append k2: a read of t1 does not open it, a full read does
+    victim = next(f for f in store.files("nodes") if f.min_key == "k2")
+    Path(victim.path).write_bytes(b"\0" * victim.size)  # same size: only a read sees it
+    two = {t.tree_id: t.nodes for t in read_trees(store, ["t0", "t1"])}
+    assert two == {k: whole[k].nodes for k in ("t0", "t1")}
+    with pytest.raises(CorruptFileError):
+        read_trees(store)
+    other = Store(tmp_path / "c", create=True)
+    for i, t in enumerate(trees):
+        other.append_trees([t], key=f"k{i}")
+    compact(other)
+    assert all(f.compacted for f in other.files("nodes"))
+    again = read_trees(other, ["t2", "t0"])
+    assert sorted(t.tree_id for t in again) == ["t0", "t2"]
+    assert {t.tree_id: t.nodes for t in again} == {k: whole[k].nodes for k in ("t0", "t2")}
+
+
+def test_refresh_below_the_root_copies_the_path_and_continues_the_stored_child() -> None:
+    """A BEL tree on calc whose root has one child and whose node 2 branches into
+    children with steps below: ``refresh`` refreshes node 2 from its own snapshot; the
+    new tree copies the path root -> 2 (no new tool steps there) and each forced child
+    gets the stored child's observation (calc is deterministic)."""
+    policy = load_policy("tiny", "calc")
+    env = make_env("calc")
+    task = type(env).generate_tasks(1, seed=1)[0]
+    tree = make_sampler("bel", max_new_tokens=40).sample_tree(env, policy, task, 4, seed=1,
+                                                              tree_id="t", run_id="r")
+    same = {("t", n.node_id): np.array(n.action_logprobs) for n in tree.nodes
+            if n.parent_id is not None}
+    res = resolve_tree(tree, "refresh", same, ReuseParams())
+    inner = [c for c in res.comparisons if c.refresh and c.node != tree.root().node_id]
+    assert inner and res.refresh == []  # the root is no comparison here
+    got = refresh_routes(tree, res, env, policy, tree_id="t-refresh", run_id="r", seed=0,
+                         params=ReuseParams(refresh_cap=12, refresh_batch=3),
+                         max_new_tokens=40, temperature=1.0)
+    assert got.tree is not None and got.steps > 0
+    new = got.tree
+    new.validate()
+    meta = new.meta or {}
+    assert meta["refreshed_nodes"] == [inner[0].node]
+    copies = [n for n in new.nodes if (n.meta or {}).get("copy_of") is not None]
+    assert [(n.meta or {})["copy_of"] for n in copies] == [
+        n.node_id for n in tree.path_to(inner[0].node)[1:]]
+    assert all(n.tool_calls == 0 for n in copies)
+    assert sum(n.tool_calls or 0 for n in new.nodes) == got.steps
+    for nid, stored_id in meta["lineage"].items():
+        child, stored = new.node(int(nid)), tree.node(stored_id)
+        assert child.parent_id == copies[-1].node_id
+        assert child.observation_text == stored.observation_text
+        assert child.action_logprobs == stored.action_logprobs
+    assert {n for n, _ in got.posterior} == {inner[0].node}
+
+
+def test_calibration_split_and_its_record_survive_a_restart(tmp_path: Path) -> None:
+    """The D7 split is a hash split of tree ids; user kappas switch calibration off; a
+    calibration recorded in reuse_params.json is kept by a restart's ``write_params`` and
+    reused by a later iteration (``gate_params``) without new draws; before one ran (too
+    few calibration trees) the start kappas are used and nothing is spent."""
+    ids = [f"run/it{i:06d}/{j:03d}" for i in range(50) for j in range(8)]
+    frac = np.mean([in_calib_split(i) for i in ids])
+    assert abs(frac - CALIB_FRAC) < 0.06
+    assert not ReuseParams.parse({"kappa_R": 1}).calibrate
+    assert ReuseParams.parse({"kappa_R": 1, "calibrate": "true"}).calibrate
+    with pytest.raises(ValueError, match="calibrate"):
+        ReuseParams.parse({"calibrate": "maybe"})
+    params = ReuseParams()
+    calibrated = params.with_kappas({"kappa_R": 3.5, "kappa_T": 1.25, "residual_var_T": 0.1})
+    out = tmp_path / "o"
+    write_params(out, calibrated, {"status": "calibrated", "iteration": 3,
+                                   "kappas": calibrated.kappas(), "split": "test"})
+    write_params(out, params)  # a resumed run writes its (start) params again
+    record = json.loads((out / "reuse_params.json").read_text())
+    assert record["calibration"]["iteration"] == 3 and record["kappa_R"] == 3.5
+    env = make_env("calc")
+    policy = load_policy("tiny", "calc")
+    sel = select_stored(Store(tmp_path / "s", create=True), reuse_from="", run_id="r",
+                        env="calc", iteration=4, max_staleness=2, per_step=2, seed=0,
+                        need_snapshots=True, tokenizer_dir=None)
+    kw = {"iteration": 4, "seed": 0, "max_new_tokens": 40, "temperature": 1.0}
+    later, spent, ran = gate_params(sel, params, env, policy, out=out, **kw)  # type: ignore
+    assert later == calibrated and spent == 0 and ran is None
+    start, spent, ran = gate_params(sel, params, env, policy, out=tmp_path / "o2", **kw)  # type: ignore
+    assert start == params and spent == 0 and ran is None
+
+
+@pytest.mark.slow
+def test_calibrate_gate_on_new_draws() -> None:
+    """``calibrate_gate`` on three calc trees: kappas from new draws under mu and pi (here
+    the same tiny policy, so c_T = c_R), trees alternating calib / dev."""
+    policy = load_policy("tiny", "calc")
+    env = make_env("calc")
+    trees = _calc_trees(3, seed=4)
+    new, record = calibrate_gate(trees, ReuseParams(calib_draws=2), env, policy, seed=0,
+                                 max_new_tokens=40, temperature=1.0, load_mu=lambda t: policy)
+    assert record["status"] == "calibrated" and record["tool_steps"] > 0
+    assert list(record["trees"].values()) == ["calib", "dev", "calib"]
+    radii = record["radii"]
+    assert radii["n_calib_tasks"] == 2 and radii["n_dev_pairs"] > 0
+    for x in ("R", "delta", "T"):
+        assert math.isfinite(radii[x]["kappa"]) and radii[x]["kappa"] >= 0
+        # two calib trees cannot certify level .95: the maximum, floored at the start 2
+        assert radii[x]["kappa_fallback_to_max"]
+        assert new.kappas()[f"kappa_{x}"] == pytest.approx(max(radii[x]["kappa"], 2.0))
+
+
 SMALL = {"tasks_per_step": 2, "n_total": 3, "heldout_tasks": 0, "max_new_tokens": 40,
          "minibatches": 2, "progress": False, "run_id": "r", "reuse_per_step": 2,
-         "max_staleness": 2}
+         "max_staleness": 2, "reuse_params": "calib_trees=2,calib_draws=1"}
 
 
 @pytest.mark.slow
@@ -192,7 +390,16 @@ def test_reuse_run_commits_credit_skips_stale_and_survives_kill9(tmp_path: Path)
                                   "store": str(tmp_path / "s1"), "out": str(tmp_path / "o1")})
     train(straight)
     m = read_metrics(straight.store, "r")
-    assert [v for _, v in m["reuse_trees"]][1:] == [2.0] * (steps - 1)
+    # r/it000000/000, r/it000001/000, r/it000002/001 and r/it000003/000 fall in the
+    # calibration split (held apart): at iteration 1 one tree is left to train on
+    assert [v for _, v in m["reuse_trees"]][1:] == [1.0] + [2.0] * (steps - 2)
+    lines = [json.loads(x) for x in (Path(straight.out) / "reuse.jsonl").read_text().splitlines()]
+    assert all(not in_calib_split(x["tree_id"]) for x in lines if "tree_id" in x)
+    params = json.loads((Path(straight.out) / "reuse_params.json").read_text())
+    assert params["calibration"]["status"] == "calibrated"
+    assert params["calibration"]["iteration"] == 2  # two calibration trees by then
+    assert set(params["calibration"]["trees"]) == {"r/it000000/000", "r/it000001/000"}
+    assert params["kappa_T"] == params["calibration"]["kappas"]["kappa_T"]
     assert max(v for _, v in m["reuse_skip_stale"]) > 0
     assert max(v for _, v in m["reuse_staleness_max"]) <= 2
     con = connect(open_store(straight.store))

@@ -503,6 +503,7 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
                     len(refreshed)),
                 **{f"reuse_pairs_{k}": float(step.pairs.get(k, 0)) for k in rz.DECISIONS},
                 "reuse_new_tool_steps": float(step.new_tool_steps),
+                "reuse_calibration_tool_steps": float(step.calibration_tool_steps),
                 "reuse_refresh_all_tool_steps": float(sum(rz.tool_steps(t) for t in sel.trees)),
                 "reuse_staleness_mean": float(np.mean(sel.staleness)) if sel.staleness else 0.0,
                 "reuse_staleness_max": float(max(sel.staleness, default=0)),

@@ -19,6 +19,13 @@ Tree reading:
   (the state the action was taken in, with its remaining horizon); ids are
   scoped to the tree (two trees never share a baseline). Ignored at depths 0-1.
 
+Anchors (D4 at any branching node): ``transport_returns(batch, anchor)`` and
+``dsc_gate.dsc_gate(..., anchor)`` take, per tree, the row of the node whose
+comparison is resolved; the reading above then holds for that node's subtree
+(``anchored``): its children are the forced actions, the downstream steps the nodes
+two or more levels below it, the trajectories the leaves below it. The default
+anchor is the root (the ``dsc`` estimator's reading).
+
 Cross-fitted baseline b_t (D4) [R]: the trajectories of a tree are split by
 the *preorder rank of their leaf within the tree* (children by ascending node
 id), rank 0, 2, 4, ... into fold 0 and 1, 3, 5, ... into fold 1. For a
@@ -123,17 +130,51 @@ def _where(batch: TreeArrays, row: int) -> str:
     return f"tree {batch.tree_ids[batch.node_tree[row]]!r}, node {batch.node_ids[row]}"
 
 
+# ----------------------------------------------------------------- anchors
+def anchored(batch: TreeArrays, anchor: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scope of each tree's comparison anchor (D4 at a branching node).
+
+    ``anchor`` (B,) the row of each tree's anchor node (None: every tree's root). A node
+    is in scope when it lies in its tree's anchor subtree (rows ``[a, a +
+    subtree_size[a])`` in preorder). Returns ``scope`` (N,) bool, ``rel`` (N,) depth
+    below the anchor (-1 out of scope) and ``action`` (N,) row of each scoped node's
+    forced action (its ancestor one level below the anchor; -1 at the anchor and out of
+    scope). With the root as anchor these are every node, ``depth`` and ``root_action``.
+    """
+    if anchor is None:
+        return np.ones(batch.n_nodes, bool), batch.depth.copy(), root_action(batch)
+    anchor = np.asarray(anchor, np.int64)
+    if anchor.shape != (batch.n_trees,):
+        raise ValueError(f"anchor must be shaped (B,) = ({batch.n_trees},), got {anchor.shape}")
+    if ((anchor < 0) | (anchor >= batch.n_nodes)).any() or (
+            batch.node_tree[np.clip(anchor, 0, max(batch.n_nodes - 1, 0))]
+            != np.arange(batch.n_trees)).any():
+        raise ValueError("anchor[b] must be a row of tree b")
+    rows = np.arange(batch.n_nodes)
+    a = anchor[batch.node_tree]
+    scope = (rows >= a) & (rows < a + batch.subtree_size[a])
+    rel = np.where(scope, batch.depth - batch.depth[a], -1)
+    marker = np.where(scope & (rel <= 1), rows, -1)
+    last = np.maximum.accumulate(marker) if batch.n_nodes else marker
+    return scope, rel, np.where(scope & (rel >= 1), last, -1)
+
+
 # ----------------------------------------------------------------- D3-D4
-def transport_returns(batch: TreeArrays) -> Transported:
+def transport_returns(batch: TreeArrays, anchor: np.ndarray | None = None) -> Transported:
     """D3-D4: T_i(a) = R_i + sum_t z_it [R_i - b_t(S_it, h_it)] for every old trajectory.
 
-    z_t = ratio_t - 1 (D3) over the depth >= 2 nodes of the path, first order:
-    no products of ratios. b_t is the cross-fitted state-time baseline (module
-    docstring). With pi = mu every z is 0 and T_i = R_i exactly.
+    ``anchor`` (B,) row of each tree's comparison node (None: the roots). The
+    trajectories are the leaves below the anchor, a = their ancestor one level below it
+    (the forced action of that comparison), and the downstream steps t the nodes two or
+    more levels below the anchor (D3: the forced action excluded); folds and baselines
+    use those trajectories only. z_t = ratio_t - 1 (D3), first order: no products of
+    ratios. b_t is the cross-fitted state-time baseline (module docstring). With pi = mu
+    every z is 0 and T_i = R_i exactly.
     Shapes: reads extras (N,); returns ``Transported`` with (L,) arrays.
     """
     n = batch.n_nodes
-    depth = batch.depth
+    _, depth, act = anchored(batch, anchor)
     ratio = _node_extra(batch, RATIO, "pi/mu ratio of each depth >= 2 node's action (D3)")
     state = _node_extra(batch, STATE, "integer state id (S_t, h_t) of each depth >= 2 node")
     steps = np.flatnonzero(depth >= 2)  # (S,) downstream steps
@@ -183,7 +224,7 @@ def transport_returns(batch: TreeArrays) -> Transported:
     zb = [path_sum(batch, z * b)[leaves] for b in baseline]  # sum_t z_it b^f_t
     zb_other = np.where(fold == 0, zb[1], zb[0])  # cross-fitting: the opposite fold's b
     transported = reward + reward * z_sum - zb_other  # D4
-    return Transported(leaf=leaves, action=root_action(batch)[leaves], tree=tree, fold=fold,
+    return Transported(leaf=leaves, action=act[leaves], tree=tree, fold=fold,
                        reward=reward, transported=transported)
 
 

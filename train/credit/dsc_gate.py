@@ -1,4 +1,5 @@
-"""DSC-Gate decision rule (D5, D7-D10) and the calibration of its radii.
+"""DSC-Gate decision rule (D5, D7-D10) and the calibration of its radii
+(``calibrate_kappa``, ``calibrate_radii``).
 
 METHODS.md section 5, arXiv:2609.29007. Per context (tree), the leader root
 action is compared with each competitor; the pair is resolved by
@@ -31,13 +32,14 @@ Readings [R]:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from train.credit.base import Params, TreeArrays, segment_stats
-from train.credit.dsc import transport_returns
+from train.credit.dsc import anchored, transport_returns
 
 GateDecision = Literal["reuse", "transport", "refresh"]
 """D8-D10 outcome of one leader-versus-competitor pair."""
@@ -115,16 +117,20 @@ def _mean_variance(var: np.ndarray, count: np.ndarray) -> np.ndarray:
     return np.maximum(var / count, 1.0 / (4.0 * count**2))
 
 
-def dsc_gate(batch: TreeArrays, params: DSCGateParams) -> GatePairs:
-    """D5 + D7-D10: resolve every leader-versus-competitor pair of root actions.
+def dsc_gate(batch: TreeArrays, params: DSCGateParams,
+             anchor: np.ndarray | None = None) -> GatePairs:
+    """D5 + D7-D10: resolve every leader-versus-competitor pair of forced actions.
 
     Reads the same inputs as the ``dsc`` estimator (``extras["dsc_ratio"]``,
-    ``extras["dsc_state"]``, leaf rewards). Trees with fewer than two root
-    actions give no pair. Returns ``GatePairs`` ((P,) arrays), pairs ordered by
+    ``extras["dsc_state"]``, leaf rewards). ``anchor`` (B,) the row of each tree's
+    comparison node (``dsc.anchored``; None: the roots): its children are the forced
+    actions, the transport is anchored there (D4). Trees whose anchor has fewer than
+    two children give no pair. Returns ``GatePairs`` ((P,) arrays), pairs ordered by
     tree, then competitor row.
     """
-    tr = transport_returns(batch)
-    actions = np.flatnonzero(batch.depth == 1)  # (A,) sorted rows
+    tr = transport_returns(batch, anchor)
+    _, rel, _ = anchored(batch, anchor)
+    actions = np.flatnonzero(rel == 1)  # (A,) sorted rows
     n_act = actions.size
     which = np.searchsorted(actions, tr.action)  # (L,) index into actions
     diff = tr.transported - tr.reward  # D_i = T_i - R_i, keeps cov(T, R) (D7)
@@ -186,3 +192,51 @@ def calibrate_kappa(errors_per_task: np.ndarray, level: float = 0.95) -> float:
     if rank > n:
         return math.inf
     return float(np.sort(per_task)[rank - 1])
+
+
+def calibrate_radii(per_update: Sequence[tuple[GatePairs, np.ndarray, np.ndarray]],
+                    split_of_tree: Sequence[str], level: float) -> dict[str, Any]:
+    """D7: residual variances on ``dev`` trees, kappas on ``calib`` trees.
+
+    The one calibration of the gate's radii (the gate study's ``calibrate`` and the
+    trainer's ``train.reuse`` use it). ``per_update``: (pairs computed with kappas 1 and
+    zero residuals, target c_mu (P,), target c_pi (P,)) per update; ``split_of_tree[b]``
+    is ``"dev"``, ``"calib"`` or anything else (unused) for tree index b of the pairs.
+    Errors: c_R - c_mu, delta - (c_pi - c_mu), c_T - c_pi. Residual variance of X:
+    max(0, mean over dev pairs of err_X^2 - s_X^2) (0 without dev pairs); kappa_X:
+    ``calibrate_kappa`` of the per-tree maxima of |err_X| / sqrt(s_X^2 + residual) over
+    the calib trees, or their maximum where too few trees certify ``level``
+    (``kappa_fallback_to_max``), inf without calib trees. Returns {"n_dev_pairs",
+    "n_calib_tasks", "R" | "delta" | "T": {"residual_var", "kappa",
+    "kappa_fallback_to_max", "max_standardized_error"}}.
+    """
+    names = ("R", "delta", "T")
+    errors: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    scales: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    trees: list[np.ndarray] = []
+    for pairs, c_mu, c_pi in per_update:
+        errors["R"].append(pairs.c_R - c_mu)
+        errors["delta"].append(pairs.delta - (c_pi - c_mu))
+        errors["T"].append(pairs.c_T - c_pi)
+        for n, s in zip(names, (pairs.s_R, pairs.s_delta, pairs.s_T), strict=True):
+            scales[n].append(s)
+        trees.append(pairs.tree)
+    tree = np.concatenate(trees) if trees else np.zeros(0, np.int64)
+    split = np.array([str(split_of_tree[int(t)]) for t in tree], dtype=np.str_)
+    out: dict[str, Any] = {"n_dev_pairs": int((split == "dev").sum()),
+                           "n_calib_tasks": len(set(tree[split == "calib"].tolist()))}
+    for n in names:
+        err = np.concatenate(errors[n]) if errors[n] else np.zeros(0)
+        s = np.concatenate(scales[n]) if scales[n] else np.zeros(0)
+        dev = split == "dev"
+        resid = max(0.0, float(np.mean(err[dev] ** 2 - s[dev] ** 2))) if dev.any() else 0.0
+        cal = split == "calib"
+        std = np.abs(err[cal]) / np.sqrt(s[cal] ** 2 + resid)
+        per_task = np.array([std[tree[cal] == t].max() for t in np.unique(tree[cal])])
+        kappa = calibrate_kappa(per_task, level) if per_task.size else math.inf
+        fallback = not math.isfinite(kappa)
+        if fallback and per_task.size:  # too few tasks for the level: use the maximum
+            kappa = float(per_task.max())
+        out[n] = {"residual_var": resid, "kappa": kappa, "kappa_fallback_to_max": fallback,
+                  "max_standardized_error": float(per_task.max()) if per_task.size else None}
+    return out

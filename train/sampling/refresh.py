@@ -19,8 +19,11 @@ Used by the gate study (``train.studies.gates``) and available to the trainer.
   numbers);
 * (``PolicyRefresh``) a draw for any ``Policy`` and environment with exact
   ``restore``: the continuation primitive of ``train.sampling.base`` from the
-  context's snapshot, the route's action forced first, key ``mix_seed(seed,
-  "refresh", route, k)``.
+  context's snapshot, the route's action forced first (a stored action keeps its
+  tokens and logprobs, ``Forced``), key ``mix_seed(seed, "refresh", *key_parts, k)``
+  (key parts default to the route index), cost in env steps or tool calls, and
+  optionally one ``StepRecord`` per step. Used by the trainer's refresh of stored
+  trees (``train.reuse``) and its D7 calibration draws.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
-from train.envs.base import Environment
+from rollout_store.tree import Segment
+from train.envs.base import Environment, parse_action
 from train.policies.base import Policy, SampleConfig, Turn
 from train.sampling.base import Continuing, SamplerConfig, mix_seed, sample_round
+from train.sampling.segments import action_segments, token_char_starts
 
 
 class Trajectory(Protocol):
@@ -156,43 +161,119 @@ class RefreshSampler(Generic[T]):
 
 
 @dataclass(frozen=True)
+class Forced:
+    """A route's first action as it was stored: its text and, for the step records, the
+    tokens, logprobs (the behaviour policy's mu), entropies and segments it was sampled
+    with. A plain ``str`` route action is ``Forced(text)``."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    entropies: tuple[float, ...] = ()
+    segments: tuple[Segment, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of a draw (``PolicyRefresh(records=True)``): the action (tokens, logprobs,
+    entropies, segments), what followed (observation, done, reward parts), the env
+    snapshot after it, whether the step limit cut the rollout there, and whether the
+    action was a tool call."""
+
+    action_text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    entropies: tuple[float, ...]
+    segments: tuple[Segment, ...]
+    observation: str
+    done: bool
+    reward_parts: dict[str, float]
+    snapshot: bytes
+    truncated: bool
+    tool_call: bool
+
+
+@dataclass(frozen=True)
 class Drawn:
-    """A new trajectory drawn by ``PolicyRefresh``: its transcript, steps and reward."""
+    """A new trajectory drawn by ``PolicyRefresh``: its transcript, its cost in the
+    budget unit (``steps``), reward, whether the step limit cut it, its route and (with
+    ``records``) one ``StepRecord`` per step."""
 
     turns: tuple[Turn, ...]
     steps: int
     reward: float
     truncated: bool
+    route: int = -1
+    records: tuple[StepRecord, ...] = ()
+
+
+Budget = Literal["env_steps", "tool_calls"]
+"""What a draw's ``steps`` counts: every env step, or the steps whose action is a tool call."""
 
 
 class PolicyRefresh:
     """``draw(route, k)`` for any ``Policy``: continue the context (``transcript``, env
     ``snapshot``) with ``actions[route]`` forced first, then the policy, under
-    ``max_steps`` (the continuation primitive). A cut trajectory has reward 0."""
+    ``max_steps`` (the continuation primitive; None: no limit), the context being
+    ``depth`` steps from the episode start. A cut trajectory has reward 0.
+
+    Key of the k-th draw of a route: ``mix_seed(seed, "refresh", *key_parts[route], k)``
+    (default key parts ``(route,)``), the policy's j-th call within it ``mix_seed(key,
+    "call", j)``. ``budget`` chooses the unit of ``Drawn.steps``; ``records`` keeps one
+    ``StepRecord`` per step (for committing the draws as trees).
+    """
 
     def __init__(self, env: Environment, policy: Policy, transcript: Sequence[Turn],
-                 snapshot: bytes, actions: Sequence[str], *, max_steps: int, seed: int = 0,
-                 config: SamplerConfig | None = None) -> None:
+                 snapshot: bytes, actions: Sequence[str | Forced], *, max_steps: int | None,
+                 seed: int = 0, config: SamplerConfig | None = None,
+                 key_parts: Sequence[tuple[Any, ...]] | None = None,
+                 budget: Budget = "env_steps", records: bool = False, depth: int = 0) -> None:
+        if budget not in ("env_steps", "tool_calls"):
+            raise ValueError(f"budget must be 'env_steps' or 'tool_calls', got {budget!r}")
+        if key_parts is not None and len(key_parts) != len(actions):
+            raise ValueError(f"key_parts has {len(key_parts)} entries for {len(actions)} "
+                             "routes")
         self.env, self.policy, self.snapshot = env, policy, snapshot
-        self.transcript, self.actions = tuple(transcript), list(actions)
+        self.transcript = tuple(transcript)
+        self.actions = [a if isinstance(a, Forced) else Forced(a) for a in actions]
         self.max_steps, self.seed = max_steps, seed
         self.config = config or SamplerConfig()
+        self.key_parts = [tuple(p) for p in key_parts] if key_parts is not None else [
+            (r,) for r in range(len(self.actions))]
+        self.budget, self.records, self.depth = budget, records, depth
 
     def __call__(self, route: int, k: int) -> Drawn:
-        key = mix_seed(self.seed, "refresh", route, k)
-        run = Continuing.begin(self.env, self.snapshot, key, self.transcript, 0,
+        key = mix_seed(self.seed, "refresh", *self.key_parts[route], k)
+        run = Continuing.begin(self.env, self.snapshot, key, self.transcript, self.depth,
                                self.max_steps)
-        action, calls = self.actions[route], 0
+        f = self.actions[route]
+        action = (f.text, f.token_ids, f.logprobs, f.entropies, f.segments)
+        calls = tools = 0
+        steps: list[StepRecord] = []
         while True:
-            run.step(action)
+            text = action[0]
+            result = run.step(text)
+            tool = parse_action(text).kind == "tool_call"
+            tools += tool
+            if self.records:
+                steps.append(StepRecord(text, *action[1:], observation=result.observation,
+                                        done=result.done,
+                                        reward_parts=dict(result.reward_parts),
+                                        snapshot=self.env.snapshot(),
+                                        truncated=run.truncated, tool_call=tool))
             if run.over:
                 break
             calls += 1
             seed = mix_seed(key, "call", calls)
-            action = sample_round(self.policy, [(1, run.turns)],
-                                  partial(self._config, seed=seed))[0][0].text
+            cont = sample_round(self.policy, [(1, run.turns)],
+                                partial(self._config, seed=seed))[0][0]
+            segs = (tuple(action_segments(cont.text, token_char_starts(self.policy, cont)))
+                    if self.records else ())
+            action = (cont.text, tuple(cont.token_ids), tuple(cont.logprobs),
+                      tuple(cont.entropies), segs)
         reward = 0.0 if run.truncated else run.reward
-        return Drawn(tuple(run.turns), run.steps, reward, run.truncated)
+        cost = run.steps if self.budget == "env_steps" else tools
+        return Drawn(tuple(run.turns), cost, reward, run.truncated, route, tuple(steps))
 
     def _config(self, n: int, seed: int) -> SampleConfig:
         c = self.config
@@ -200,5 +281,5 @@ class PolicyRefresh:
                             top_p=c.top_p, seed=seed)
 
 
-__all__ = ["Drawn", "PolicyRefresh", "RefreshResult", "RefreshSampler", "Trajectory",
-           "beta_prior", "refresh_protocol"]
+__all__ = ["Budget", "Drawn", "Forced", "PolicyRefresh", "RefreshResult", "RefreshSampler",
+           "StepRecord", "Trajectory", "beta_prior", "refresh_protocol"]

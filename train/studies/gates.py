@@ -94,7 +94,7 @@ import pyarrow.parquet as pq
 
 from rollout_store import Store, connect
 from train.credit.dsc import RATIO, STATE, transport_returns
-from train.credit.dsc_gate import DSCGateParams, GatePairs, calibrate_kappa, dsc_gate
+from train.credit.dsc_gate import DSCGateParams, GatePairs, calibrate_radii, dsc_gate
 from train.envs.base import Task
 from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
 from train.envs.workflow_policy import TabularPolicy
@@ -381,41 +381,11 @@ def _pair_truth(data: RouteData, pairs: GatePairs, q_mu: Sequence[np.ndarray],
 
 def calibrate(per_update: Sequence[tuple[GatePairs, np.ndarray, np.ndarray]],
               split_of_tree: Sequence[Split], level: float) -> dict[str, Any]:
-    """D7: residual variances on dev trees, kappas on calib trees.
-
-    ``per_update``: (pairs computed with zero residuals, exact c_mu, exact c_pi) per update.
-    Errors: c_R - c_mu, delta - (c_pi - c_mu), c_T - c_pi.
-    """
-    names = ("R", "delta", "T")
-    errors: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    scales: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    trees: list[np.ndarray] = []
-    for pairs, c_mu, c_pi in per_update:
-        errors["R"].append(pairs.c_R - c_mu)
-        errors["delta"].append(pairs.delta - (c_pi - c_mu))
-        errors["T"].append(pairs.c_T - c_pi)
-        for n, s in zip(names, (pairs.s_R, pairs.s_delta, pairs.s_T), strict=True):
-            scales[n].append(s)
-        trees.append(pairs.tree)
-    tree = np.concatenate(trees)
-    split = np.array([split_of_tree[t] for t in tree])
-    out: dict[str, Any] = {"n_dev_pairs": int((split == "dev").sum()),
-                           "n_calib_tasks": len(set(tree[split == "calib"].tolist()))}
-    for n in names:
-        err = np.concatenate(errors[n])
-        s = np.concatenate(scales[n])
-        dev = split == "dev"
-        resid = max(0.0, float(np.mean(err[dev] ** 2 - s[dev] ** 2))) if dev.any() else 0.0
-        cal = split == "calib"
-        std = np.abs(err[cal]) / np.sqrt(s[cal] ** 2 + resid)
-        per_task = np.array([std[tree[cal] == t].max() for t in np.unique(tree[cal])])
-        kappa = calibrate_kappa(per_task, level) if per_task.size else math.inf
-        fallback = not math.isfinite(kappa)
-        if fallback and per_task.size:  # too few tasks for the level: use the maximum
-            kappa = float(per_task.max())
-        out[n] = {"residual_var": resid, "kappa": kappa, "kappa_fallback_to_max": fallback,
-                  "max_standardized_error": float(per_task.max()) if per_task.size else None}
-    return out
+    """D7: residual variances on dev trees, kappas on calib trees
+    (``train.credit.dsc_gate.calibrate_radii``, the one calibration the trainer's reuse
+    uses too). ``per_update``: (pairs computed with zero residuals, exact c_mu, exact c_pi)
+    per update."""
+    return calibrate_radii(per_update, split_of_tree, level)
 
 
 def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
