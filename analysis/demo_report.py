@@ -196,7 +196,9 @@ def training_section(metrics: Mapping[str, Sequence[tuple[int, float]]], run_id:
     sampled by version it. Tool steps (sums over iterations): ``new`` =
     ``new_tool_steps`` (fresh trees plus what reuse spent), ``reuse_new`` =
     ``reuse_new_tool_steps``, ``refresh_all`` = ``reuse_refresh_all_tool_steps`` (what
-    refreshing every reused tree would have cost), ``saved`` = refresh_all - reuse_new.
+    refreshing every reused tree would have cost), ``calibration`` =
+    ``reuse_calibration_tool_steps`` (the D7 calibration draws, part of reuse_new),
+    ``saved`` = refresh_all - reuse_new.
     """
     def total(name: str) -> float:
         return float(sum(v for _, v in metrics.get(name, [])))
@@ -219,6 +221,7 @@ def training_section(metrics: Mapping[str, Sequence[tuple[int, float]]], run_id:
         "heldout_tasks": train_config.get("heldout_tasks"), "heldout": heldout,
         "reward_curve": [(step, v) for step, v in metrics.get("reward", [])],
         "tool_steps": {"new": new, "fresh": new - reuse_new, "reuse_new": reuse_new,
+                       "calibration": total("reuse_calibration_tool_steps"),
                        "refresh_all": refresh_all, "saved": refresh_all - reuse_new},
         "reuse_trees": total("reuse_trees"),
         "reuse_decisions": {k: total(k) for k in reuse_keys},
@@ -376,6 +379,8 @@ def render(results: Mapping[str, Any]) -> str:
             [["new (fresh trees + reuse refreshes)", f"{tr['tool_steps']['new']:,.0f}"],
              ["  of which fresh trees", f"{tr['tool_steps']['fresh']:,.0f}"],
              ["  of which spent by reuse", f"{tr['tool_steps']['reuse_new']:,.0f}"],
+             ["    of which calibration draws (D7)",
+              f"{tr['tool_steps'].get('calibration', 0.0):,.0f}"],
              ["refresh-all cost of the reused trees",
               f"{tr['tool_steps']['refresh_all']:,.0f}"],
              ["saved by reuse (refresh-all - spent)", f"{tr['tool_steps']['saved']:,.0f}"],

@@ -5,7 +5,11 @@ rollouts per iteration, no held-out eval) and reads the per-iteration ``rss_mb``
 back from the store. Flat means: the RSS of the last 10 iterations exceeds that of
 iterations 10-19 (after warm-up: allocator pools, caches) by less than 5%.
 
-    .venv/bin/python benchmarks/bench_train_rss.py [--steps 100]
+    .venv/bin/python benchmarks/bench_train_rss.py [--steps 100] [--checkpoint-every N]
+
+``--checkpoint-every 0`` turns the store's own Delta checkpoints off
+(``rollout_store.store.CHECKPOINT_EVERY``; delta-rs then checkpoints every 100 commits),
+to see the growth they prevent.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import rollout_store.store as store_module
 from benchmarks._common import print_table, verdict
 from train.config import load_config
 from train.trainer import read_metrics, train
@@ -26,7 +31,10 @@ from train.trainer import read_metrics, train
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--checkpoint-every", type=int, default=store_module.CHECKPOINT_EVERY,
+                    help="Delta checkpoint every N commits of a table (0: off)")
     args = ap.parse_args()
+    store_module.CHECKPOINT_EVERY = args.checkpoint_every
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, {"store": f"{tmp}/store", "out": f"{tmp}/run",
                                  "steps": args.steps, "tasks_per_step": 2, "n_total": 2,

@@ -103,6 +103,7 @@ def test_training_section_arithmetic() -> None:
         "new_tool_steps": [(0, 100.0), (1, 150.0), (2, 140.0), (3, 130.0)],
         "reuse_new_tool_steps": [(1, 40.0), (2, 30.0), (3, 20.0)],
         "reuse_refresh_all_tool_steps": [(1, 90.0), (2, 90.0), (3, 90.0)],
+        "reuse_calibration_tool_steps": [(1, 12.0), (2, 0.0), (3, 0.0)],
         "reuse_trees": [(1, 3.0), (2, 3.0), (3, 3.0)],
     }
     tr = training_section(metrics, "r", {"steps": 4, "reuse": "dsc", "heldout_tasks": 10})
@@ -111,7 +112,7 @@ def test_training_section_arithmetic() -> None:
                                         "curve": [(0, 0.5), (2, 0.6), (4, 0.75)]}
     assert tr["heldout"]["greedy"]["before"] == 0.8 and tr["heldout"]["greedy"]["after"] == 0.9
     assert tr["tool_steps"] == {"new": 520.0, "fresh": 430.0, "reuse_new": 90.0,
-                                "refresh_all": 270.0, "saved": 180.0}
+                                "calibration": 12.0, "refresh_all": 270.0, "saved": 180.0}
     assert tr["reuse_trees"] == 9.0
     empty = training_section({}, "r", {})
     assert empty["heldout"]["sampled"]["before"] is None and empty["iterations"] == 0

@@ -210,7 +210,7 @@ class DemoConfig:
     the trainer needs one); ``tiny`` is trained by ``policy init`` when missing."""
     seed: int = 0
     """Seed of tasks, sampling, references, the bootstrap and the training run."""
-    tasks: int = 6
+    tasks: int = 16
     """Tasks collected with each sampler (from the training split: never a held-out
     prompt)."""
     n_total: int = 16
@@ -225,7 +225,7 @@ class DemoConfig:
     """Token cap of one agent step (collection, references, training)."""
     init_minutes: float = 10.0
     """Time budget of ``policy init`` when no tiny checkpoint exists."""
-    train_steps: int = 6
+    train_steps: int = 20
     """Training iterations (``TrainConfig.steps``)."""
     tasks_per_step: int = 16
     """Fresh trees per training iteration."""
@@ -237,16 +237,15 @@ class DemoConfig:
     """Credit of the training run (also applied to the reused stored trees)."""
     reuse: str = "dsc"
     """Stored-tree reuse rule of the training run (``TrainConfig.reuse``)."""
-    reuse_per_step: int = 4
-    """Stored trees drawn per iteration besides the fresh ones (each may cost up to the
-    refresh cap, 32 new tool steps, under ``dsc``: half the trainer's default keeps an
-    iteration near the cost of its fresh trees)."""
+    reuse_per_step: int = 8
+    """Stored trees drawn per iteration besides the fresh ones (a refreshed tree costs at
+    most its own tool steps: ``ReuseParams.refresh_cap``)."""
     max_staleness: int | None = None
     """Oldest stored policy version reused, in iterations (None: ``train_steps``, so the
     collected trees, version 0, stay eligible for the whole short run)."""
     heldout_tasks: int = 200
     """Held-out tasks of the evaluation (sampled and greedy), before, during and after."""
-    eval_every: int = 2
+    eval_every: int = 5
     """Held-out evaluation every this many iterations (and at the start and the end)."""
     n_boot: int = 2000
     """Bootstrap resamples (trees) of the ranking audit's intervals."""
@@ -552,7 +551,8 @@ def print_demo_summary(results: Mapping[str, Any], files: Sequence[Path],
     console.print(t2)
     steps = tr["tool_steps"]
     console.print(f"new tool steps: {steps['new']:,.0f} (fresh trees {steps['fresh']:,.0f}, "
-                  f"reuse refreshes {steps['reuse_new']:,.0f}); saved by reuse: "
+                  f"reuse {steps['reuse_new']:,.0f}, of which calibration "
+                  f"{steps.get('calibration', 0.0):,.0f}); saved by reuse: "
                   f"{steps['saved']:,.0f} (refresh-all {steps['refresh_all']:,.0f} - "
                   f"{steps['reuse_new']:,.0f} spent)")
     console.print("report: " + "  ".join(escape(str(f)) for f in files))

@@ -179,8 +179,10 @@ class ReuseParams:
     """Refresh protocol: a pair is resolved when |m_L - m_c| > kappa_e sqrt(v_L + v_c)."""
     refresh_batch: int = 4
     """Refresh protocol: new trajectories per round."""
-    refresh_cap: int = 32
-    """Refresh protocol: cap on the new tool steps spent on one stored tree."""
+    refresh_cap: int = 0
+    """Refresh protocol: cap on the new tool steps spent on one stored tree; 0 (default):
+    the tree's own tool steps, so refreshing a tree never costs more than collecting it
+    again (the refresh-all baseline of the metrics)."""
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> ReuseParams:
@@ -202,8 +204,10 @@ class ReuseParams:
         if min(p.kappa_R, p.kappa_delta, p.kappa_T, p.kappa_e) < 0 or min(
                 p.residual_var_R, p.residual_var_delta, p.residual_var_T) < 0:
             raise ValueError("kappas and residual variances must be >= 0")
-        if p.refresh_batch < 1 or p.refresh_cap < 1 or p.calib_trees < 1 or p.calib_draws < 1:
-            raise ValueError("refresh_batch, refresh_cap, calib_trees and calib_draws must "
+        if p.refresh_cap < 0:
+            raise ValueError("refresh_cap must be >= 0 (0: the stored tree's own tool steps)")
+        if p.refresh_batch < 1 or p.calib_trees < 1 or p.calib_draws < 1:
+            raise ValueError("refresh_batch, calib_trees and calib_draws must "
                              "be >= 1")
         if not 0.0 < p.calib_level < 1.0:
             raise ValueError(f"calib_level must be in (0, 1), got {p.calib_level}")
@@ -598,14 +602,15 @@ def refresh_routes(tree: Tree, res: Resolution, env: Environment, policy: Policy
     """Refresh the refreshed children of every comparison of ``res`` (preorder) with the
     refresh protocol of ``train.sampling.refresh`` (prior from the comparison's
     ``prior``) and ``PolicyRefresh`` draws from the node's stored snapshot, at most
-    ``params.refresh_cap`` new tool steps for the tree; returns the new tree with its
+    ``params.refresh_cap`` new tool steps for the tree (0: ``tool_steps(tree)``); returns the new tree with its
     lineage (module docstring)."""
     posterior: dict[tuple[int, int], float] = {}
     groups: list[tuple[int, list[int], list[Drawn]]] = []
     spent = missing = 0
+    cap = params.refresh_cap or max(tool_steps(tree), 1)
     for comp in res.comparisons:
         routes = comp.refresh
-        if len(routes) < 2 or spent >= params.refresh_cap:
+        if len(routes) < 2 or spent >= cap:
             continue
         draw = node_draws(tree, comp.node, routes, env, policy, seed=seed,
                           max_new_tokens=max_new_tokens, temperature=temperature,
@@ -619,7 +624,7 @@ def refresh_routes(tree: Tree, res: Resolution, env: Environment, policy: Policy
         n_old = np.array([comp.prior[c][2] for c in routes], np.float64)
         # the protocol's Beta prior takes returns in [0, 1] (transported ones are clipped)
         out = refresh_protocol(mean, var, n_old, list(range(len(routes))), sampler,
-                               kappa_e=params.kappa_e, cap_steps=params.refresh_cap - spent,
+                               kappa_e=params.kappa_e, cap_steps=cap - spent,
                                batch=params.refresh_batch)
         posterior.update({(comp.node, c): float(out.mean[i]) for i, c in enumerate(routes)})
         drawn = [d for _, d in sorted(sampler.cache.items())]
