@@ -167,15 +167,20 @@ def fsync_commit(table_dir: str | os.PathLike[str], after: int, upto: int) -> No
     them: another writer may have committed in between) and the ``_delta_log`` directory."""
     log = Path(table_dir) / "_delta_log"
     for version in range(after + 1, upto + 1):
-        try:
-            fd = os.open(log / _name(version), os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(log / _name(version))
     fsync_dir(log)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """fsync one file's contents; a file that does not exist is skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -210,13 +215,6 @@ def checkpoint_if_due(dt: DeltaTable, before: int, every: int,
     if table_dir is not None:
         log = Path(table_dir) / "_delta_log"
         for name in (f"{version:020d}.checkpoint.parquet", "_last_checkpoint"):
-            try:
-                fd = os.open(log / name, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(log / name)
         fsync_dir(log)
     return version
