@@ -602,8 +602,8 @@ def refresh_routes(tree: Tree, res: Resolution, env: Environment, policy: Policy
     """Refresh the refreshed children of every comparison of ``res`` (preorder) with the
     refresh protocol of ``train.sampling.refresh`` (prior from the comparison's
     ``prior``) and ``PolicyRefresh`` draws from the node's stored snapshot, at most
-    ``params.refresh_cap`` new tool steps for the tree (0: ``tool_steps(tree)``); returns the new tree with its
-    lineage (module docstring)."""
+    ``params.refresh_cap`` new tool steps for the tree (0: ``tool_steps(tree)``); returns
+    the new tree with its lineage (module docstring)."""
     posterior: dict[tuple[int, int], float] = {}
     groups: list[tuple[int, list[int], list[Drawn]]] = []
     spent = missing = 0
