@@ -77,7 +77,7 @@ def _outputs_text(nb: nbformat.NotebookNode) -> tuple[str, list[dict[str, Any]]]
     return "\n".join(parts), errors
 
 
-@pytest.mark.slow
+# In the default run (4-8 s each on 2 quiet cores), so CI keeps every notebook true.
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_executes_small(name: str, tmp_path: Path,
                                  monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """The README stays true (STYLE.md rule 12: examples run).
 
-* Every fenced block whose info string is ``bash runnable`` is a runnable block. The slow
+* Every fenced block whose info string is ``bash runnable`` is a runnable block. One
   test executes them in order with bash (``set -euo pipefail``, ``.venv/bin`` first on
   ``PATH``) in one temporary directory, so later blocks use the store earlier blocks made,
   and after each block checks that the store holds what its ``rtrees`` commands create:
@@ -284,7 +284,7 @@ def check_effects(cwd: Path, parsed: Parsed) -> None:
         assert (cwd / p["out"] / "report.md").is_file(), f"{name}: no report.md in {p['out']}"
 
 
-@pytest.mark.slow
+# In the default run (~40 s on 2 quiet cores), so CI keeps the tour true.
 def test_the_tour_runs(tmp_path: Path) -> None:
     """Every runnable block, in order, in one directory; each leaves what it creates."""
     env = dict(os.environ)
