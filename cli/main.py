@@ -279,7 +279,10 @@ def store_demo(
     policy needed)."""
     from rollout_store.demo import run_demo
 
-    run_demo(store, n_trees=trees, seed=seed, console=console)
+    try:
+        run_demo(store, n_trees=trees, seed=seed, console=console)
+    except ValueError as exc:
+        fail(str(exc))
 
 
 def main() -> None:  # pragma: no cover - console-script entry

@@ -27,7 +27,10 @@ _COMMIT_TREES = 250
 
 def run_demo(path: Path, n_trees: int = 2000, seed: int = 0,
              console: Console | None = None) -> dict[str, object]:
-    """Write ``n_trees`` synthetic trees to ``path`` and report on them; returns the summary."""
+    """Write ``n_trees`` synthetic trees to ``path`` and report on them; returns the summary.
+    ``n_trees < 1`` is a ``ValueError`` raised before the store is created."""
+    if n_trees < 1:
+        raise ValueError(f"trees must be >= 1, got {n_trees}")
     console = console or Console()
     store = Store(path, create=True)
     n_commits = -(-n_trees // _COMMIT_TREES)

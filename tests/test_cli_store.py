@@ -89,3 +89,10 @@ def test_store_demo_runs_and_reruns_as_a_process(tmp_path: Path) -> None:
     assert "validate: ok" in first.stdout
     again = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert "appended 0 commits, 2 already stored" in again.stdout
+
+
+def test_store_demo_refuses_no_trees_before_creating_the_store(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["store", "demo", "--store", str(tmp_path / "s"),
+                                 "--trees", "0"])
+    assert result.exit_code == 1 and "trees must be >= 1" in result.stderr
+    assert not (tmp_path / "s").exists()
