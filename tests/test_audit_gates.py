@@ -78,6 +78,23 @@ def test_refresh_samples_unresolved_routes_and_respects_the_cap() -> None:
     assert res.leader == 1
 
 
+def test_refresh_ends_when_draws_cost_nothing_and_the_routes_tie() -> None:
+    """Two routes that answer at once (0 tool steps) with the same deterministic reward
+    never resolve (gap 0); each draw is charged one step against the cap, so the protocol
+    ends after cap_steps draws, reporting the 0 tool steps they really cost. It drew
+    until memory ran out before (the reuse experiment, calc, dsc)."""
+    drawn: list[int] = []
+
+    def sample(route: int, k: int) -> Rollout:
+        drawn.append(route)
+        return _traj(0, 1.0)
+
+    res = refresh_protocol(np.array([0.5, 0.5]), np.full(2, 0.25 / 4), np.full(2, 4),
+                           [0, 1], sample, cap_steps=12, batch=4)
+    assert len(drawn) == 12 and set(drawn) == {0, 1}
+    assert res.steps == 0 and not res.resolved and res.incomplete == 0
+
+
 # ----------------------------------------------------------------- real runs
 def test_gate_audit_small_run(tmp_path: Path) -> None:
     results = gate_study(tmp_path, _small(kl_targets=(0.35,)))

@@ -102,12 +102,18 @@ def refresh_protocol(prior_mean: np.ndarray, prior_var: np.ndarray, n_old: np.nd
     competitors (|m_L - m_c| <= kappa_e sqrt(v_L + v_c)); stop when none is left or the
     cap is spent; else allocate ``batch`` trajectories over the leader and the
     unresolved competitors in proportion to v / max(gap, min_gap)^2.
+
+    Every draw is charged at least one step against ``cap_steps``, so the cap bounds the
+    number of draws as well: in a unit where a draw may cost nothing (``tool_calls``: a
+    route that answers at once) two routes with equal deterministic rewards never
+    resolve (their gap stays 0 while the posterior variances shrink), and without the
+    charge the loop drew forever. ``steps`` reports what the draws really cost.
     """
     prior = np.array([beta_prior(float(m), float(v), float(n))
                       for m, v, n in zip(prior_mean, prior_var, n_old, strict=True)])
     alpha, beta = prior[:, 0].copy(), prior[:, 1].copy()
     n_new = np.zeros(len(prior_mean), np.int64)
-    steps = 0
+    steps = charged = 0  # the draws' cost in the budget unit; what the cap counts
     incomplete = 0
     candidates = np.array(sorted(routes), np.int64)
     while True:
@@ -116,7 +122,7 @@ def refresh_protocol(prior_mean: np.ndarray, prior_var: np.ndarray, n_old: np.nd
         comps = candidates[candidates != leader]
         gaps = np.abs(mean[leader] - mean[comps])
         unresolved = comps[gaps <= kappa_e * np.sqrt(var[leader] + var[comps])]
-        if unresolved.size == 0 or steps >= cap_steps:
+        if unresolved.size == 0 or charged >= cap_steps:
             return RefreshResult(mean, var, n_new, steps, leader, unresolved.size == 0,
                                  incomplete)
         gap_u = np.maximum(np.abs(mean[leader] - mean[unresolved]), min_gap)
@@ -127,14 +133,16 @@ def refresh_protocol(prior_mean: np.ndarray, prior_var: np.ndarray, n_old: np.nd
             for _ in range(int(count)):
                 traj = sample(int(route), int(n_new[route]))
                 n_new[route] += 1
-                if steps + traj.steps > cap_steps:  # cut by the cap: spent, not counted
-                    steps = cap_steps
+                if charged + max(1, traj.steps) > cap_steps:  # cut by the cap: spent,
+                    steps = min(steps + traj.steps, cap_steps)  # its reward not counted
+                    charged = cap_steps
                     incomplete += 1
                     break
                 steps += traj.steps
+                charged += max(1, traj.steps)
                 alpha[route] += traj.reward
                 beta[route] += 1.0 - traj.reward
-            if steps >= cap_steps:
+            if charged >= cap_steps:
                 break
 
 
