@@ -1,6 +1,6 @@
 """``rtrees policy ...``: train the embedded tiny policy and inspect policies (issue 6).
 
-``rtrees policy init --env calc|workflow|sgls [--seed 0] [--out DIR] [--minutes 10] [--force]``
+``rtrees policy init --env calc|workflow|sgls [--seed 0] [--out DIR] [--minutes M] [--force]``
 trains the tiny policy by SFT on the environment's noisy expert traces
 (``train.policies.tiny_train.init_policy``), prints the sampled success on held-out
 tasks per difficulty (calc), horizon (workflow) or task kind (sgls) and overall, and caches the
@@ -37,22 +37,24 @@ def init(
     out: Annotated[Path | None, typer.Option(
         help="Checkpoint directory (default: ~/.cache/rollout-trees/policies/ENV-SEED).")
     ] = None,
-    minutes: Annotated[float, typer.Option(
+    minutes: Annotated[float | None, typer.Option(
         help="Wall-clock budget for training; it stops earlier once held-out success is "
-             "in band.")] = 10.0,
+             "in band (default: the env's, train.policies.tiny_train.DEFAULT_MINUTES).")
+    ] = None,
     force: Annotated[bool, typer.Option(help="Retrain even if a checkpoint exists.")] = False,
 ) -> None:
     """Train the tiny policy by SFT on noisy expert traces; print held-out success."""
+    from train.policies import PolicyUnavailableError
     from train.policies.tiny import default_cache_dir, find_checkpoint, read_meta
     from train.policies.tiny_train import TINY_ENVS, init_policy
 
     if env not in TINY_ENVS:
         fail(f"tiny policies exist for {', '.join(TINY_ENVS)}, not {env!r}", 2)
-    require(minutes > 0, f"--minutes must be positive, got {minutes}")
+    require(minutes is None or minutes > 0, f"--minutes must be positive, got {minutes}")
     try:
         result = init_policy(env, seed=seed, out=out, minutes=minutes, force=force,
                              log=console.print)
-    except ValueError as exc:
+    except (ValueError, PolicyUnavailableError) as exc:
         fail(str(exc), 2)
     if result is None:  # reused: show what was measured when it was trained
         path = out if out is not None else (find_checkpoint(env, seed)

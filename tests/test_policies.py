@@ -56,6 +56,7 @@ from train.policies.tiny import (
     render,
     render_segments,
     save_checkpoint,
+    warm_start_model,
 )
 from train.policies.tiny_train import (
     encode_episode,
@@ -630,3 +631,29 @@ def test_trained_sgls_policy_success_in_band() -> None:
     tasks = make_tasks("sgls", 100, seed=3_000_000)
     report = success_report(trained, "sgls", tasks, seed=0, max_new_tokens=64)
     assert 0.2 <= report.overall <= 0.8, report.lines()
+
+
+def test_warm_start_keeps_the_source_policy_and_grows_its_vocabulary(tmp_path: Path) -> None:
+    """sgls SFT starts from the calc policy (``SFTConfig.init_from``): the shared tokens keep
+    their embeddings, so on calc text the old tokens' logits are the calc policy's."""
+    from transformers import AutoModelForCausalLM
+
+    calc_path = _committed("calc")
+    sgls_tokenizer = build_tokenizer("sgls")
+    model = warm_start_model(sgls_tokenizer, calc_path, seed=3)
+    source = AutoModelForCausalLM.from_pretrained(str(calc_path)).eval()
+    n_old = len(build_tokenizer("calc"))
+    assert model.get_input_embeddings().weight.shape[0] == len(sgls_tokenizer) > n_old
+    ids = sgls_tokenizer(make_tasks("calc", 1, seed=4)[0].prompt, return_tensors="pt")
+    with torch.no_grad():
+        new = model(**ids).logits[..., :n_old]
+        old = source(**ids).logits
+    torch.testing.assert_close(new, old)
+    again = warm_start_model(sgls_tokenizer, calc_path, seed=3)
+    assert torch.equal(again.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    # a source whose vocabulary is not a prefix of the target's is refused
+    bigger = tmp_path / "sgls-random"
+    init_model(sgls_tokenizer).save_pretrained(bigger)
+    sgls_tokenizer.save_pretrained(bigger)
+    with pytest.raises(ValueError, match="not a prefix"):
+        warm_start_model(build_tokenizer("calc"), bigger)

@@ -4,7 +4,7 @@
 
 ============  ==============================================================
 ``tiny``      the embedded ~0.8M-parameter Llama trained for ``env`` (calc,
-              workflow or sgls; no sgls checkpoint is committed yet) by
+              workflow or sgls; a seed-0 checkpoint of each is committed) by
               ``rtrees policy init``; kw ``seed`` (0),
               ``checkpoint`` (a directory), ``random_init=True`` (fresh random
               weights, nothing loaded: for tests and benchmarks)
