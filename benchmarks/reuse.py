@@ -149,6 +149,14 @@ def workflow_regret(run: Path, store: str) -> dict[str, float] | None:
             "p_over_002": sum(x > 0.02 for x in regrets) / len(regrets), "n": len(regrets)}
 
 
+def _fewer(a: float, b: float) -> str:
+    """``a`` against ``b`` as "N% fewer" or "N% more"."""
+    if not b:
+        return "no baseline"
+    pct = (1.0 - a / b) * 100.0
+    return f"{abs(pct):.0f}% {'fewer' if pct >= 0 else 'more'}"
+
+
 def report(results: list[dict[str, Any]], out: Path) -> str:
     lines = ["| env | rule | held-out sampled at budget | iterations | new tool steps | "
              "pairs reused / transported / refreshed | refresh tool steps | refresh-all "
@@ -182,10 +190,8 @@ def report(results: list[dict[str, Any]], out: Path) -> str:
             b = statistics.mean(float(r["refresh_tool_steps"]) for r in ref)
             lines.append(f"\n{env}: dsc spent {a:.0f} stored-tree tool steps ({cal:.0f} of "
                          f"them on the D7 calibration draws) vs {b:.0f} for refresh "
-                         f"({(1 - a / b) * 100 if b else float('nan'):.0f}% fewer; without the "
-                         f"calibration {(1 - (a - cal) / b) * 100 if b else float('nan'):.0f}% "
-                         "fewer; DSC-Gate reports 39% fewer than a gap gate at matched "
-                         "regret)\n")
+                         f"({_fewer(a, b)}; without the calibration {_fewer(a - cal, b)}; "
+                         "DSC-Gate reports 39% fewer than a gap gate at matched regret)\n")
             for r in dsc:
                 c = r["calibration"] or {}
                 kap = c.get("kappas") or {}
