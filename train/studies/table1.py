@@ -204,9 +204,10 @@ def run_table1_study(out_dir: str | Path, config: Table1Config | None = None,
         "seconds": time.perf_counter() - started})
 
 
-# The settings of the study's test (``StudySpec.small``): one seed, one iteration, a
-# config the trainer runs and the one it may refuse.
-SMALL: dict[str, Any] = {"configs": ("grpo+group", "trace+group"), "seeds": (0,),
+# The settings of the study's test (``StudySpec.small``): one seed, one iteration, two calc
+# configs (one with reference scoring) and one on sgls (the committed sgls policy).
+SMALL: dict[str, Any] = {"configs": ("grpo+group", "trace+group", "slca+group (sgls)"),
+                         "seeds": (0,),
                          "steps": 1, "tasks_per_step": 2, "n_total": 4, "heldout_tasks": 4,
                          "eval_every": 1, "n_boot": 100}
 
