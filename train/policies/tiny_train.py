@@ -132,8 +132,10 @@ class SFTConfig:
     """Token cap of one sampled step during evaluation."""
     threads: int = 2
     init_from: str | None = None
-    """Start from the committed tiny checkpoint of this env (seed 0) instead of random
-    weights; its vocabulary must be a prefix of this env's (``tiny.warm_start_model``)."""
+    """Start from this env's seed-0 tiny checkpoint (``find_checkpoint``: the cached one,
+    else the committed one; its path and version go into the new checkpoint's record)
+    instead of random weights; its vocabulary must be a prefix of this env's
+    (``tiny.warm_start_model``)."""
 
     def __post_init__(self) -> None:
         if self.env not in TINY_ENVS:
@@ -192,7 +194,7 @@ def default_config(env: str, seed: int = 0, minutes: float | None = None, **over
 
 
 # Wall-clock budget of ``policy init`` per env when ``--minutes`` is not given (sgls takes
-# ~19 min for its 6,000 steps on one quiet core; calc and workflow stop in band earlier).
+# ~20 min for its 6,000 steps on one quiet core; calc and workflow stop in band earlier).
 DEFAULT_MINUTES: dict[str, float] = {"calc": 10.0, "workflow": 10.0, "sgls": 40.0}
 
 
