@@ -50,11 +50,12 @@ looks there first, then in the committed checkpoints ``COMMITTED_DIR/<env>``
     rtrees policy init --env workflow --seed 0 --out train/policies/checkpoints/workflow --force
     rtrees policy init --env sgls --seed 0 --out train/policies/checkpoints/sgls --force
 
-The sgls run starts from the committed calc checkpoint (``SFTConfig.init_from``,
-``warm_start_model``: the sgls vocabulary extends the shared one, so the calc weights
-carry over and only the new phrase tokens' embeddings are drawn): from random weights
-3,000 steps never learned to copy ids and prices from tool responses (0/200 held-out),
-from the calc policy 6,000 steps reach 23.5% on 200 held-out tasks (about 20 minutes on
+The sgls run starts from the calc checkpoint (``SFTConfig.init_from``: the cached one,
+else the committed one), its vocabulary grown by ``warm_start_model`` (the sgls
+vocabulary extends the shared one, so the calc weights carry over and only the new
+phrase tokens' embeddings are drawn). From random weights 3,000 steps never learned to
+copy ids and prices from tool responses (0/200 held-out); from the calc policy 6,000
+steps reach 23.5% on 200 held-out tasks (about 20 minutes on
 one quiet core; the committed one was trained with ``threads=1``).
 
 Training is seeded and its stopping rule counts optimizer steps, not seconds, so
