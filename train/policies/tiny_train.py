@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -131,6 +132,8 @@ class SFTConfig:
     max_new_tokens: int = 48
     """Token cap of one sampled step during evaluation."""
     threads: int = 2
+    """Torch threads, capped at the CPUs this process may run on (``os.sched_getaffinity``,
+    e.g. under ``taskset``): more threads than CPUs oversubscribe them (GOTCHAS.md)."""
     init_from: str | None = None
     """Start from this env's seed-0 tiny checkpoint (``find_checkpoint``: the cached one,
     else the committed one; its path and version go into the new checkpoint's record)
@@ -456,7 +459,7 @@ def train_sft(config: SFTConfig, out: Path, log: Log = print) -> SFTResult:
     start = time.perf_counter()
     deadline = start + config.minutes * 60.0
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
+    torch.set_num_threads(max(1, min(config.threads, len(os.sched_getaffinity(0)))))
     try:
         return _train(config, out, log, start, deadline)
     finally:
