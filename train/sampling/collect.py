@@ -239,7 +239,10 @@ def _worker_chunk(tasks: list[Task], n_total: int, seed: int, run_id: str) -> li
 
 
 @contextmanager
-def _progress(enabled: bool, total: int, description: str) -> Iterator[Callable[[int], None]]:
+def progress_bar(enabled: bool, total: int, description: str, unit: str = "",
+                 transient: bool = False) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar of ``total`` items (``unit`` names them), yielding
+    ``advance(n)``; a no-op when not ``enabled``. ``transient`` clears it at the end."""
     if not enabled:
         yield lambda n: None
         return
@@ -252,8 +255,10 @@ def _progress(enabled: bool, total: int, description: str) -> Iterator[Callable[
         TimeRemainingColumn,
     )
 
+    named = (TextColumn(unit), TimeElapsedColumn(), TextColumn("eta")) if unit else (
+        TimeElapsedColumn(),)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn()) as bar:
+                  *named, TimeRemainingColumn(), transient=transient) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
 
@@ -295,7 +300,7 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
         env_name, pol_spec = worker_specs(env, policy, "ray")
         from train.sampling.ray_collect import run_chunks_on_ray  # ray is an optional extra
 
-        with _progress(progress, len(todo), f"collect {samp.name} on ray") as advance:
+        with progress_bar(progress, len(todo), f"collect {samp.name} on ray") as advance:
             for done_chunk in run_chunks_on_ray(ray, workers, store, env_name, pol_spec, samp,
                                                 chunks, n_total, seed, run_id):
                 report.add(done_chunk)
@@ -303,7 +308,7 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
         report.seconds = time.perf_counter() - start
         return report
 
-    with _progress(progress, len(todo), f"collect {samp.name}") as advance:
+    with progress_bar(progress, len(todo), f"collect {samp.name}") as advance:
         if workers == 1 or len(chunks) <= 1:
             env_obj = make_env(env) if isinstance(env, str) else env
             env_name = env if isinstance(env, str) else env_obj.name

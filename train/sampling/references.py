@@ -75,7 +75,7 @@ from train.sampling.base import (
     mix_seed,
     sample_round,
 )
-from train.sampling.collect import PolicySpec, resolve_policy
+from train.sampling.collect import PolicySpec, progress_bar, resolve_policy
 
 if TYPE_CHECKING:
     import duckdb
@@ -379,15 +379,6 @@ def collect_references(store: Store, config: ReferenceConfig | None = None, *,
     Returns what was done; ``versions`` maps each env to the reference policy
     version (None in own-policy mode: each tree's).
     """
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
     config = config or ReferenceConfig()
     started = time.perf_counter()
     report = ReferenceReport(config.k)
@@ -406,12 +397,9 @@ def collect_references(store: Store, config: ReferenceConfig | None = None, *,
     report.reused = int(have.sum())
     missing = children.filter(pa.array(~have))
     counters = _Counters()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("children"), TimeElapsedColumn(), TextColumn("eta"),
-               TimeRemainingColumn())
-    with Progress(*columns, transient=True, disable=not progress) as bar:
-        task = bar.add_task(f"Mean@{config.k} references ({report.reused} reused)",
-                            total=missing.num_rows)
+    with progress_bar(progress, missing.num_rows,
+                      f"Mean@{config.k} references ({report.reused} reused)",
+                      unit="children", transient=True) as advance:
         for batch in _batches(missing, config.commit_children):
             env_name = batch.column("env")[0].as_py()
             ref = batch.column("policy_ref")[0].as_py()
@@ -446,7 +434,7 @@ def collect_references(store: Store, config: ReferenceConfig | None = None, *,
                 return make_env(name, **(env_kwargs or {}))
 
             wins = run_references(pol, factory, starts, config, counters,
-                                  on_chunk=lambda n: bar.advance(task, n))
+                                  on_chunk=advance)
             rows = reference_rows(batch, wins, config, version)
             store.append_mc_references(rows, key=commit_key(config, version, batch))
             report.sampled += batch.num_rows
