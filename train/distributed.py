@@ -121,22 +121,22 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def all_sum(world: World, values: Sequence[float]) -> list[float]:
-    """Elementwise sum over ranks (float64; counts stay exact)."""
+def _all_reduce(world: World, values: Sequence[float], op: Any) -> list[float]:
     if world.size == 1:
         return [float(v) for v in values]
     t = torch.tensor(list(values), dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=op)
     return t.tolist()
+
+
+def all_sum(world: World, values: Sequence[float]) -> list[float]:
+    """Elementwise sum over ranks (float64; counts stay exact)."""
+    return _all_reduce(world, values, dist.ReduceOp.SUM)
 
 
 def all_max(world: World, values: Sequence[float]) -> list[float]:
     """Elementwise maximum over ranks."""
-    if world.size == 1:
-        return [float(v) for v in values]
-    t = torch.tensor(list(values), dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return _all_reduce(world, values, dist.ReduceOp.MAX)
 
 
 def reduce_sums(world: World, sums: dict[str, float]) -> dict[str, float]:
