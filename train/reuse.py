@@ -144,6 +144,8 @@ CALIB_FRAC: float = 0.25
 _STEP = re.compile(r"step-(\d+)/?$")
 _KAPPAS = ("kappa_R", "kappa_delta", "kappa_T")
 _INTS = ("refresh_batch", "refresh_cap", "calib_draws", "calib_trees")
+# ReuseParams repeats these fields of DSCGateParams flat, as ``--reuse-param`` keys
+_GATE_FIELDS = tuple(f.name for f in fields(DSCGateParams))
 
 
 class ReuseError(ValueError):
@@ -214,27 +216,19 @@ class ReuseParams:
         return p
 
     def gate(self) -> DSCGateParams:
-        return DSCGateParams(kappa_R=self.kappa_R, kappa_delta=self.kappa_delta,
-                             kappa_T=self.kappa_T, residual_var_R=self.residual_var_R,
-                             residual_var_delta=self.residual_var_delta,
-                             residual_var_T=self.residual_var_T)
+        return DSCGateParams(**self.kappas())
 
     def with_kappas(self, values: Mapping[str, float]) -> ReuseParams:
         """A copy with the kappas / residual variances in ``values`` (keys of ``kappas``)."""
-        unknown = set(values) - set(self.kappas())
+        unknown = set(values) - set(_GATE_FIELDS)
         if unknown:
             raise ValueError(f"not a kappa or residual variance: {sorted(unknown)}")
-        now = {**self.kappas(), **{k: float(v) for k, v in values.items()}}
-        return replace(self, kappa_R=now["kappa_R"], kappa_delta=now["kappa_delta"],
-                       kappa_T=now["kappa_T"], residual_var_R=now["residual_var_R"],
-                       residual_var_delta=now["residual_var_delta"],
-                       residual_var_T=now["residual_var_T"])
+        changes: dict[str, Any] = {k: float(v) for k, v in values.items()}
+        return replace(self, **changes)
 
     def kappas(self) -> dict[str, float]:
-        return {"kappa_R": self.kappa_R, "kappa_delta": self.kappa_delta,
-                "kappa_T": self.kappa_T, "residual_var_R": self.residual_var_R,
-                "residual_var_delta": self.residual_var_delta,
-                "residual_var_T": self.residual_var_T}
+        """The gate's fields (those of ``DSCGateParams``): kappas and residual variances."""
+        return {name: getattr(self, name) for name in _GATE_FIELDS}
 
 
 # ------------------------------------------------------------------------- selection
