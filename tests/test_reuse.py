@@ -90,6 +90,12 @@ def test_transport_equals_d4_by_hand_and_is_linear_in_z() -> None:
             1.5 * (res.transported[leaf] - res.reward[leaf]), abs=1e-12)
 
 
+def _stored_logprobs(tree: Tree) -> dict[tuple[str, int], np.ndarray]:
+    """Every non-root node's stored logprobs as the current ones: pi = mu."""
+    return {(tree.tree_id, n.node_id): np.array(n.action_logprobs) for n in tree.nodes
+            if n.parent_id is not None}
+
+
 def _two_level_tree() -> Tree:
     """0 -+- 1 -+- 2 --- 3 (R=1)
           |     +- 4 -+- 5 (R=0)
@@ -144,8 +150,7 @@ def test_comparisons_below_the_root_are_anchored_at_their_node() -> None:
 
 def test_pi_equals_mu_transport_is_reuse_and_dsc_has_no_drift() -> None:
     tree = _hand_tree()
-    same = {("t", n.node_id): np.array(n.action_logprobs) for n in tree.nodes
-            if n.parent_id is not None}
+    same = _stored_logprobs(tree)
     reuse = resolve_tree(tree, "all", same, ReuseParams())
     transport = resolve_tree(tree, "transport", same, ReuseParams())
     assert transport.returns == reuse.returns == reuse.reward  # exactly
@@ -153,8 +158,7 @@ def test_pi_equals_mu_transport_is_reuse_and_dsc_has_no_drift() -> None:
     clear = Tree(tree_id="t", run_id="r", env="calc", nodes=[
         _node(0, None), _node(1, 0), _node(2, 0),
         *[_node(3 + i, 1, 1.0) for i in range(8)], *[_node(11 + i, 2, 0.0) for i in range(8)]])
-    same = {("t", n.node_id): np.array(n.action_logprobs) for n in clear.nodes
-            if n.parent_id is not None}
+    same = _stored_logprobs(clear)
     res = resolve_tree(clear, "dsc", same, ReuseParams(kappa_R=1, kappa_delta=1, kappa_T=1))
     assert res.pairs == {"reuse": 15} and res.refresh == []  # 1 root pair + 2 x 7 leaf pairs
     assert not any(c.refresh for c in res.comparisons)
@@ -187,8 +191,7 @@ def test_refresh_starts_from_the_stored_snapshot() -> None:
     task = type(env).generate_tasks(1, seed=5)[0]
     tree = make_sampler("group", max_new_tokens=40).sample_tree(env, policy, task, 3, seed=2,
                                                                 tree_id="t", run_id="r")
-    same = {("t", n.node_id): np.array(n.action_logprobs) for n in tree.nodes
-            if n.parent_id is not None}
+    same = _stored_logprobs(tree)
     res = resolve_tree(tree, "refresh", same, ReuseParams())
     assert len(res.refresh) == 3
     got = refresh_routes(tree, res, env, policy, tree_id="t-refresh", run_id="r", seed=0,
@@ -297,8 +300,7 @@ def test_refresh_below_the_root_copies_the_path_and_continues_the_stored_child()
     task = type(env).generate_tasks(1, seed=1)[0]
     tree = make_sampler("bel", max_new_tokens=40).sample_tree(env, policy, task, 4, seed=1,
                                                               tree_id="t", run_id="r")
-    same = {("t", n.node_id): np.array(n.action_logprobs) for n in tree.nodes
-            if n.parent_id is not None}
+    same = _stored_logprobs(tree)
     res = resolve_tree(tree, "refresh", same, ReuseParams())
     inner = [c for c in res.comparisons if c.refresh and c.node != tree.root().node_id]
     assert inner and res.refresh == []  # the root is no comparison here
