@@ -42,7 +42,6 @@ gives the same per-step losses and final weights as an uninterrupted one.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -381,13 +380,11 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
 
     policy = load_start_policy(config, start_ckpt)
     model = policy.model
-    ref_model = None
-    if config.kl_coef > 0:  # frozen initial policy
-        ref_model = copy.deepcopy(load_start_policy(config).model).eval().requires_grad_(False)
-    ref_policy = None
-    if config.credit == "trace":  # T2: gold-answer logprobs of the frozen initial policy
+    ref_policy = None  # the frozen initial policy: KL reference, and trace's scorer (T2)
+    if config.kl_coef > 0 or config.credit == "trace":
         ref_policy = load_start_policy(config)
         ref_policy.model.eval().requires_grad_(False)
+    ref_model = ref_policy.model if config.kl_coef > 0 and ref_policy is not None else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
     warm = config.warmup_steps
@@ -451,7 +448,7 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
         # 4. credit through the registry, committed; trace (T2) first scores the gold
         #    answer under the frozen initial policy (DDP: each rank its own trees)
         scores = ref_version = None
-        if ref_policy is not None:
+        if config.credit == "trace" and ref_policy is not None:
             ref_version = ref_policy.policy_version
             scores = pa.concat_tables(dp.gather_list(world, [score_trees(
                 mine, ref_policy, GOLD, policy_ref=config.policy, run_id=run_id)]))
