@@ -657,3 +657,13 @@ def test_warm_start_keeps_the_source_policy_and_grows_its_vocabulary(tmp_path: P
     sgls_tokenizer.save_pretrained(bigger)
     with pytest.raises(ValueError, match="not a prefix"):
         warm_start_model(build_tokenizer("calc"), bigger)
+
+
+def test_cli_policy_init_refuses_an_unwritable_out_before_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = CliRunner().invoke(app, ["policy", "init", "--env", "calc", "--force",
+                                      "--out", str(blocker / "ckpt")])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: cannot write the checkpoint to")
+    assert "episodes" not in result.output  # nothing was trained

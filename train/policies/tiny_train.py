@@ -59,6 +59,7 @@ import json
 import math
 import os
 import random
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -572,4 +573,11 @@ def init_policy(env: str, seed: int = 0, out: Path | None = None, minutes: float
         if found is not None:
             log(f"reusing the checkpoint at {found} (--force retrains)")
             return None
+    try:  # the checkpoint is written beside ``target``: fail before minutes of training
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=target.parent):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot write the checkpoint to {target}: "
+                         f"{exc.strerror or exc}") from None
     return train_sft(config, target, log)
