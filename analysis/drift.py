@@ -44,6 +44,10 @@ from analysis.report import (
     open_study_of_kinds,
     register_study_report,
     save_figure,
+    study_connection,
+    study_int,
+    study_number,
+    study_path,
     write_study_results,
 )
 from analysis.stats import cluster_draws, percentile_ci, spearman
@@ -146,23 +150,22 @@ def _correlations(drift: np.ndarray, g: np.ndarray, global_kl: np.ndarray,
 def drift_summary(pairs_path: Path, tau: float = 0.02, n_boot: int = 300, seed: int = 0
                   ) -> dict[str, Any]:
     """Every statistic of the report, from the per-pair Parquet file (DuckDB + ranks)."""
-    import duckdb
-
-    con = duckdb.connect()
-    src = f"read_parquet('{pairs_path.as_posix()}')"
-    by_update = con.sql(f"""
+    con = study_connection({"pairs": pairs_path})
+    bound = {"tau": float(tau)}  # from study.json: a bound parameter, never SQL text
+    by_update = con.sql("""
         SELECT kind, kl_target, count(*) AS n_pairs, avg(global_kl) AS global_kl,
                count(DISTINCT task_id) AS n_tasks,
                avg(abs(drift)) AS mean_abs_drift, max(abs(drift)) AS max_abs_drift,
-               count(*) FILTER (WHERE abs(c_old) > {tau}) AS n_relevant,
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND c_old * c_new < 0) AS reversals,
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND root) AS n_relevant_root,
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND root AND c_old * c_new < 0)
+               count(*) FILTER (WHERE abs(c_old) > $tau) AS n_relevant,
+               count(*) FILTER (WHERE abs(c_old) > $tau AND c_old * c_new < 0) AS reversals,
+               count(*) FILTER (WHERE abs(c_old) > $tau AND root) AS n_relevant_root,
+               count(*) FILTER (WHERE abs(c_old) > $tau AND root AND c_old * c_new < 0)
                    AS reversals_root,
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND live) AS n_relevant_live,
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND live AND c_old * c_new < 0)
+               count(*) FILTER (WHERE abs(c_old) > $tau AND live) AS n_relevant_live,
+               count(*) FILTER (WHERE abs(c_old) > $tau AND live AND c_old * c_new < 0)
                    AS reversals_live
-        FROM {src} GROUP BY kind, kl_target ORDER BY kind, kl_target""").fetchall()
+        FROM pairs GROUP BY kind, kl_target ORDER BY kind, kl_target""", params=bound
+                        ).fetchall()
     rows = []
     for (kind, kl_target, n_pairs, gkl, n_tasks, mad, maxd, n_rel, rev, n_rel_root,
          rev_root, n_rel_live, rev_live) in by_update:
@@ -175,20 +178,20 @@ def drift_summary(pairs_path: Path, tau: float = 0.02, n_boot: int = 300, seed: 
             "reversal_rate_root": rev_root / n_rel_root if n_rel_root else math.nan,
             "n_relevant_live": n_rel_live, "reversals_live": rev_live,
             "reversal_rate_live": rev_live / n_rel_live if n_rel_live else math.nan})
-    total = con.sql(f"""
-        SELECT count(*) FILTER (WHERE abs(c_old) > {tau}),
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND c_old * c_new < 0),
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND abs(drift) < abs(c_old)),
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND abs(g) < abs(c_old)),
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND abs(g) < abs(c_old)
+    total = con.sql("""
+        SELECT count(*) FILTER (WHERE abs(c_old) > $tau),
+               count(*) FILTER (WHERE abs(c_old) > $tau AND c_old * c_new < 0),
+               count(*) FILTER (WHERE abs(c_old) > $tau AND abs(drift) < abs(c_old)),
+               count(*) FILTER (WHERE abs(c_old) > $tau AND abs(g) < abs(c_old)),
+               count(*) FILTER (WHERE abs(c_old) > $tau AND abs(g) < abs(c_old)
                                 AND c_old * c_new < 0),
-               count(*) FILTER (WHERE abs(c_old) > {tau} AND abs(g) >= abs(c_old)
+               count(*) FILTER (WHERE abs(c_old) > $tau AND abs(g) >= abs(c_old)
                                 AND c_old * c_new < 0),
                count(*), max(abs(drift)), avg(abs(drift - g)), avg(abs(drift))
-        FROM {src}""").fetchall()[0]
+        FROM pairs""", params=bound).fetchall()[0]
     (n_rel, rev, d6_exact, g_survive, g_survive_rev, g_flag_rev, n_all, max_drift,
      first_order_err, mean_drift) = total
-    cols = con.sql(f"SELECT task_id, kind, root, drift, g, global_kl, pairwise_kl FROM {src}"
+    cols = con.sql("SELECT task_id, kind, root, drift, g, global_kl, pairwise_kl FROM pairs"
                    ).fetchnumpy()
     table = {k: np.asarray(v) for k, v in cols.items()}
     corr = {"all": _correlations(table["drift"], table["g"], table["global_kl"],
@@ -378,8 +381,9 @@ def drift_results(study_dir: str | Path, out_dir: str | Path | None = None) -> d
     src, out, study = open_study_of_kinds(study_dir, out_dir, DRIFT_KINDS)
     kind = str(study["study"])
     config = study["config"]
-    pairs_path = src / study["pairs_path"]
-    summary = drift_summary(pairs_path, config["tau"], config["n_boot"], config["seed"])
+    pairs_path = study_path(src, study["pairs_path"], "pairs_path")
+    summary = drift_summary(pairs_path, study_number(config, "tau"),
+                            study_int(config, "n_boot"), study_int(config, "seed"))
     results: dict[str, Any] = {
         "audit": kind, "config": config, "summary": summary,
         "pairs_path": study["pairs_path"], "plots": [], "verdicts": l1_verdicts(summary),

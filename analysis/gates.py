@@ -29,6 +29,9 @@ from analysis.report import (
     open_study_of_kinds,
     register_study_report,
     save_figure,
+    study_connection,
+    study_number,
+    study_path,
     write_study_results,
 )
 from analysis.stats import cluster_bootstrap_means, percentile_ci
@@ -52,42 +55,39 @@ def gate_summary(instances_path: Path, routes_path: Path, config: Mapping[str, A
     """The report's numbers from ``instances.parquet`` and ``routes.parquet`` (DuckDB);
     ``config`` is the study's settings (``study.json``: regret_threshold, margin,
     step_ratio_max, n_boot, seed)."""
-    import duckdb
-
-    con = duckdb.connect()
-    inst = f"read_parquet('{instances_path.as_posix()}')"
-    routes = f"read_parquet('{routes_path.as_posix()}')"
-    thr = config["regret_threshold"]
+    # settings from study.json are bound parameters, never SQL text
+    thr = {"thr": study_number(config, "regret_threshold")}
+    con = study_connection({"inst": instances_path, "routes": routes_path})
     table: dict[str, dict[str, Any]] = {}
-    for gate, n, regret, p_regret, steps, refresh, max_regret in con.sql(f"""
-            SELECT gate, count(*), avg(regret), avg(CASE WHEN regret > {thr} THEN 1 ELSE 0
+    for gate, n, regret, p_regret, steps, refresh, max_regret in con.sql("""
+            SELECT gate, count(*), avg(regret), avg(CASE WHEN regret > $thr THEN 1 ELSE 0
             END), avg(steps), avg(CASE WHEN refreshed THEN 1 ELSE 0 END), max(regret)
-            FROM {inst} GROUP BY gate""").fetchall():
+            FROM inst GROUP BY gate""", params=thr).fetchall():
         table[gate] = {"n": n, "regret": regret, "p_regret": p_regret, "new_steps": steps,
                        "any_refresh": refresh, "max_regret": max_regret}
     by_kind = {}
-    for kind, n_reuse, n_transport, n_refresh, steps, refresh, regret in con.sql(f"""
+    for kind, n_reuse, n_transport, n_refresh, steps, refresh, regret in con.sql("""
             SELECT kind, sum(n_reuse), sum(n_transport), sum(n_refresh), avg(steps),
                    avg(CASE WHEN refreshed THEN 1 ELSE 0 END), avg(regret)
-            FROM {inst} WHERE gate = 'dsc' GROUP BY kind ORDER BY kind""").fetchall():
+            FROM inst WHERE gate = 'dsc' GROUP BY kind ORDER BY kind""").fetchall():
         total = n_reuse + n_transport + n_refresh
         by_kind[kind] = {"reuse": n_reuse / total if total else math.nan,
                          "transport": n_transport / total if total else math.nan,
                          "refresh": n_refresh / total if total else math.nan,
                          "new_steps": steps, "any_refresh": refresh, "regret": regret}
     near_tie: dict[str, dict[str, Any]] = {}
-    for gate, tie, n, steps, refresh, regret in con.sql(f"""
-            SELECT gate, top2_gap < {thr} AS tie, count(*), avg(steps),
+    for gate, tie, n, steps, refresh, regret in con.sql("""
+            SELECT gate, top2_gap < $thr AS tie, count(*), avg(steps),
                    avg(CASE WHEN refreshed THEN 1 ELSE 0 END), avg(regret)
-            FROM {inst} GROUP BY gate, tie ORDER BY gate, tie""").fetchall():
+            FROM inst GROUP BY gate, tie ORDER BY gate, tie""", params=thr).fetchall():
         near_tie.setdefault(gate, {})["near_tie" if tie else "clear"] = {
             "n": n, "new_steps": steps, "any_refresh": refresh, "regret": regret}
     mse = {}
     for est in ("reuse", "transport", "wis", "dr"):
-        rows = con.sql(f"""SELECT avg(({est}_mean - q_pi) ^ 2) FROM {routes}
-                           WHERE q_pi > 0 OR q_mu > 0""").fetchall()
+        rows = con.sql(f"""SELECT avg(({est}_mean - q_pi) ^ 2) FROM routes
+                           WHERE q_pi > 0 OR q_mu > 0""").fetchall()  # est: a constant
         mse[est] = rows[0][0]
-    cols = con.sql(f"SELECT task_id, update, gate, regret, steps FROM {inst} "
+    cols = con.sql("SELECT task_id, update, gate, regret, steps FROM inst "
                    "ORDER BY gate, task_id, update").fetchnumpy()
     gate_col = np.asarray(cols["gate"])
     regret = {g: np.asarray(cols["regret"])[gate_col == g] for g in table}
@@ -151,14 +151,12 @@ def table2_analysis(instances_path: Path, pairs_path: Path, config: Mapping[str,
     near tie |c_pi| < regret threshold, the radii, and the decisions the same estimates
     would give with every radius scaled by s, ``KAPPA_SCALES``, counted against the exact
     sign of c_pi: a sensitivity read-out, nothing is tuned on it)."""
-    import duckdb
-
     from train.credit.dsc_gate import gate_decision
 
-    con = duckdb.connect()
-    inst = f"read_parquet('{instances_path.as_posix()}')"
-    thr = config["regret_threshold"]
-    cols = con.sql(f"SELECT task_id, update, gate, regret, steps FROM {inst} "
+    thr = study_number(config, "regret_threshold")  # bound parameters, never SQL text
+    cap = study_number(config, "cap_steps")
+    con = study_connection({"inst": instances_path, "pairs": pairs_path})
+    cols = con.sql("SELECT task_id, update, gate, regret, steps FROM inst "
                    "ORDER BY gate, task_id, update").fetchnumpy()
     gate_col = np.asarray(cols["gate"])
     steps = {g: np.asarray(cols["steps"])[gate_col == g].astype(np.float64)
@@ -177,22 +175,23 @@ def table2_analysis(instances_path: Path, pairs_path: Path, config: Mapping[str,
              if "gap" in steps and steps["gap"].mean() > 0 else math.nan,
              "ci95": percentile_ci(ratio_boot) if ratio_boot is not None else [math.nan] * 2}
     by_class: dict[str, dict[str, Any]] = {}
-    for gate, cls, n, regret, p_regret, mean_steps, refresh in con.sql(f"""
+    for gate, cls, n, regret, p_regret, mean_steps, refresh in con.sql("""
             SELECT gate, task_class, count(*), avg(regret),
-                   avg(CASE WHEN regret > {thr} THEN 1 ELSE 0 END), avg(steps),
+                   avg(CASE WHEN regret > $thr THEN 1 ELSE 0 END), avg(steps),
                    avg(CASE WHEN refreshed THEN 1 ELSE 0 END)
-            FROM {inst} GROUP BY gate, task_class ORDER BY gate, task_class""").fetchall():
+            FROM inst GROUP BY gate, task_class ORDER BY gate, task_class""",
+            params={"thr": thr}).fetchall():
         by_class.setdefault(gate, {})[cls] = {"n": n, "regret": regret, "p_regret": p_regret,
                                               "new_steps": mean_steps, "any_refresh": refresh}
-    cap = float(config["cap_steps"])
     capped = {}
-    for gate, share, step_share in con.sql(f"""
-            SELECT gate, avg(CASE WHEN steps >= {0.95 * cap} THEN 1 ELSE 0 END),
-                   sum(CASE WHEN steps >= {0.95 * cap} THEN steps ELSE 0 END)
+    for gate, share, step_share in con.sql("""
+            SELECT gate, avg(CASE WHEN steps >= $near_cap THEN 1 ELSE 0 END),
+                   sum(CASE WHEN steps >= $near_cap THEN steps ELSE 0 END)
                        / nullif(sum(steps), 0)
-            FROM {inst} GROUP BY gate ORDER BY gate""").fetchall():
+            FROM inst GROUP BY gate ORDER BY gate""",
+            params={"near_cap": 0.95 * cap}).fetchall():
         capped[gate] = {"instances": share, "steps": step_share}
-    pairs = con.sql(f"SELECT * FROM read_parquet('{pairs_path.as_posix()}')").fetchnumpy()
+    pairs = con.sql("SELECT * FROM pairs").fetchnumpy()
     pt = {k: np.asarray(v) for k, v in pairs.items()}
     out: dict[str, Any] = {"steps_diff_dsc_minus": steps_diff, "step_ratio_dsc_over_gap": ratio,
                            "by_task_class": by_class, "capped": capped,
@@ -476,13 +475,14 @@ def gate_results(study_dir: str | Path, out_dir: str | Path | None = None) -> di
     ``out_dir`` (default: the study directory); return the results dict."""
     src, out, study = open_study_of_kinds(study_dir, out_dir, GATE_KINDS)
     kind = str(study["study"])
-    summary = gate_summary(src / study["instances_path"], src / study["routes_path"],
+    instances = study_path(src, study["instances_path"], "instances_path")
+    summary = gate_summary(instances, study_path(src, study["routes_path"], "routes_path"),
                            study["config"])
     results: dict[str, Any] = {
         "audit": kind, **{k: v for k, v in study.items() if k != "study"},
         **summary, "paper_l4": PAPER_L4}
     if study.get("pairs_path"):
-        extra = table2_analysis(src / study["instances_path"], src / study["pairs_path"],
+        extra = table2_analysis(instances, study_path(src, study["pairs_path"], "pairs_path"),
                                 study["config"])
         results["table2"] = extra
         results["verdicts"] = table2_verdicts(summary, extra, study["config"])

@@ -20,11 +20,13 @@ from typing import Any
 
 from analysis.report import (
     ReportOutput,
+    StudyFileError,
     fmt,
     new_figure,
     open_study,
     register_study_report,
     save_figure,
+    study_path,
     write_study_results,
 )
 from rollout_store import Store, connect
@@ -36,8 +38,10 @@ def localization_summary(store: Store, run_id: str) -> dict[str, Any]:
     """Accuracy, error, cost and repeat agreement per (mode, X), from the store's trees
     (``critical_node_id`` against ``meta.study.true_critical_node_id``)."""
     con = connect(store)
-    con.execute(f"""
-        CREATE OR REPLACE TEMP VIEW loc AS
+    # run_id comes from study.json: bound as a parameter (a TEMP TABLE, since a view
+    # cannot hold one), never SQL text
+    con.execute("""
+        CREATE OR REPLACE TEMP TABLE loc AS
         SELECT json_extract(meta, '$.study.deterministic')::BOOLEAN AS deterministic,
                json_extract(meta, '$.study.x')::INTEGER AS x,
                json_extract(meta, '$.study.trajectory')::INTEGER AS trajectory,
@@ -49,8 +53,8 @@ def localization_summary(store: Store, run_id: str) -> dict[str, Any]:
                json_extract(meta, '$.study.suffix_steps')::BIGINT AS suffix_steps,
                json_extract(meta, '$.study.n_steps')::INTEGER AS n_steps,
                critical_node_id AS found_node,
-               rollouts_by_phase['{PROBE_PHASE}'] AS suffixes
-        FROM trees WHERE run_id = '{run_id}'""")
+               rollouts_by_phase[$phase] AS suffixes
+        FROM trees WHERE run_id = $run_id""", {"phase": PROBE_PHASE, "run_id": str(run_id)})
     rows = con.sql("""
         SELECT deterministic, x, count(*) AS n, count(DISTINCT trajectory) AS n_traj,
                avg(CASE WHEN found_node = truth_node THEN 1.0 ELSE 0.0 END) AS accuracy,
@@ -152,7 +156,10 @@ def localization_results(study_dir: str | Path, out_dir: str | Path | None = Non
     ``results.json``, ``report.md`` and PNG plots into ``out_dir`` (default: the study
     directory); return the results dict."""
     src, out, study = open_study(study_dir, out_dir, "localization")
-    summary = localization_summary(Store(src / study["store"]), study["run_id"])
+    run_id = study.get("run_id")
+    if not isinstance(run_id, str):
+        raise StudyFileError(f"{src}/study.json: run_id must be a string, got {run_id!r}")
+    summary = localization_summary(Store(study_path(src, study["store"], "store")), run_id)
     results: dict[str, Any] = {
         "audit": "localization", **{k: v for k, v in study.items() if k != "study"},
         **summary}

@@ -32,7 +32,11 @@ from analysis.report import (
     fmt_ci,
     markdown_table,
     open_study,
+    plain_name,
     register_study_report,
+    study_connection,
+    study_int,
+    study_path,
     write_study_results,
 )
 from analysis.stats import cluster_bootstrap_means, percentile_ci
@@ -51,32 +55,34 @@ def _floats(values: Any) -> np.ndarray:
 
 def recovery_envs(path: Path) -> list[str]:
     """The environments of ``recovery.parquet`` (files without an ``env`` column: workflow)."""
-    import duckdb
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
 
-    src = f"read_parquet('{path.as_posix()}')"
-    con = duckdb.connect()
-    if "env" not in con.sql(f"SELECT * FROM {src} LIMIT 0").columns:
+    table = pq.read_table(path)
+    if "env" not in table.column_names:
         return ["workflow"]
-    return [r[0] for r in con.sql(f"SELECT DISTINCT env FROM {src} ORDER BY env DESC")
-            .fetchall()]
+    # env names become file names (recovery_<env>.png): plain names only
+    return sorted((plain_name(e, f"{path}: env") for e in pc.unique(table.column("env"))
+                   .to_pylist()), reverse=True)
 
 
 def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
                      ) -> dict[str, Any]:
     """Every number of the report for one environment's rows of ``recovery.parquet``
     (DuckDB + the task bootstrap)."""
-    import duckdb
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
 
-    con = duckdb.connect()
-    src = f"read_parquet('{path.as_posix()}')"
-    if "env" in con.sql(f"SELECT * FROM {src} LIMIT 0").columns:
-        src = f"(SELECT * FROM {src} WHERE env = '{env}')"
+    rows = pq.read_table(path)
+    if "env" in rows.column_names:  # this environment's rows (no SQL text from the file)
+        rows = rows.filter(pc.equal(rows.column("env"), str(env)))
+    con = study_connection({"src": rows})
     arms: dict[str, Any] = {}
     for arm in ARMS:
-        cols = con.sql(f"""SELECT task_id, exact_recovery, successes, resamples, changed,
-                                  step, first_irrecoverable
-                           FROM {src} WHERE arm = '{arm}' AND step IS NOT NULL
-                           ORDER BY trajectory""").fetchnumpy()
+        cols = con.sql("""SELECT task_id, exact_recovery, successes, resamples, changed,
+                                 step, first_irrecoverable
+                          FROM src WHERE arm = $arm AND step IS NOT NULL
+                          ORDER BY trajectory""", params={"arm": arm}).fetchnumpy()
         n = len(cols["task_id"])
         if not n:
             arms[arm] = {"n": 0, "exact": math.nan, "exact_ci95": [math.nan] * 2,
@@ -95,15 +101,15 @@ def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
             "sampled_ci95": percentile_ci(boot["wins"] / boot["k"]),
             "action_changed": float(np.mean(np.asarray(cols["changed"], bool))),
             "mean_step": float(np.mean(np.asarray(cols["step"], np.float64)))}
-    paired = con.sql(f"""
+    paired = con.sql("""
         SELECT a.task_id, a.exact_recovery AS irr, b.exact_recovery AS err,
                c.exact_recovery AS rnd, coalesce(d.exact_recovery, c.exact_recovery) AS stp,
                a.successes / a.resamples AS s_irr, b.successes / b.resamples AS s_err,
                c.successes / c.resamples AS s_rnd,
                coalesce(d.successes / d.resamples, c.successes / c.resamples) AS s_stp,
                a.step = b.step AS same_step
-        FROM {src} a JOIN {src} b USING (trajectory) JOIN {src} c USING (trajectory)
-        LEFT JOIN {src} d ON d.trajectory = a.trajectory AND d.arm = 'random_step'
+        FROM src a JOIN src b USING (trajectory) JOIN src c USING (trajectory)
+        LEFT JOIN src d ON d.trajectory = a.trajectory AND d.arm = 'random_step'
         WHERE a.arm = 'first_irrecoverable' AND b.arm = 'first_error'
               AND c.arm = 'random_error' AND b.step IS NOT NULL
         ORDER BY a.trajectory""").fetchnumpy()
@@ -122,10 +128,10 @@ def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
             finite = bool(np.isfinite(v).all())
             diffs[key] = {"value": float(v.mean()),
                           "ci95": percentile_ci(boot[key]) if finite else [math.nan] * 2}
-    counts = con.sql(f"""
+    counts = con.sql("""
         SELECT count(DISTINCT trajectory), count(DISTINCT task_id),
                count(DISTINCT trajectory) FILTER (WHERE n_errors = 0)
-        FROM {src}""").fetchall()[0]
+        FROM src""").fetchall()[0]
     same = np.asarray(paired["same_step"], bool) if n_paired else np.zeros(0, bool)
     return {"arms": arms, "paired": diffs, "n_paired": n_paired,
             "n_trajectories": int(counts[0]), "n_tasks": int(counts[1]),
@@ -214,9 +220,9 @@ def recovery_results(study_dir: str | Path, out_dir: str | Path | None = None
     ``recovery.png`` into ``out_dir`` (default: the study directory)."""
     src, out, study = open_study(study_dir, out_dir, "elpo-fig1")
     config = study["config"]
-    data = src / study["recovery_path"]
-    envs = {env: recovery_summary(data, config["n_boot"], config["seed"], env)
-            for env in recovery_envs(data)}
+    data = study_path(src, study["recovery_path"], "recovery_path")
+    n_boot, seed = study_int(config, "n_boot"), study_int(config, "seed")
+    envs = {env: recovery_summary(data, n_boot, seed, env) for env in recovery_envs(data)}
     plots, verdicts = [], []
     for env, summary in envs.items():
         arms = summary["arms"]

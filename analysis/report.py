@@ -46,6 +46,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    import duckdb
+    import pyarrow as pa
+
     from rollout_store.store import Store
 
 # Modules whose import registers report builders (kept sorted).
@@ -76,6 +79,77 @@ class BuildSummary:
 
 class NothingToReport(Exception):
     """Raised by a builder when the store holds no data for its audit (the reason)."""
+
+
+class StudyFileError(ValueError):
+    """A ``study.json`` value that cannot be used as it is (issue 21): a data path that
+    leaves the study directory, a setting that is not a finite number, or a name that is
+    not a plain file-name part."""
+
+
+def study_path(src: Path, value: Any, key: str) -> Path:
+    """``src / value`` for a data path named in ``study.json`` under ``key``, resolved
+    (symlinks followed); ``StudyFileError`` unless it is a non-empty relative path that
+    stays inside the study directory ``src``."""
+    if not isinstance(value, str) or not value:
+        raise StudyFileError(f"{src}/study.json: {key} must be a path inside the study "
+                             f"directory, got {value!r}")
+    root = Path(src).resolve()
+    path = (root / value).resolve()
+    if Path(value).is_absolute() or not path.is_relative_to(root):
+        raise StudyFileError(f"{src}/study.json: {key} {value!r} points outside the study "
+                             "directory")
+    return path
+
+
+def study_number(config: Any, key: str) -> float:
+    """``config[key]`` (a study's settings from ``study.json``) as a finite float;
+    ``StudyFileError`` for anything else (a string, a bool, NaN). Numbers go to SQL as
+    bound parameters, never as text."""
+    value = config.get(key) if isinstance(config, Mapping) else None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(
+            value):
+        raise StudyFileError(f"study.json config.{key} must be a finite number, got "
+                             f"{value!r}")
+    return float(value)
+
+
+def study_int(config: Any, key: str) -> int:
+    """``config[key]`` as an integer (``study_number``, whole)."""
+    value = study_number(config, key)
+    if not value.is_integer():
+        raise StudyFileError(f"study.json config.{key} must be an integer, got "
+                             f"{config[key]!r}")
+    return int(value)
+
+
+def plain_name(value: Any, what: str) -> str:
+    """``value`` as a plain file-name part (letters, digits, ``_ - . @``, not starting with
+    a dot): names from study files that end up in output file names (``StudyFileError``
+    otherwise, e.g. ``../x``)."""
+    text = str(value)
+    if not text or text.startswith(".") or any(
+            not (c.isascii() and (c.isalnum() or c in "_-.@")) for c in text):
+        raise StudyFileError(f"{what} {text!r} is not a plain name (letters, digits, _ - . @)")
+    return text
+
+
+def study_connection(tables: Mapping[str, Path | pa.Table]) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection holding each Parquet file (read by pyarrow) or Arrow table of
+    ``tables`` as the view of its name, locked down like ``rtrees sql``'s
+    (``rollout_store.sqlguard.lock_down``: external access off, memory and threads
+    bounded): a study's queries read those files and nothing else, with every value from
+    ``study.json`` bound as a parameter."""
+    import duckdb
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rollout_store.sqlguard import lock_down
+
+    con = duckdb.connect()
+    for name, path in tables.items():
+        con.register(name, path if isinstance(path, pa.Table) else pq.read_table(path))
+    return lock_down(con)
 
 
 ReportBuilder = Callable[["Store", Path], list[ReportOutput]]

@@ -142,17 +142,38 @@ def sql(
         help="Time travel: read the store as of this trees-table version.")] = None,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Check every file's page checksums first (DuckDB does not).")] = False,
+    timeout: Annotated[float, typer.Option(
+        help="Wall-clock limit of the query in seconds; past it the query is stopped "
+             "(error: query exceeded N s).")] = 60.0,
+    memory: Annotated[str, typer.Option(
+        help="DuckDB memory limit of the query (e.g. 512MB, 2GB).")] = "2GB",
+    temp_disk: Annotated[str, typer.Option(
+        help="Let a query larger than --memory spill up to this much (e.g. 4GB) into a "
+             "private temporary directory, removed afterwards; 0: never spill (nothing "
+             "is written to disk).")] = "0",
 ) -> None:
-    """Run read-only SQL against the store's DuckDB views (only SELECT and EXPLAIN; the
-    query can read the store's committed files and nothing else on the host)."""
+    """Run read-only SQL (SELECT, EXPLAIN) over the store's DuckDB views: it reads the
+    store's committed files and nothing else, within --timeout, --memory and --temp-disk."""
+    import tempfile
+
     import duckdb
 
     from rollout_store import StoreError, connect
     from rollout_store.reader import run_query
+    from rollout_store.sqlguard import QueryLimits
 
+    require(timeout > 0, f"--timeout must be a positive number of seconds, got {timeout}")
+    spill = temp_disk.strip() not in ("", "0", "0B", "0b")
     try:
-        con = connect(_open(store), version, verify_checksums=verify, restricted=True)
-        data = run_query(con, query)
+        with tempfile.TemporaryDirectory(prefix="rtrees-sql-") as tmp:
+            limits = QueryLimits(timeout_s=timeout, memory=memory,
+                                 temp_directory=tmp if spill else None, temp_disk=temp_disk)
+            con = connect(_open(store), version, verify_checksums=verify, restricted=True,
+                          limits=limits)
+            try:
+                data = run_query(con, query, limits)
+            finally:
+                con.close()  # before the temporary directory goes
     except (duckdb.Error, StoreError, ValueError) as exc:
         fail(str(exc))
     if fmt is SqlFormat.json:

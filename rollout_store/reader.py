@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 from rollout_store.objectstore import Location
 from rollout_store.schema import SCHEMAS, TABLE_NAMES, TableName
 from rollout_store.snapshots import from_stored
+from rollout_store.sqlguard import QueryLimits, UnsafeSQLError, lock_down, run_limited
 from rollout_store.store import (
     CorruptFileError,
     DataFile,
@@ -242,7 +243,8 @@ def _scan_sql(con: duckdb.DuckDBPyConnection, store: Store, name: TableName, par
 def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
             success_threshold: float = 1.0, verify_checksums: bool = False,
             con: duckdb.DuckDBPyConnection | None = None,
-            restricted: bool = False) -> duckdb.DuckDBPyConnection:
+            restricted: bool = False,
+            limits: QueryLimits | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the store's views (see the module docstring).
 
     ``version`` pins the view: a ``StoreVersion`` (e.g. ``store.version()``), an
@@ -257,8 +259,11 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
     ``restricted`` locks the connection down for untrusted queries (``rtrees sql``):
     external access is disabled except for the committed data files of this view
     (``allowed_paths``), so a query can neither ``COPY`` over the store nor read
-    host files, and the configuration is locked so it cannot be turned back on.
-    Pair it with ``run_query``, which runs only SELECT and EXPLAIN statements.
+    host files, and the configuration is locked so it cannot be turned back on;
+    ``limits`` (default ``QueryLimits()``) bound its memory, threads and temporary disk
+    (no spilling unless ``limits.temp_directory`` is given; ``sqlguard.lock_down``).
+    Pair it with ``run_query``, which runs only SELECT and EXPLAIN statements, within
+    ``limits.timeout_s``.
     """
     import duckdb
 
@@ -270,7 +275,7 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
     readable: list[DataFile] = []
     for name in TABLE_NAMES:
         visible = visible_files(s, name, pinned, keys)
-        readable += visible.files
+        readable += visible.files  # Store.files refuses paths outside the store
         if verify_checksums:
             for f in visible.files:
                 check_data_file(f.path, f.size, s.loc)
@@ -323,30 +328,38 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
         SEMI JOIN branching b ON k.tree_id = b.tree_id AND k.parent_id = b.parent_id
         JOIN running e ON e.tree_id = k.tree_id
              AND e.preorder = k.preorder + k.subtree_size - 1""")
-    if restricted:
-        if not s.loc.remote:  # remote files are read by pyarrow, never by DuckDB itself
-            con.execute(f"SET allowed_paths = {_sql_list(readable)}")
-        con.execute("SET enable_external_access = false")
-        con.execute("SET lock_configuration = true")
+    if restricted:  # remote files are read by pyarrow, never by DuckDB itself
+        lock_down(con, [] if s.loc.remote else [f.path for f in readable], limits)
     return con
 
 
-def run_query(con: duckdb.DuckDBPyConnection, query: str) -> pa.Table:
-    """Run one read-only statement (SELECT or EXPLAIN) and return its rows.
+def run_query(con: duckdb.DuckDBPyConnection, query: str,
+              limits: QueryLimits | None = None) -> pa.Table:
+    """Run one read-only statement (SELECT or EXPLAIN) and return its rows, within
+    ``limits.timeout_s`` seconds (``QueryLimitError`` past it, or past the connection's
+    memory or temporary-disk limit; ``rollout_store.sqlguard``).
 
     Anything else (COPY, ATTACH, SET, CREATE, INSERT, PRAGMA, several statements) is
-    refused with ``ValueError`` before it runs."""
+    refused with ``UnsafeSQLError`` (a ``ValueError``) before it runs."""
     import duckdb
 
-    statements = duckdb.extract_statements(query)
+    limits = limits or QueryLimits()
+    try:
+        statements = duckdb.extract_statements(query)
+    except duckdb.ParserException as exc:
+        raise UnsafeSQLError(f"not valid SQL: {str(exc).splitlines()[0]}") from exc
     if len(statements) != 1:
-        raise ValueError(f"expected exactly one SQL statement, got {len(statements)}")
+        raise UnsafeSQLError(f"expected exactly one SQL statement, got {len(statements)}")
     kind = statements[0].type
     if kind not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN):
-        raise ValueError(f"only SELECT and EXPLAIN run here (read-only), not "
-                         f"{kind.name}")
-    rel = con.sql(query)
-    return pa.table({}) if rel is None else rel.to_arrow_table()
+        raise UnsafeSQLError(f"only SELECT and EXPLAIN run here (read-only), not "
+                             f"{kind.name}")
+
+    def fetch() -> pa.Table:
+        rel = con.sql(query)
+        return pa.table({}) if rel is None else rel.to_arrow_table()
+
+    return run_limited(con, fetch, limits.timeout_s, limits.memory)
 
 
 def _stream_file(loc: Location, f: DataFile, columns: list[str] | None,

@@ -4,7 +4,9 @@
 reuse live here.
 
 Which stored trees. ``select_stored`` reads the store's ``trees`` view filtered by
-``TrainConfig.reuse_from`` (default: this run's trees) and keeps the trees of *earlier*
+``TrainConfig.reuse_from`` (default: this run's trees; a user's filter must be one boolean
+expression over the view's columns, checked by ``reuse_filter`` and run on the locked-down
+connection of ``rtrees sql``, issue 21) and keeps the trees of *earlier*
 policy versions: a tree's version index is the checkpoint step of its ``policy_ref``
 (``.../checkpoints/step-NNNNNN``); staleness = current iteration - that step. Refresh
 trees (sampler ``refresh``, below) are training data of their iteration, never reused. Trees
@@ -107,6 +109,13 @@ import pyarrow as pa
 import torch
 
 from rollout_store.reader import connect, read_trees
+from rollout_store.sqlguard import (
+    QueryLimitError,
+    QueryLimits,
+    UnsafeSQLError,
+    checked_filter,
+    run_limited,
+)
 from rollout_store.store import Store
 from rollout_store.tree import Node, Tree
 from train.batches import (
@@ -143,7 +152,6 @@ CALIB_FRAC: float = 0.25
 """Fraction of stored tree ids (by hash) held apart as the D7 calibration split."""
 _STEP = re.compile(r"step-(\d+)/?$")
 _KAPPAS = ("kappa_R", "kappa_delta", "kappa_T")
-_INTS = ("refresh_batch", "refresh_cap", "calib_draws", "calib_trees")
 # ReuseParams repeats these fields of DSCGateParams flat, as ``--reuse-param`` keys
 _GATE_FIELDS = tuple(f.name for f in fields(DSCGateParams))
 
@@ -188,18 +196,14 @@ class ReuseParams:
 
     @classmethod
     def parse(cls, values: Mapping[str, Any]) -> ReuseParams:
+        from train.coerce import coerce_fields
+
         names = {f.name: f for f in fields(cls)}
-        out: dict[str, Any] = {}
-        for key, value in values.items():
+        for key in values:
             if key not in names:
                 raise ValueError(f"unknown key {key!r}; keys: {', '.join(names)}")
-            if key == "calibrate":
-                text = str(value).strip().lower()
-                if text not in ("1", "0", "true", "false"):
-                    raise ValueError(f"calibrate must be true or false, got {value!r}")
-                out[key] = text in ("1", "true")
-            else:
-                out[key] = (int if key in _INTS else float)(value)
+        # train.coerce: text parsed by the field types, typed values checked, floats finite
+        out: dict[str, Any] = coerce_fields(cls, values)
         if "calibrate" not in out and any(k in out for k in _KAPPAS):
             out["calibrate"] = False  # the kappas given are the ones to use
         p = cls(**out)
@@ -246,19 +250,46 @@ def _tokenizer_fingerprint(directory: str | Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def reuse_filter(reuse_from: str, run_id: str) -> str:
-    """The SQL filter over ``trees``: ``reuse_from`` or this run's own trees."""
-    return reuse_from or "run_id = '" + run_id.replace("'", "''") + "'"
+def reuse_filter(reuse_from: str, run_id: str) -> tuple[str, list[Any]]:
+    """The filter over ``trees`` and its bound parameters: ``reuse_from`` checked to be one
+    boolean expression over the view's columns (``rollout_store.sqlguard.checked_filter``:
+    no statements, no table functions, no subqueries, no file access; ``ReuseError``
+    otherwise), or this run's own trees (``run_id = ?``)."""
+    if not reuse_from:
+        return "run_id = ?", [run_id]
+    try:
+        return checked_filter(reuse_from, what="reuse_from"), []
+    except UnsafeSQLError as exc:
+        raise ReuseError(str(exc)) from exc
+
+
+def _filtered(store: Store, query: str, params: list[Any]) -> list[tuple[Any, ...]]:
+    """Rows of ``query`` (a filter over ``trees`` built by ``reuse_filter``) on the
+    locked-down connection of ``rtrees sql`` (``connect(restricted=True)``: external
+    access off, memory and time bounded)."""
+    con = connect(store, restricted=True)
+    limits = QueryLimits()
+    try:
+        return run_limited(con, lambda: con.execute(query, params).fetchall(),
+                           limits.timeout_s, limits.memory)
+    finally:
+        con.close()
 
 
 def check_reuse(store: Store, reuse_from: str, run_id: str) -> None:
-    """Refuse (before training) a ``reuse_from`` filter the store's ``trees`` view cannot
-    evaluate, or an explicit one that selects no tree."""
-    con = connect(store)
+    """Refuse (before training) a ``reuse_from`` filter that is not a checked expression
+    over ``trees`` (``reuse_filter``), one the view cannot evaluate, or an explicit one
+    that selects no tree."""
+    where, params = reuse_filter(reuse_from, run_id)
     try:
-        [(count,)] = con.execute(
-            f"SELECT count(*) FROM trees WHERE {reuse_filter(reuse_from, run_id)}").fetchall()
+        [(count,)] = _filtered(store, f"SELECT count(*) FROM trees WHERE {where}", params)
+    except QueryLimitError as exc:
+        raise ReuseError(f"reuse_from {reuse_from!r}: {exc}") from exc
     except Exception as exc:  # duckdb raises its own error classes
+        import duckdb
+
+        if not isinstance(exc, duckdb.Error):
+            raise
         raise ReuseError(f"reuse_from {reuse_from!r} is not a valid filter over trees: "
                          f"{str(exc).splitlines()[0]}") from exc
     if reuse_from and not count:
@@ -291,10 +322,9 @@ def select_stored(store: Store, *, reuse_from: str, run_id: str, env: str, itera
                   max_staleness: int, per_step: int, seed: int, need_snapshots: bool,
                   tokenizer_dir: str | None) -> Selection:
     """Stored trees of earlier policy versions for ``iteration`` (module docstring)."""
-    con = connect(store)
-    rows = con.execute(
-        "SELECT tree_id, env, run_id, policy_ref FROM trees WHERE sampler <> 'refresh' AND "
-        f"({reuse_filter(reuse_from, run_id)}) ORDER BY tree_id").fetchall()
+    where, params = reuse_filter(reuse_from, run_id)
+    rows = _filtered(store, "SELECT tree_id, env, run_id, policy_ref FROM trees WHERE "
+                            f"sampler <> 'refresh' AND {where} ORDER BY tree_id", params)
     mine = _tokenizer_fingerprint(tokenizer_dir) if tokenizer_dir else None
     prints: dict[str, str | None] = {}
     skipped: Counter[str] = Counter()

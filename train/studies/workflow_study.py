@@ -9,10 +9,11 @@ What the three audits of ``analysis.drift``, ``analysis.gates`` and
 * the *collection* side: trajectories sampled through the real environment
   step API (``rollout``), interventional trees with a forced root action per
   route (``route_tree``), and reading them back from a store
-  (``load_route_data``). The one-way data flow (README, "Architecture as built") keeps analysis off environments;
-  these helpers are the studies' collection jobs (they write to the store that
-  the analysis then reads), kept here because a study needs its own small
-  collection protocol. They belong in ``train.sampling`` if other code needs them.
+  (``load_route_data``). The one-way data flow (README, "Architecture as built")
+  keeps analysis off environments; these helpers are the studies' collection jobs
+  (they write to the store that the analysis then reads), kept here because a study
+  needs its own small collection protocol. They belong in ``train.sampling`` if other
+  code needs them.
 
 Choices not fixed by METHODS.md are marked [R] (our reconstruction).
 
@@ -490,8 +491,9 @@ def load_route_data(store: Store, run_id: str) -> RouteData:
     import pyarrow.compute as pc
 
     con = connect(store)
-    trees = con.sql(f"SELECT * FROM trees WHERE run_id = '{run_id}' "
-                    "AND sampler = 'interventional' ORDER BY tree_id").to_arrow_table()
+    trees = con.sql("SELECT * FROM trees WHERE run_id = $run_id "
+                    "AND sampler = 'interventional' ORDER BY tree_id",
+                    params={"run_id": run_id}).to_arrow_table()
     if trees.num_rows == 0:
         raise ValueError(f"no interventional trees of run {run_id!r} in the store")
     columns = ", ".join([*NODE_INPUT.names, "depth", "preorder", "subtree_size"])
@@ -501,8 +503,9 @@ def load_route_data(store: Store, run_id: str) -> RouteData:
                json_extract(meta, '$.state[1]')::BIGINT AS s_t,
                json_extract(meta, '$.state[2]')::BIGINT AS s_broken,
                json_extract_string(meta, '$.forced_action') AS forced_action
-        FROM nodes WHERE tree_id IN (SELECT tree_id FROM trees WHERE run_id = '{run_id}'
-                                     AND sampler = 'interventional')""").to_arrow_table()
+        FROM nodes WHERE tree_id IN (SELECT tree_id FROM trees WHERE run_id = $run_id
+                                     AND sampler = 'interventional')""",
+                    params={"run_id": run_id}).to_arrow_table()
     batch = from_tables(trees, nodes)
     # from_tables orders rows by (tree, preorder): the same order for the extra columns
     node_tree = pc.index_in(nodes.column("tree_id"), value_set=trees.column("tree_id"))
@@ -546,9 +549,9 @@ def context_snapshots(store: Store, run_id: str) -> dict[str, bytes]:
     from rollout_store.snapshots import from_stored
 
     con = connect(store)
-    rows = con.sql(f"SELECT * FROM snapshots WHERE snapshot_id = '{CONTEXT_SNAPSHOT}' AND "
-                   f"tree_id IN (SELECT tree_id FROM trees WHERE run_id = '{run_id}')"
-                   ).to_arrow_table()
+    rows = con.sql("SELECT * FROM snapshots WHERE snapshot_id = $snapshot AND "
+                   "tree_id IN (SELECT tree_id FROM trees WHERE run_id = $run_id)",
+                   params={"snapshot": CONTEXT_SNAPSHOT, "run_id": run_id}).to_arrow_table()
     raw = from_stored(rows)
     return {t: bytes(s) for t, s in zip(raw.column("tree_id").to_pylist(),
                                        raw.column("state").to_pylist(), strict=True)}
