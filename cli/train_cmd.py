@@ -33,6 +33,8 @@ def train_command(
                      ] = None,
     out: Annotated[Path | None, typer.Option(help="Run directory (config, checkpoints).")
                    ] = None,
+    run_id: Annotated[str | None, typer.Option(help="Run id in the store (default: train- and "
+                                               "the run directory's name).")] = None,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Any TrainConfig field as FIELD=VALUE (repeatable).")] = None,
     sampler_param: Annotated[list[str] | None, typer.Option(
@@ -76,6 +78,7 @@ def train_command(
     given: dict[str, Any] = dict(parse_params(set_, "--set"))
     for name, value in (("env", env), ("policy", policy), ("sampler", sampler),
                         ("credit", credit), ("steps", steps), ("store", store), ("out", out),
+                        ("run_id", run_id),
                         ("reuse", reuse), ("reuse_from", reuse_from),
                         ("reuse_per_step", reuse_per_step), ("max_staleness", max_staleness),
                         ("is_cap", is_cap), ("is_mode", is_mode)):

@@ -3,9 +3,13 @@
 Every field is documented once, below. A config comes from the defaults, a TOML file
 (``load_config``; top-level keys are field names, ``sampler_params`` /
 ``credit_params`` are tables) and ``KEY=VALUE`` overrides (``apply_overrides``, typed
-by the field annotations), in that order. The trainer writes the config it ran with to
-``OUT/config.json``; ``--resume`` refuses a directory whose config differs in any field
-but ``RESUMABLE_FIELDS`` and names the fields (``ConfigMismatchError``).
+by the field annotations), in that order. Every value is checked by ``train.coerce``
+(text parsed as the field's type, typed TOML/JSON values of the field's type, floats
+finite) and integer sizes against ``MINIMA`` / ``MAXIMA``, all in ``__post_init__``,
+before anything is written. The trainer writes the config it ran with, and a random run
+token (``RUN_TOKEN``), to ``OUT/config.json`` (created exclusively: ``create_config``);
+``--resume`` refuses a directory whose config differs in any field but
+``RESUMABLE_FIELDS`` and names the fields (``ConfigMismatchError``).
 """
 
 from __future__ import annotations
@@ -13,14 +17,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import secrets
 import tomllib
-import types
-import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from train.batches import LAYOUTS, NODE_WEIGHTS, Layout, NodeWeight
+from train.coerce import CoerceError, check_bounds, check_types, coerce_fields
 from train.loss import AGGREGATIONS, KL_ESTIMATORS, Aggregation, ISMode, KLEstimator
 
 # Fields a resumed run may change: how long it runs and what it displays.
@@ -30,6 +35,22 @@ RESUMABLE_FIELDS: frozenset[str] = frozenset({"steps", "tensorboard", "progress"
 UNSUPPORTED_CREDIT: dict[str, str] = {
     "dsc": "needs stored ratios and states: use --reuse dsc to gate stored trees",
 }
+# Integer fields' lower bounds (inclusive).
+MINIMA: dict[str, int] = {
+    **dict.fromkeys(("steps", "tasks_per_step", "n_total", "max_new_tokens", "train_tasks",
+                     "epochs", "minibatches", "micro_tokens", "norm_length", "keep_last",
+                     "save_every", "reuse_per_step", "max_staleness"), 1),
+    **dict.fromkeys(("heldout_tasks", "eval_every", "warmup_steps", "tree_row_tokens",
+                     "seed", "heldout_seed"), 0)}
+# Integer fields' upper bounds (inclusive; ``rtrees train --fields`` prints them): sizes
+# that are allocated up front or per iteration. The task splits are generated whole
+# (100k sgls tasks: about 1.1 GB and a minute here; 1e9 was OOM-killed, issue 21).
+MAXIMA: dict[str, int] = {
+    "train_tasks": 100_000, "heldout_tasks": 10_000, "tasks_per_step": 4_096,
+    "n_total": 4_096, "max_new_tokens": 32_768, "micro_tokens": 1 << 22,
+    "norm_length": 1 << 20, "tree_row_tokens": 1 << 20, "reuse_per_step": 4_096,
+    "steps": 10_000_000, "epochs": 1_000, "minibatches": 4_096, "keep_last": 10_000,
+    "warmup_steps": 10_000_000, "seed": 2**63 - 1, "heldout_seed": 2**63 - 1}
 
 
 class ConfigError(ValueError):
@@ -154,14 +175,11 @@ class TrainConfig:
     (D7 radii), kappa_e, refresh_batch, refresh_cap (new tool steps per stored tree)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "tasks_per_step", "n_total", "max_new_tokens", "train_tasks",
-                     "epochs", "minibatches", "micro_tokens", "norm_length", "keep_last",
-                     "save_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("heldout_tasks", "eval_every", "warmup_steps", "tree_row_tokens"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        try:  # types (a TOML ``steps = 2.5``), finite floats, size bounds (issue 21)
+            check_types(self)
+            check_bounds(self, MINIMA, MAXIMA)
+        except CoerceError as exc:
+            raise ConfigError(str(exc)) from None
         if self.minibatches > self.tasks_per_step:
             raise ConfigError(f"minibatches ({self.minibatches}) cannot exceed tasks_per_step "
                               f"({self.tasks_per_step}): a mini-batch holds whole trees")
@@ -187,9 +205,6 @@ class TrainConfig:
         for name, allowed in (("reuse", REUSE_MODES), ("is_mode", IS_MODES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.reuse_per_step < 1 or self.max_staleness < 1:
-            raise ConfigError(f"reuse_per_step and max_staleness must be >= 1, got "
-                              f"{self.reuse_per_step}, {self.max_staleness}")
         if not self.is_cap >= 1.0:
             raise ConfigError(f"is_cap must be >= 1 (w = 1 on fresh tokens), got {self.is_cap}")
         try:
@@ -225,53 +240,23 @@ def field_docs() -> dict[str, str]:
         if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and \
                 isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
             docs[a.target.id] = " ".join(str(b.value.value).split())
+            if a.target.id in MAXIMA:
+                docs[a.target.id] += f" (at most {MAXIMA[a.target.id]:_})"
     return docs
 
 
-def _coerce(name: str, value: Any) -> Any:
-    """``value`` (a string from the command line, or a TOML value) as field ``name``'s type."""
-    hints = typing.get_type_hints(TrainConfig)
-    if name not in hints:
-        raise ConfigError(f"unknown config field {name!r}; fields: {', '.join(field_names())}")
-    hint = hints[name]
-    if typing.get_origin(hint) is dict:
-        if isinstance(value, dict):
-            return dict(value)
-        if isinstance(value, str):  # "k=v,k2=v2"
-            out: dict[str, str] = {}
-            for pair in filter(None, value.split(",")):
-                key, sep, val = pair.partition("=")
-                if not sep:
-                    raise ConfigError(f"{name}: expected KEY=VALUE pairs, got {pair!r}")
-                out[key.strip()] = val.strip()
-            return out
-        raise ConfigError(f"{name}: expected a table, got {value!r}")
-    if not isinstance(value, str):
-        return value
-    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if type(None) in args and value.lower() in ("none", "null"):
-        return None
-    for t in args:
-        if t is bool:
-            if value.lower() in ("true", "1", "yes"):
-                return True
-            if value.lower() in ("false", "0", "no"):
-                return False
-        elif t in (int, float):
-            try:
-                return t(value)
-            except ValueError:
-                continue
-        elif t is str or typing.get_origin(t) is typing.Literal:
-            return value
-    if typing.get_origin(hint) is typing.Literal:
-        return value
-    raise ConfigError(f"{name}={value!r}: expected {hint}")
+def coerce_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` checked and typed by ``TrainConfig``'s annotations (``train.coerce``:
+    text is parsed, typed TOML/JSON values must have the field's type, floats finite)."""
+    try:
+        return coerce_fields(TrainConfig, overrides, "config ")
+    except CoerceError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def apply_overrides(config: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     """``config`` with fields replaced (strings typed by the field annotations)."""
-    changes = {name: _coerce(name, value) for name, value in overrides.items()}
+    changes = coerce_overrides(overrides)
     try:
         return config.replace(**changes)
     except TypeError as exc:
@@ -297,20 +282,92 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 CONFIG_FILE = "config.json"
 
 
-def write_config(config: TrainConfig, out: Path) -> Path:
+RUN_TOKEN = "run_token"
+"""Key of ``config.json`` beside the fields: a random token naming the run directory; the
+trainer records it with the run id in the store, so another directory cannot continue
+(or mix its trees into) the run of the same id."""
+
+
+def new_run_token() -> int:
+    """A random run token: a positive integer below 2^52 (exact as the float64 a metrics
+    row stores)."""
+    return secrets.randbits(52) + 1
+
+
+def _config_text(config: TrainConfig, token: int | None) -> str:
+    doc: dict[str, Any] = config.to_dict()
+    if token is not None:
+        doc[RUN_TOKEN] = token
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def create_config(config: TrainConfig, out: Path, token: int) -> Path:
+    """Write ``out/config.json`` exclusively: ``FileExistsError`` when one exists (another
+    run's). Written to a temporary file, fsynced and hard-linked into place, so it appears
+    whole or not at all and two writers cannot both succeed."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / CONFIG_FILE
+    tmp = out / f".{CONFIG_FILE}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(_config_text(config, token))
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except OSError as exc:
+            if isinstance(exc, FileExistsError):
+                raise
+            # a file system without hard links: O_EXCL (the file may appear half written
+            # to a reader, never to a second writer)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(tmp.read_text())
+                fh.flush()
+                os.fsync(fh.fileno())
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_config(config: TrainConfig, out: Path, token: int | None = None) -> Path:
+    """Replace ``out/config.json`` (a resumed run, under the run directory's lock)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / CONFIG_FILE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    tmp.write_text(_config_text(config, token))
     tmp.replace(path)
     return path
 
 
-def read_config(out: Path) -> TrainConfig:
+def _read_doc(out: Path) -> dict[str, Any]:
     path = out / CONFIG_FILE
     if not path.is_file():
         raise ConfigError(f"{out} has no {CONFIG_FILE}: not a training run directory")
-    return apply_overrides(TrainConfig(), json.loads(path.read_text()))
+    try:
+        doc = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not a readable config ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path} is not a readable config (not a JSON object)")
+    return doc
+
+
+def read_config(out: Path) -> TrainConfig:
+    """The config ``out/config.json`` holds (checked as ``--set`` values are)."""
+    doc = _read_doc(out)
+    doc.pop(RUN_TOKEN, None)
+    return apply_overrides(TrainConfig(), doc)
+
+
+def read_run_token(out: Path) -> int | None:
+    """The run token of ``out/config.json``; None for a directory written before tokens."""
+    token = _read_doc(out).get(RUN_TOKEN)
+    if token is None:
+        return None
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 < token < 2**53:
+        raise ConfigError(f"{out / CONFIG_FILE}: {RUN_TOKEN} {token!r} is not a run token")
+    return token
 
 
 def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
@@ -323,6 +380,8 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
                                   f"differing fields: {'; '.join(diff)}")
 
 
-__all__ = ["CONFIG_FILE", "RESUMABLE_FIELDS", "UNSUPPORTED_CREDIT", "ConfigError",
-           "ConfigMismatchError", "TrainConfig", "apply_overrides", "check_resume",
-           "field_docs", "field_names", "load_config", "read_config", "write_config"]
+__all__ = ["CONFIG_FILE", "MAXIMA", "MINIMA", "RESUMABLE_FIELDS", "RUN_TOKEN",
+           "UNSUPPORTED_CREDIT", "ConfigError", "ConfigMismatchError", "TrainConfig",
+           "apply_overrides", "check_resume", "coerce_overrides", "create_config",
+           "field_docs", "field_names", "load_config", "new_run_token", "read_config",
+           "read_run_token", "write_config"]

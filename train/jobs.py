@@ -49,8 +49,6 @@ import dataclasses
 import importlib
 import json
 import time
-import types
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -641,62 +639,25 @@ def register_study(spec: StudySpec) -> StudySpec:
     return spec
 
 
-def _coerce(value: Any, hint: Any, name: str) -> Any:
-    """A ``--param`` string as the config field's type: int, float, bool, str, None, or a
-    tuple of those written ``a,b,c``."""
-    if not isinstance(value, str):
-        return value
-    args = typing.get_args(hint)
-    origin = typing.get_origin(hint)
-    if origin is tuple or hint is tuple:
-        inner = args[0] if args else str
-        parts = [p.strip() for p in value.split(",") if p.strip()]
-        return tuple(_coerce(p, inner, name) for p in parts)
-    if origin in (types.UnionType, typing.Union):
-        if type(None) in args and value.lower() in ("none", "null"):
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, name)
-            except ValueError:
-                continue
-        raise ValueError(f"--param {name}={value!r}: expected {hint}")
-    if origin is typing.Literal:
-        if value not in args:
-            raise ValueError(f"--param {name}={value!r}: one of {list(args)}")
-        return value
-    if hint is bool:
-        if value.lower() in ("1", "true", "yes"):
-            return True
-        if value.lower() in ("0", "false", "no"):
-            return False
-        raise ValueError(f"--param {name}={value!r}: expected true or false")
-    if hint in (int, float):
-        try:
-            return hint(value)
-        except ValueError:
-            raise ValueError(f"--param {name}={value!r}: expected {hint.__name__}") from None
-    return value
-
-
 def study_config(name: str, params: Mapping[str, Any] | None = None, small: bool = False
                  ) -> Any:
     """The settings of study ``name``: its defaults, then (``small``) its test settings,
-    then ``params`` (strings are converted to each field's type). Unknown names and
-    fields are ``ValueError``s naming the choices."""
+    then ``params`` (strings are converted to each field's type, ``train.coerce``). Unknown
+    names and fields, and bad values, are ``ValueError``s naming them."""
     if name not in STUDIES:
         raise ValueError(f"unknown study {name!r}; choose from {sorted(STUDIES)}")
+    from train.coerce import coerce_fields
+
     spec = STUDIES[name]
-    hints = typing.get_type_hints(spec.config_class)
     fields = {f.name for f in dataclasses.fields(spec.config_class)}
     unknown = sorted(set(params or {}) - fields)
     if unknown:
         raise ValueError(f"study {name!r} has no settings {unknown}; it takes "
                          f"{sorted(fields)}")
     values: dict[str, Any] = {**spec.defaults, **(spec.small if small else {})}
-    values.update({k: _coerce(v, hints[k], k) for k, v in (params or {}).items()})
+    # train.coerce: text parsed by the field types (tuples a,b,c), floats finite; the
+    # dataclass's __post_init__ checks types and ranges (check_types, check_bounds)
+    values.update(coerce_fields(spec.config_class, params or {}, "--param "))
     return spec.config_class(**values)
 
 

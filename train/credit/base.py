@@ -210,36 +210,17 @@ class Estimator(Generic[P]):
         return self.fn(batch, params if params is not None else self.params_type())
 
     def parse_params(self, pairs: dict[str, str]) -> P:
-        """Params from ``KEY=VALUE`` strings (the CLI's ``--param``), typed by the dataclass."""
+        """Params from ``KEY=VALUE`` strings (the CLI's ``--param``), typed by the dataclass
+        (``train.coerce``: the rules of every ``--param``; floats must be finite, a
+        ``str | None`` field keeps its text, ``none`` is None)."""
+        from train.coerce import coerce_fields
+
         known = {f.name: f for f in fields(self.params_type)}  # type: ignore[arg-type]
-        kwargs: dict[str, Any] = {}
-        for key, raw in pairs.items():
+        for key in pairs:
             if key not in known:
                 raise ValueError(f"{self.name}: unknown parameter {key!r}; "
                                  f"known: {sorted(known)}")
-            default = getattr(self.params_type(), key)
-            if default is None and str(known[key].type).startswith("str"):
-                kwargs[key] = raw  # a policy spec or version: never read as a number
-                continue
-            kwargs[key] = _coerce(raw, default)
-        return self.params_type(**kwargs)
-
-
-def _coerce(raw: str, default: Any) -> Any:
-    if isinstance(default, bool):
-        if raw.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"expected true/false, got {raw!r}")
-        return raw.lower() in ("true", "1")
-    if isinstance(default, int):
-        return int(raw)
-    if isinstance(default, float):
-        return float(raw)
-    if default is None:
-        try:
-            return float(raw)
-        except ValueError:
-            return raw
-    return raw
+        return self.params_type(**coerce_fields(self.params_type, pairs, f"{self.name}: "))
 
 
 ESTIMATORS: dict[str, Estimator[Any]] = {}

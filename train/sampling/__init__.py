@@ -16,10 +16,9 @@ and the DSC refresh protocol in ``train.sampling.refresh``.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from typing import Any
 
+from train.coerce import coerce_fields
 from train.sampling.base import (
     SAMPLER_NAMES,
     Budget,
@@ -51,34 +50,18 @@ SAMPLERS: dict[str, type[Sampler]] = {
 }
 
 
-def _coerce(value: Any, annotation: Any, name: str) -> Any:
-    """A string option (``--param key=value``) as the field's type (int, float, None)."""
-    if not isinstance(value, str):
-        return value
-    hints = typing.get_args(annotation) if isinstance(annotation, types.UnionType) \
-        else (annotation,)
-    if type(None) in hints and value.lower() in ("none", "null", ""):
-        return None
-    for hint in hints:
-        if hint in (int, float):
-            try:
-                return hint(value)
-            except ValueError:
-                continue
-    raise ValueError(f"sampler option {name}={value!r}: expected {annotation}")
-
-
 def make_sampler(name: str, **params: Any) -> Sampler:
-    """A sampler by name with config fields from ``params`` (strings are converted)."""
+    """A sampler by name with config fields from ``params`` (strings are converted, typed
+    values checked, by ``train.coerce.coerce_fields``; a bad one is a ``ValueError``)."""
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler {name!r}; choose from {list(SAMPLERS)}")
     cls = SAMPLERS[name]
     fields = {f.name: f for f in dataclasses.fields(cls.config_class)}
-    hints = typing.get_type_hints(cls.config_class)
     unknown = sorted(set(params) - set(fields))
     if unknown:
         raise ValueError(f"sampler {name!r} has no options {unknown}; it takes {sorted(fields)}")
-    config = cls.config_class(**{k: _coerce(v, hints[k], k) for k, v in params.items()})
+    # train.coerce: strings parsed, typed values checked, floats finite
+    config = cls.config_class(**coerce_fields(cls.config_class, params, "sampler option "))
     return cls(config)
 
 

@@ -53,10 +53,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollout_store import Store, connect
+from train.coerce import check_bounds, check_types
 from train.envs.base import Task
 from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
 from train.envs.workflow_model import PolicyValues
 from train.envs.workflow_policy import TabularPolicy
+from train.studies import STUDY_MAXIMA
 from train.studies.workflow_study import (
     base_policy,
     make_study_dir,
@@ -105,6 +107,8 @@ class ConstructionConfig:
     """Task bootstrap resamples of the report."""
 
     def __post_init__(self) -> None:
+        check_types(self)  # train.coerce: field types, finite floats (issue 21)
+        check_bounds(self, {"n_boot": 1, "max_new_tokens": 1}, STUDY_MAXIMA)
         unknown = sorted(set(self.envs) - {"workflow", "calc"})
         if unknown or not self.envs:
             raise ValueError(f"envs must be workflow and/or calc, got {list(self.envs)}")

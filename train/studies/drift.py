@@ -33,8 +33,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from train.coerce import check_bounds, check_types
 from train.envs.base import Task
 from train.envs.workflow import DEFAULT_HORIZONS
+from train.studies import STUDY_MAXIMA
 from train.studies.sensitivity import UpdateAnalysis, action_pairs, decision_states, occupancy
 from train.studies.workflow_study import (
     DEFAULT_KL_TARGETS,
@@ -75,8 +77,8 @@ class DriftConfig:
     """Noise share of an update direction (``update_direction``)."""
 
     def __post_init__(self) -> None:
-        if self.n_tasks < 1:
-            raise ValueError(f"n_tasks must be >= 1, got {self.n_tasks}")
+        check_types(self)  # train.coerce: field types, finite floats (issue 21)
+        check_bounds(self, {"n_tasks": 1, "n_boot": 1}, STUDY_MAXIMA)
         if not self.kl_targets or min(self.kl_targets) < 0:
             raise ValueError(f"kl_targets must be non-empty and >= 0, got {self.kl_targets}")
         if self.tau < 0:

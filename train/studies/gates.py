@@ -93,12 +93,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollout_store import Store, connect
+from train.coerce import check_bounds, check_types
 from train.credit.dsc import RATIO, STATE, transport_returns
 from train.credit.dsc_gate import DSCGateParams, GatePairs, calibrate_radii, dsc_gate
 from train.envs.base import Task
 from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
 from train.envs.workflow_policy import TabularPolicy
 from train.sampling.refresh import RefreshSampler, refresh_protocol
+from train.studies import STUDY_MAXIMA
 from train.studies.estimates import RouteEstimates, old_trajectories, route_estimates
 from train.studies.workflow_study import (
     DEFAULT_KL_TARGETS,
@@ -189,6 +191,8 @@ class GateStudyConfig:
     """Q_mu gap below which a task's root decision is competing [R]."""
 
     def __post_init__(self) -> None:
+        check_types(self)  # train.coerce: field types, finite floats (issue 21)
+        check_bounds(self, {"n_boot": 1}, STUDY_MAXIMA)
         if self.competing_share is not None and not 0.0 <= self.competing_share <= 1.0:
             raise ValueError(f"competing_share must be in [0, 1], got {self.competing_share}")
         for name in ("n_calib", "n_eval", "n_old", "cap_steps", "refresh_batch"):
@@ -280,8 +284,9 @@ def run_gate(gate: GateName, est: RouteEstimates, sampler: Callable[[int, int], 
 def _collect_old(store: Store, config: GateStudyConfig) -> None:
     """Sample and archive the old interventional trees (idempotent per run id: a store
     that already holds them is left as it is)."""
-    stored = connect(store).sql(f"SELECT count(*) FROM trees WHERE run_id = '{config.run_id}' "
-                                "AND sampler = 'interventional'").fetchall()[0][0]
+    stored = connect(store).execute("SELECT count(*) FROM trees WHERE run_id = ? "
+                                    "AND sampler = 'interventional'",
+                                    [config.run_id]).fetchall()[0][0]
     if stored:
         return
     env = WorkflowEnv()

@@ -49,12 +49,14 @@ from typing import Literal
 import numpy as np
 
 from rollout_store import Node, Store, Tree
+from train.coerce import check_bounds, check_types
 from train.envs.base import Task
 from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
 from train.envs.workflow_model import State, WorkflowModel
 from train.envs.workflow_policy import TabularPolicy
 from train.policies.tabular import TabularBackend
 from train.sampling.bel import EXPLORE_PHASE, FILL_PHASE, PROBE_PHASE, BelConfig, BelSampler
+from train.studies import STUDY_MAXIMA
 from train.studies.workflow_study import (
     base_policy,
     config_hash,
@@ -98,6 +100,8 @@ class LocalizationConfig:
     mu_noise: float = 0.5
 
     def __post_init__(self) -> None:
+        check_types(self)  # train.coerce: field types, finite floats (issue 21)
+        check_bounds(self, {"max_attempts": 1}, STUDY_MAXIMA)
         if not self.x_values or min(self.x_values) < 1:
             raise ValueError(f"x_values must be >= 1, got {self.x_values}")
         if self.repeats < 1 or self.failures_per_task < 1 or self.n_tasks < 1:

@@ -55,7 +55,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from train.coerce import check_bounds, check_types
 from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
+from train.studies import STUDY_MAXIMA
 from train.studies.workflow_study import (
     base_policy,
     make_study_dir,
@@ -99,6 +101,8 @@ class RecoveryConfig:
     max_new_tokens: int = 64
 
     def __post_init__(self) -> None:
+        check_types(self)  # train.coerce: field types, finite floats (issue 21)
+        check_bounds(self, {"n_boot": 1, "calc_tasks": 1, "max_new_tokens": 1}, STUDY_MAXIMA)
         if not self.envs or set(self.envs) - {"workflow", "calc"}:
             raise ValueError(f"envs must be workflow and/or calc, got {list(self.envs)}")
         for name in ("n_tasks", "failures_per_task", "max_attempts", "resamples"):
