@@ -8,8 +8,10 @@ errors that escape a command into the same one-line form (``one_line_error``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 from typing import Any, NoReturn
 
 import typer
@@ -72,6 +74,8 @@ def parse_json_params(items: list[str] | None, option: str) -> dict[str, Any]:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
             out[key] = value
+        except RecursionError:  # valid JSON nested past the parser's depth (issue 21)
+            raise ParamError(f"{option} {key}=...: JSON nested too deeply") from None
     return out
 
 
@@ -86,10 +90,91 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
-def one_line_error(exc: BaseException) -> str:
-    """The one-line message for an error that escaped a command: the library's named errors
-    read as their message; anything else also names its type (it may be a bug) and says
-    how to see the traceback."""
+# Errors of writing that are the disk's, not a bug: errno -> what to say (issue 21: a full
+# disk and a read-only --out printed raw OSError/RuntimeError text, often without a path).
+_WRITE_ERRNOS = {errno.ENOSPC: "no space left on the device",
+                 errno.EDQUOT: "disk quota exceeded",
+                 errno.EROFS: "read-only file system",
+                 errno.EFBIG: "file too large for the file system"}
+# The same failures as wrapped by torch, safetensors or pyarrow (no errno left to read).
+_WRITE_TEXT = (("No space left on device", errno.ENOSPC), ("StorageFull", errno.ENOSPC),
+               ("Disk quota exceeded", errno.EDQUOT), ("Read-only file system", errno.EROFS),
+               ("ReadOnlyFilesystem", errno.EROFS),
+               ("PytorchStreamWriter failed writing", errno.ENOSPC))
+
+
+def write_failure(exc: BaseException, out: str | None = None) -> str | None:
+    """``cannot write PATH: REASON`` when ``exc`` is a full disk, an exceeded quota or a
+    read-only file system, else None.
+
+    Recognised by errno (an ``OSError``, or one in the exception's cause/context chain),
+    by the text a library wrapped it in (safetensors, torch, pyarrow), or, for an error
+    that names no cause (torch's ``enforce fail ... unexpected pos``), by ``out`` itself
+    being on a read-only or full file system. ``PATH`` is the file the error names, else
+    the command's ``--out`` (``out``). The library's named errors (``StoreError``...) keep
+    their own message: it names the path (a store's, say), which may not be ``--out``."""
+    if isinstance(exc, _named_error_types()):
+        return None  # a named error already says what and where (a store's path, say)
+    chain: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and len(chain) < 8:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    code: int | None = None
+    filename: str | None = None
+    for link in chain:
+        if isinstance(link, OSError) and link.errno in _WRITE_ERRNOS:
+            code, filename = link.errno, link.filename
+            break
+        code = next((c for needle, c in _WRITE_TEXT if needle in str(link)), None)
+        if code is not None:
+            break
+    detail = ""
+    if code is None and out is not None:
+        code = _full_or_read_only(out)
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+        detail = f" ({type(exc).__name__}: {first})"
+    if code is None:
+        return None
+    where = f" {os.fspath(filename)}" if filename else f" under --out {out}" if out else ""
+    if filename and out and not os.fspath(filename).startswith(out):
+        where += f" (--out {out})"
+    return f"cannot write{where}: {_WRITE_ERRNOS[code]}{detail}"
+
+
+def _full_or_read_only(path: str) -> int | None:
+    """``EROFS`` or ``ENOSPC`` when the file system holding ``path`` (or its nearest
+    existing parent) is mounted read-only or has under 64 KiB free for us, else None."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    try:
+        st = os.statvfs(here)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return errno.EROFS
+    return errno.ENOSPC if st.f_bavail * st.f_frsize < 64 * 1024 else None
+
+
+def out_option(argv: list[str]) -> str | None:
+    """The value of ``--out`` in a command line (``--out DIR`` or ``--out=DIR``), if any."""
+    for i, arg in enumerate(argv):
+        if arg == "--out" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--out="):
+            return arg.removeprefix("--out=")
+    return None
+
+
+def one_line_error(exc: BaseException, out: str | None = None) -> str:
+    """The one-line message for an error that escaped a command: a full disk or read-only
+    file system names the path (``write_failure``; ``out`` is the command's ``--out``); the
+    library's named errors read as their message; anything else also names its type (it
+    may be a bug) and says how to see the traceback."""
+    written = write_failure(exc, out)
+    if written is not None:
+        return one_line(written)
     named = _named_error_types()
     if isinstance(exc, named):
         return one_line(str(exc) or type(exc).__name__)
@@ -146,7 +231,9 @@ class RtreesApp(typer.Typer):
         except Exception as exc:  # the last line of defence: one line, never a traceback
             if debug_enabled():
                 raise
-            err.print(f"[bold red]error:[/] {one_line_error(exc)}", highlight=False)
+            argv = kwargs.get("args") or (args[0] if args else None) or sys.argv[1:]
+            err.print(f"[bold red]error:[/] {one_line_error(exc, out_option(list(argv)))}",
+                      highlight=False)
             raise SystemExit(1) from None
         raise SystemExit(code if isinstance(code, int) else 0)
 

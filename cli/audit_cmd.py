@@ -130,6 +130,14 @@ def report(
         console.print(f"{name}: not built ({reason})", soft_wrap=True, markup=False,
                       highlight=False)
     console.print(f"index: {summary.index}", soft_wrap=True, markup=False, highlight=False)
+    # A study asked for by name that was not built is a failure, not a note (issue 21): a
+    # script must not read exit 0 as "every report rebuilt". The store's own audits with
+    # no data stay notes: they were not asked for one by one.
+    missing = [(name, why) for name, why in summary.skipped.items()
+               if name in {str(s) for s in study or []}]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        fail(f"requested study {missing[0][0]} was not built: {missing[0][1]}{more}")
 
 
 StudyOut = Annotated[Path, typer.Option("--out", help="Directory for the study's data, "

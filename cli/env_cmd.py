@@ -19,6 +19,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,6 +33,9 @@ from train.envs import ENVIRONMENTS, Environment, make_env
 env_app = typer.Typer(help="Try tool environments by hand.", no_args_is_help=True)
 
 SNAPSHOT_FILE_FORMAT = "rtrees-env-snapshot/1"
+# The largest --snapshot-in file read (issue 21: /dev/zero was read without bound). Our
+# environments' snapshots are kilobytes; base64 in the JSON wrapper adds a third.
+MAX_SNAPSHOT_FILE_BYTES = 64 << 20
 
 
 class EnvCommandError(Exception):
@@ -91,6 +96,33 @@ def start_episode(env_name: str, seed: int, mix: dict[str, Any] | None = None,
             {"step": 0, "task_id": task.task_id, "observation": observation, "done": False})
 
 
+def read_snapshot_file(path: Path, limit: int = MAX_SNAPSHOT_FILE_BYTES) -> bytes:
+    """The bytes of a ``--snapshot-in`` file: a regular file of at most ``limit`` bytes.
+
+    A device (``/dev/zero``), FIFO or directory is refused before reading (the FIFO is
+    opened non-blocking, so a missing writer cannot hang the command), and a file that
+    grows past ``limit`` while it is read is refused too: ``EnvCommandError``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise EnvCommandError(f"cannot read {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise EnvCommandError(f"{path} is not a regular file (a snapshot file is one "
+                                  "written by --snapshot-out)")
+        if info.st_size > limit:
+            raise EnvCommandError(f"{path} is {info.st_size:,} bytes, larger than a "
+                                  f"snapshot file can be ({limit:,} bytes)")
+        try:
+            data = fh.read(limit + 1)
+        except OSError as exc:
+            raise EnvCommandError(f"cannot read {path}: {exc.strerror}") from None
+    if len(data) > limit:
+        raise EnvCommandError(f"{path} grew past {limit:,} bytes while it was read")
+    return data
+
+
 def _restore(env: Environment, env_name: str, data: bytes) -> Episode:
     wrapper = _read_wrapper(data)
     if wrapper is None:  # raw Environment.snapshot() bytes
@@ -114,6 +146,8 @@ def _read_wrapper(data: bytes) -> dict[str, Any] | None:
         wrapper = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         return None
+    except RecursionError:  # JSON, but nested too deeply for the parser
+        raise EnvCommandError("malformed snapshot file: JSON nested too deeply") from None
     if not isinstance(wrapper, dict) or wrapper.get("format") != SNAPSHOT_FILE_FORMAT:
         return None
     try:
@@ -172,10 +206,7 @@ def play(
             options["difficulties"] = list(difficulty)
         state = None
         if snapshot_in is not None:
-            try:
-                state = snapshot_in.read_bytes()
-            except OSError as exc:
-                raise EnvCommandError(f"cannot read {snapshot_in}: {exc.strerror}") from None
+            state = read_snapshot_file(snapshot_in)
         episode, first = start_episode(env, seed, options, state)
     except EnvCommandError as exc:
         raise _error(str(exc), 2) from None

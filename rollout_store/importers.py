@@ -89,6 +89,9 @@ TRL_REQUIRED: Final[tuple[str, ...]] = ("prompt", "completion")
 TRL_NOT_REWARDS: Final[frozenset[str]] = frozenset({"step", ADVANTAGE_FIELD})
 
 _HASH_CHUNK: Final[int] = 1 << 20
+# Deepest nesting of lists and objects accepted in one dump row (issue 21: a deeply nested
+# field raised a raw RecursionError). Chat messages need 3 or 4 levels.
+MAX_NESTING: Final[int] = 64
 
 # Builds the error for the line or row being read, given the detail.
 _Fail = Callable[[str], "DumpImportError"]
@@ -329,6 +332,9 @@ def read_verl_jsonl(path: Path) -> tuple[list[DumpRow], str]:
             except json.JSONDecodeError as exc:
                 raise DumpImportError(shown, f"not valid JSON ({exc.msg} at column "
                                       f"{exc.colno})", line=line_no) from None
+            except RecursionError:
+                raise DumpImportError(shown, "JSON nested too deeply to read (at most "
+                                      f"{MAX_NESTING} levels)", line=line_no) from None
             rows.append(_verl_row(obj, line_no, shown, name_step))
     return rows, digest.hexdigest()
 
@@ -342,14 +348,19 @@ def _verl_row(obj: Any, line_no: int, shown: str, name_step: int | None) -> Dump
     for key in VERL_REQUIRED:
         if key not in obj:
             raise fail(f"missing required field {key!r}")
+    for key, value in obj.items():
+        _check_value(value, key, fail)
+        _check_value(key, "a field name", fail)
     if "step" in obj:
         step = _as_step(obj["step"], fail)
     elif name_step is not None:
         step = name_step
     else:
         raise fail("missing field 'step' (and the file name carries no step)")
-    prompt, structured = _as_text(obj["input"], "input", fail)
-    completion, _ = _as_text(obj["output"], "output", fail)
+    # verl dumps decoded text (tokenizer.batch_decode): a list or a number in either field
+    # is not a verl dump, and was stored as its JSON text on main (issue 21).
+    prompt, structured = _as_text(obj["input"], "input", fail, chat=True)
+    completion, _ = _as_text(obj["output"], "output", fail, chat=False)
     reward = _as_reward(obj["score"], "score", fail)
     advantage = _as_advantage(obj.get(ADVANTAGE_FIELD), fail)
     parts: dict[str, float] = {}
@@ -396,8 +407,14 @@ def read_trl_parquet(path: Path, reward_columns: Sequence[str] | None = None
     if missing:
         raise DumpImportError(shown, f"missing required column(s) {', '.join(missing)} "
                               f"(columns: {', '.join(schema.names)})")
+    for col in TRL_REQUIRED:  # on main an integer prompt column was summed into the reward
+        if not _is_text_type(schema.field(col).type):
+            raise DumpImportError(shown, f"column {col!r} is {schema.field(col).type}: "
+                                  "expected text (string) or chat messages (a list of "
+                                  "structs with 'role' and 'content')")
     index_columns = _pandas_index_columns(schema)
-    numeric = [f.name for f in schema if _is_numeric_type(f.type)]
+    numeric = [f.name for f in schema if _is_numeric_type(f.type)
+               and f.name not in TRL_REQUIRED]
     if reward_columns is None:
         rewards = [c for c in numeric if c not in TRL_NOT_REWARDS and c not in index_columns]
         if not rewards:
@@ -417,7 +434,11 @@ def read_trl_parquet(path: Path, reward_columns: Sequence[str] | None = None
         raise DumpImportError(shown, "no 'step' column, and the file name carries no step")
     skip = {*TRL_REQUIRED, "step", ADVANTAGE_FIELD, *rewards, *index_columns}
     extras = [c for c in schema.names if c not in skip]
-    cols = {c: table.column(c).to_pylist() for c in schema.names if c not in index_columns}
+    try:
+        cols = {c: table.column(c).to_pylist() for c in schema.names if c not in index_columns}
+    except UnicodeDecodeError as exc:
+        raise DumpImportError(shown, f"a string column holds bytes that are not UTF-8 "
+                              f"({exc.reason})") from None
     rows = []
     for i in range(table.num_rows):
         def fail(detail: str, i: int = i) -> DumpImportError:
@@ -425,8 +446,10 @@ def read_trl_parquet(path: Path, reward_columns: Sequence[str] | None = None
 
         step = _as_step(cols["step"][i], fail) if "step" in cols else name_step
         assert step is not None  # checked above
-        prompt, structured = _as_text(cols["prompt"][i], "prompt", fail)
-        completion, _ = _as_text(cols["completion"][i], "completion", fail)
+        for c in ("prompt", "completion", *extras):
+            _check_value(cols[c][i], c, fail)
+        prompt, structured = _as_text(cols["prompt"][i], "prompt", fail, chat=True)
+        completion, _ = _as_text(cols["completion"][i], "completion", fail, chat=True)
         parts: dict[str, float] = {}
         absent: list[str] = []
         for col in rewards:
@@ -548,13 +571,51 @@ def _as_step(value: Any, fail: _Fail) -> int:
     raise fail(f"step must be an integer, got {value!r}")
 
 
-def _as_text(value: Any, name: str, fail: _Fail) -> tuple[str, bool]:
-    """A prompt or completion as text; structured ones (chat messages) as JSON."""
+def _is_text_type(t: pa.DataType) -> bool:
+    """Text, or chat messages (a list of structs), or all-null (each row then refused)."""
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t):
+        return True
+    return bool((pa.types.is_list(t) or pa.types.is_large_list(t))
+                and pa.types.is_struct(t.value_type))
+
+
+def _as_text(value: Any, name: str, fail: _Fail, *, chat: bool) -> tuple[str, bool]:
+    """A prompt or completion as text; with ``chat``, chat messages (a list of objects
+    with a string ``role``) are accepted too, as JSON. Anything else is refused."""
     if isinstance(value, str):
         return value, False
     if value is None:
         raise fail(f"{name} is null")
-    return json.dumps(_jsonable(value), ensure_ascii=False, sort_keys=True), True
+    if chat and isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
+        return json.dumps(_jsonable(value), ensure_ascii=False, sort_keys=True), True
+    shown = json.dumps(_jsonable(value))
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    expected = "text (a string) or chat messages (a list of objects with a 'role')" if chat \
+        else "text (a string)"
+    raise fail(f"{name} must be {expected}, got {type(value).__name__} {shown}")
+
+
+def _check_value(value: Any, name: str, fail: _Fail) -> None:
+    """Refuse ``value`` (a JSON or Arrow value of field ``name``) if it nests deeper than
+    ``MAX_NESTING`` or holds a string with a lone UTF-16 surrogate (valid JSON, ``"\\ud800"``,
+    but not Unicode text: it could not be stored). Iterative, so any depth is safe."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = item[exc.start]
+                raise fail(f"{name} holds a lone surrogate U+{ord(bad):04X} (not valid "
+                           "Unicode text)") from None
+        elif isinstance(item, dict | list | tuple):
+            if depth >= MAX_NESTING:
+                raise fail(f"{name} is nested more than {MAX_NESTING} levels deep")
+            children = ([*item.keys(), *item.values()] if isinstance(item, dict)
+                        else list(item))
+            stack.extend((child, depth + 1) for child in children)
 
 
 def _as_reward(value: Any, name: str, fail: _Fail) -> float:

@@ -177,13 +177,21 @@ def _listed(what: str, items: list[str]) -> list[str]:
 
 def _link_problems(store: Store, version: StoreVersion) -> list[str]:
     """Cross-table checks: unique trees, node counts, snapshots, credits, references."""
-    trees = read_arrow(store, "trees", version, ["tree_id", "n_nodes", "critical_node_id"])
+    trees = read_arrow(store, "trees", version,
+                       ["tree_id", "n_nodes", "critical_node_id", "commit_key"])
     nodes = read_arrow(store, "nodes", version, ["tree_id", "node_id", "snapshot_id"])
     snaps = read_arrow(store, "snapshots", version, ["snapshot_id", "tree_id"])
     out: list[str] = []
     counts = pc.value_counts(trees.column("tree_id")).to_pylist()
+    twice = {c["values"] for c in counts if c["counts"] > 1}
+    holders: dict[str, list[str]] = {}  # the commit keys of each duplicate (issue 21)
+    for tid, key in zip(trees.column("tree_id").to_pylist(),
+                        trees.column("commit_key").to_pylist(), strict=True):
+        if tid in twice:
+            holders.setdefault(tid, []).append(key)
     out += _listed("tree ids stored more than once",
-                   [f"{c['values']!r} x{c['counts']}" for c in counts if c["counts"] > 1])
+                   [f"{t!r} x{len(keys)} (commit keys {', '.join(map(repr, sorted(keys)))})"
+                    for t, keys in holders.items()])
     have = pc.value_counts(nodes.column("tree_id")).to_pylist()
     n_have = {c["values"]: c["counts"] for c in have}
     expected = dict(zip(trees.column("tree_id").to_pylist(),

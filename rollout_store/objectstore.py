@@ -45,9 +45,22 @@ its storage, and the rest of ``rollout_store`` goes through it:
   create that lost the race for version 0 as a second metadata commit (version 1), which
   the tests caught when two processes created one store at once (a local store takes the
   same lock as an ``flock``: the race is the same on a file system). The Delta log itself
-  never depends on it (conditional puts keep every commit, lock or not); the one window
-  left is a holder stalled for longer than the lease between its last check and its
-  commit (seconds against a 60 s lease), documented here rather than hidden.
+  never depends on it (conditional puts keep every commit, lock or not).
+
+  A lease alone cannot close one window: a holder stalled (paused, swapped out) for
+  longer than the lease *after* its last check and before its commit. Its lock is broken
+  and taken meanwhile, and a second writer may commit the same trees; issue 21 found
+  exactly that (SIGSTOP right after the check, 3 rounds out of 3). So an append does not
+  rely on the lease for its checks: each table commit is made at exactly the version
+  after the one its duplicate-tree-id and same-key checks read (``max_commit_retries=0``;
+  the commit file's ``If-None-Match: *`` put fails if any other commit took that
+  version). On that failure it re-reads the table, re-runs the checks against the
+  version that won and its lease check, and only then tries the next version
+  (``Store._commit_table``). A stalled writer's clashing commit is thus refused before it
+  becomes visible (``duplicate_tree_id``, "already committed" for the same key, or
+  ``LockLostError``), and nothing needs compensating afterwards. ``store validate``
+  (``maintenance.verify``) still names tree ids stored more than once, with the commit
+  keys holding them, in a store written before this.
 * **DuckDB** reads a remote store through Arrow datasets over the same ``S3FileSystem``
   (``reader.connect`` registers one per table). DuckDB's ``httpfs`` extension would be the
   native route, but DuckDB extensions download at run time and fail offline,

@@ -118,8 +118,11 @@ def test_audit_report_rebuilds_every_study_from_its_files(tmp_path: Path) -> Non
     res = runner.invoke(app, ["audit", "report", "--out", str(out)]
                         + [a for n in runs for a in ("--study", str(tmp_path / n))]
                         + ["--study", str(tmp_path / "nothing-here")])
-    assert res.exit_code == 0, res.output
+    # A requested study that was not built fails the command (issue 21); the others are
+    # still rebuilt and indexed.
+    assert res.exit_code == 1, res.output
     assert "nothing-here: not built" in res.stdout.replace("\n", "")
+    assert "was not built" in res.output
     for name, before in runs.items():
         rebuilt = json.loads((out / name / "results.json").read_text())
         again = json.loads(json.dumps(before, default=str))  # the same JSON cleaning
