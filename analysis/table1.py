@@ -16,16 +16,18 @@ Per config, over its seeds s = 1..S:
 * learning curves: held-out sampled success against iteration and against cumulative
   tool steps (``table1_curves.png``).
 
-**Interval** (95% percentile, ``n_boot`` resamples): a two-level bootstrap, seeds with
-replacement, then the held-out tasks of each drawn seed. The trainer stores held-out
-success as a rate, not per task; a task resample of n Bernoulli outcomes with k
-successes is Binomial(n, k/n) / n, so it is recomputable from the rate and n alone.
-Differences between configs resample the two independently (unpaired: without per-task
-outcomes the shared held-out tasks cannot be paired, which widens the interval).
-
-**Verdicts** (``analysis.verdicts``): each claim "A > B" is the difference of mean final
-held-out sampled success, judged on its interval; the paper's numbers (other models,
-benchmarks and scales) are printed beside ours, not compared.
+**Intervals and verdicts** (``analysis.verdicts``, docs/METHODS.md V1-V5). Each run's
+evaluation commits its per-task outcomes to the ``evaluations`` table (schema 3); arms
+share training seeds, the held-out split and the evaluation seeds (the trainer seeds an
+evaluation by its step alone), so each claim "A > B" is judged on the paired
+differences d[s, t] of final held-out sampled success (seed x task two-way variance, the
+evaluation noise counted once), at the Bonferroni level 1 - 0.10 / K of the study's K
+claims, with the pre-registered equivalence margin ``delta`` of the study's config and
+the minimum detectable effect beside it. Runs without per-task rows (stores older than
+schema 3) pair their per-seed rates instead. A config's own interval is the t interval of
+its seeds' final rates. Greedy success is differenced the same way and printed beside
+(sharpening alone raises sampled success). The paper's numbers (other models, benchmarks
+and scales) are printed beside ours, not compared.
 """
 
 from __future__ import annotations
@@ -45,10 +47,17 @@ from analysis.report import (
     open_study,
     register_study_report,
     save_figure,
+    study_path,
     write_study_results,
 )
-from analysis.stats import percentile_ci
-from analysis.verdicts import verdict, verdict_lines
+from analysis.verdicts import (
+    Difference,
+    family_level,
+    paired_difference,
+    verdict,
+    verdict_counts,
+    verdict_lines,
+)
 
 KIND = "table1"
 PAPER_TABLE = ("ELPO's Table 1 (paper 001, 'Learning from the Irrecoverable'): RL methods "
@@ -72,7 +81,8 @@ CLAIMS: tuple[tuple[str, str, str, str], ...] = (
     ("SLCA-GRPO: SLCA beats GRPO on SGLS", "slca+group (sgls)", "grpo+group (sgls)",
      "7B: +2.53 points in-domain over GRPO"),
 )
-LEVEL = 0.95
+DEFAULT_DELTA = 0.02
+"""Equivalence margin of studies whose config predates ``Table1Config.delta``."""
 
 
 def read_run_metrics(store_dir: Path, run_id: str) -> dict[str, dict[int, float]]:
@@ -86,6 +96,19 @@ def read_run_metrics(store_dir: Path, run_id: str) -> dict[str, dict[int, float]
     for name, step, value in rows:
         out.setdefault(str(name), {})[int(step)] = float(value)
     return out
+
+
+def read_run_outcomes(store_dir: Path, run_id: str, step: int, mode: str
+                      ) -> dict[int, float] | None:
+    """``{task_index: success}`` of one run's evaluation at metric ``step`` in ``mode``
+    from its store's ``evaluations`` table; None when the store holds no such rows."""
+    from rollout_store import Store, connect
+
+    con = connect(Store(store_dir))
+    rows = con.execute("SELECT task_index, success FROM evaluations WHERE run_id = ? AND "
+                       "step = ? AND mode = ? ORDER BY task_index",
+                       [run_id, step, mode]).fetchall()
+    return {int(i): float(s) for i, s in rows} or None
 
 
 def run_summary(metrics: Mapping[str, Mapping[int, float]], steps: int) -> dict[str, Any]:
@@ -112,13 +135,49 @@ def run_summary(metrics: Mapping[str, Mapping[int, float]], steps: int) -> dict[
             "curve": curve}
 
 
-def boot_means(rates: Sequence[float], n_tasks: int, n_boot: int,
-               rng: np.random.Generator) -> np.ndarray:
-    """(n_boot,) bootstrap means over seeds of held-out success: seeds drawn with
-    replacement, then each drawn seed's n_tasks outcomes (Binomial(n, k/n) / n)."""
-    p = np.clip(np.asarray(rates, np.float64), 0.0, 1.0)
-    idx = rng.integers(0, p.size, size=(n_boot, p.size))
-    return (rng.binomial(n_tasks, p[idx]) / n_tasks).mean(axis=1)
+def _outcomes(rows: Sequence[Mapping[str, Any]], key: str) -> dict[int, Any]:
+    """``{seed: per-task outcomes (dict) or the final rate (float)}`` of finished runs."""
+    out: dict[int, Any] = {}
+    for r in rows:
+        if r["status"] == "done" and r.get(key) is not None:
+            out[int(r["seed"])] = r[key]
+    return out
+
+
+def compare(a: Mapping[int, Any], b: Mapping[int, Any], level: float) -> Difference | None:
+    """The paired difference of two configs' outcomes (``_outcomes``) on their common
+    seeds: per (seed, task) where every common run has the same tasks, else per seed
+    (rates); None below two common seeds."""
+    seeds = sorted(set(a) & set(b))
+    if len(seeds) < 2:
+        return None
+    per_task = all(isinstance(a[s], dict) and isinstance(b[s], dict) for s in seeds)
+    if per_task:
+        tasks = sorted(a[seeds[0]])
+        if all(sorted(a[s]) == tasks and sorted(b[s]) == tasks for s in seeds) and \
+                len(tasks) >= 2:
+            ya = np.array([[a[s][i] for i in tasks] for s in seeds])
+            yb = np.array([[b[s][i] for i in tasks] for s in seeds])
+            return paired_difference(ya, yb, level)
+    ra = np.array([_rate(a[s]) for s in seeds])
+    rb = np.array([_rate(b[s]) for s in seeds])
+    return paired_difference(ra, rb, level)
+
+
+def _rate(x: Any) -> float:
+    return float(np.mean(list(x.values()))) if isinstance(x, dict) else float(x)
+
+
+def _t_interval(xs: Sequence[float], level: float) -> list[float]:
+    """The t interval of a mean over seeds (nan below two seeds)."""
+    from scipy import stats
+
+    arr = np.asarray(xs, np.float64)
+    if arr.size < 2:
+        return [math.nan, math.nan]
+    half = float(stats.t.ppf(1 - (1 - level) / 2, arr.size - 1)) * float(
+        arr.std(ddof=1)) / math.sqrt(arr.size)
+    return [float(arr.mean()) - half, float(arr.mean()) + half]
 
 
 def _reasons(refused: Sequence[tuple[int, str]], unfinished: Sequence[Mapping[str, Any]]
@@ -147,8 +206,10 @@ def table1_results(study_dir: str | Path, out_dir: str | Path | None = None
     results dict."""
     src, out, study = open_study(study_dir, out_dir, KIND)
     c = study["config"]
-    steps, n_tasks = int(c["steps"]), int(c["heldout_tasks"])
-    rng = np.random.default_rng(c["boot_seed"])
+    steps = int(c["steps"])
+    delta = float(c.get("delta", DEFAULT_DELTA))
+    claims = [cl for cl in CLAIMS if cl[1] in study["configs"] and cl[2] in study["configs"]]
+    level = family_level(max(len(claims), 1))
     configs: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []
     for name, (env, sampler, credit) in study["configs"].items():
@@ -157,8 +218,12 @@ def table1_results(study_dir: str | Path, out_dir: str | Path | None = None
         for r in mine:
             row = {k: r[k] for k in ("config", "seed", "run_id", "status")}
             if r["status"] == "done":
-                m = read_run_metrics(src / r["dir"] / r["store"], r["run_id"])
+                store_dir = study_path(src, f"{r['dir']}/{r['store']}", "runs[].dir/store")
+                m = read_run_metrics(store_dir, r["run_id"])
                 row.update(run_summary(m, steps))
+                for mode in ("sampled", "greedy"):
+                    row[f"tasks_{mode}"] = read_run_outcomes(store_dir, r["run_id"],
+                                                             steps - 1, mode)
                 if not row["complete"]:
                     row["status"] = f"incomplete ({row['iterations']}/{steps} iterations)"
             else:
@@ -177,34 +242,44 @@ def table1_results(study_dir: str | Path, out_dir: str | Path | None = None
             continue
         doc["status"] = "done" if len(ok) == len(mine) else \
             f"partial: {len(ok)}/{len(mine)} runs ({why})"
-        boots = boot_means(finals, n_tasks, int(c["n_boot"]), rng)
         for key in ("start_sampled", "start_greedy", "final_sampled", "final_greedy",
                     "tool_steps", "env_steps", "train_seconds"):
             mean, std = _mean_std([float(r[key]) for r in ok if r[key] is not None])
             doc[key] = {"mean": mean, "std": std}
-        doc["final_sampled"]["ci"] = percentile_ci(boots, LEVEL)
+        doc["final_sampled"]["ci"] = _t_interval(finals, level)
         doc["rollouts"] = steps * int(c["tasks_per_step"]) * int(c["n_total"])
         doc["seconds_per_iteration"] = doc["train_seconds"]["mean"] / steps
-        doc["_boot"] = boots
+        doc["_outcomes"] = {mode: _outcomes(
+            ok, f"tasks_{mode}") or _outcomes(ok, f"final_{mode}")
+            for mode in ("sampled", "greedy")}
         configs[name] = doc
     verdicts = []
-    for claim, a, b, paper in CLAIMS:
-        if a not in configs or b not in configs:
-            continue
+    for claim, a, b, paper in claims:
         da, db = configs[a], configs[b]
-        if "_boot" in da and "_boot" in db:
-            est = da["final_sampled"]["mean"] - db["final_sampled"]["mean"]
-            ci = percentile_ci(da["_boot"] - db["_boot"], LEVEL)
-            note = ""
+        diff = greedy = None
+        if "_outcomes" in da and "_outcomes" in db:
+            diff = compare(da["_outcomes"]["sampled"], db["_outcomes"]["sampled"], level)
+            greedy = compare(da["_outcomes"]["greedy"], db["_outcomes"]["greedy"], level)
+        if diff is not None:
+            est, ci, se, dof = diff.estimate, list(diff.ci), diff.se, diff.df
+            paired = (f"paired over {diff.n_seeds} seeds x {diff.n_tasks} tasks"
+                      if diff.n_tasks else f"paired over {diff.n_seeds} seeds (rates)")
+            g = (f"; greedy {greedy.estimate:+.3f} [{greedy.ci[0]:+.3f}, {greedy.ci[1]:+.3f}]"
+                 if greedy is not None else "")
+            note = paired + g
         else:
-            est, ci = math.nan, [math.nan, math.nan]
+            est, ci, se, dof = math.nan, [math.nan, math.nan], None, None
             note = "; ".join(f"{n} {configs[n]['status']}" for n in (a, b)
-                             if "_boot" not in configs[n])
+                             if "_outcomes" not in configs[n]) or \
+                "fewer than 2 common seeds"
         verdicts.append(verdict(
             f"{claim} ({a} > {b})", f"final held-out success {a} - {b}", est, ci, 0.0,
-            "above", paper, note=note).to_json())
+            "above", paper, note=note, delta=delta, level=level, se=se, df=dof).to_json())
     for doc in configs.values():
-        doc.pop("_boot", None)
+        doc.pop("_outcomes", None)
+    for r in runs:
+        for mode in ("sampled", "greedy"):
+            r.pop(f"tasks_{mode}", None)
     plots = [_curves(out / "table1_curves.png", configs, runs)]
     results: dict[str, Any] = {
         "audit": KIND, "config": c, "paper_table": PAPER_TABLE, "configs": configs,
@@ -263,9 +338,11 @@ def table1_report(results: Mapping[str, Any]) -> str:
              f"{c['tasks_per_step']} tasks x n_total = {c['n_total']} rollouts per tree "
              f"(equal iterations, equal n_total), seeds {list(c['seeds'])}, held-out "
              f"success on {c['heldout_tasks']} fixed held-out tasks (one sampled rollout "
-             "each, temperature 1; greedy beside it). Mean ± std over seeds; 95% interval "
-             f"of the mean: {c['n_boot']} two-level resamples (seeds, then held-out tasks "
-             "as Binomial(n, k/n); unpaired across configs).", ""]
+             "each, temperature 1; greedy beside it). Mean ± std over seeds; the interval "
+             "of a config's mean is the t interval over its seeds. Claims are judged on "
+             "paired differences (seed x task) at the Bonferroni level of the study's "
+             f"claims, equivalence margin delta = {c.get('delta', DEFAULT_DELTA)} "
+             "(docs/METHODS.md V1-V5).", ""]
     for env in dict.fromkeys(d["env"] for d in results["configs"].values()):
         lines += [f"## {env}", ""]
         rows = []
@@ -284,7 +361,7 @@ def table1_report(results: Mapping[str, Any]) -> str:
                          fmt(d["seconds_per_iteration"], 1)])
         lines += [markdown_table(
             ["config", "sampler", "credit", "seeds", "held-out start", "held-out end",
-             "end: mean [95% CI]", "greedy end", "tool steps", "rollouts", "s / iteration"],
+             "end: mean [CI]", "greedy end", "tool steps", "rollouts", "s / iteration"],
             rows), ""]
     partial = [f"- {n}: {d['status']}" for n, d in results["configs"].items()
                if d["status"] != "done"]
@@ -302,12 +379,10 @@ def table1_report(results: Mapping[str, Any]) -> str:
 def build_table1_report(study_dir: Path, out: Path) -> ReportOutput:
     """The registered study builder (``analysis.report.build_study_report``)."""
     res = table1_results(study_dir, out)
-    counts = {v: sum(x["verdict"] == v for x in res["verdicts"])
-              for v in ("reproduced", "not reproduced", "inconclusive")}
     return ReportOutput(KIND, out, "Table 1 in miniature: held-out success after training",
-                        ", ".join(f"{n} {v}" for v, n in counts.items()),
-                        (out / "report.md",))
+                        verdict_counts(res["verdicts"]), (out / "report.md",))
 
 
-__all__ = ["CLAIMS", "KIND", "PAPER_TABLE", "boot_means", "build_table1_report",
-           "read_run_metrics", "run_summary", "table1_report", "table1_results"]
+__all__ = ["CLAIMS", "KIND", "PAPER_TABLE", "build_table1_report", "compare",
+           "read_run_metrics", "read_run_outcomes", "run_summary", "table1_report",
+           "table1_results"]

@@ -277,9 +277,12 @@ TABLE_DOCS: dict[str, str] = {
     "mc_references": "Mean@k references: k rollouts from a child's snapshot and how many "
                      "succeeded (`rtrees audit ranking`)",
     "metrics": "one row per (run, step, metric name): the trainer's losses, rewards, "
-               "held-out success, timings",
+               "held-out success, timings; the row `run_token` at step -2 records which "
+               "run directory owns the run id",
     "policy_scores": "log-probabilities a named policy gives stored text, computed once "
                      "(`gold_answer`: TRACE T2; `action`: DSC D3)",
+    "evaluations": "one row per (run, step, mode, held-out task): the per-task outcomes of "
+                   "the trainer's held-out evaluations, which paired verdicts need (V2)",
 }
 
 # Meanings by column name; "table.column" entries override for one table.
@@ -357,6 +360,15 @@ COLUMN_DOCS: dict[str, str] = {
     "policy_scores.policy_ref": "the spec that loaded the scoring policy",
     "policy_scores.value": "the score",
     "policy_scores.token_logprobs": "the per-token log-probabilities behind the score",
+    "evaluations.step": "metric step of the evaluated weights (-1: the starting weights)",
+    "evaluations.mode": "`sampled` (temperature 1) or `greedy`",
+    "evaluations.task_index": "the task's position in the run's fixed held-out split",
+    "evaluations.task_id": "the held-out task",
+    "evaluations.eval_seed": "seed of the evaluation's sampling streams (the same for every "
+                             "run evaluated at that step)",
+    "evaluations.reward": "final reward of the episode (0 when the step limit cut it)",
+    "evaluations.success": "reward >= 1, the one success rule",
+    "evaluations.steps": "agent steps the episode took",
 }
 
 

@@ -73,6 +73,8 @@ DIGEST_COLUMNS: dict[str, tuple[list[str], list[str]]] = {
     "metrics": (["run_id", "step", "name"], ["run_id", "step", "name"]),
     "policy_scores": (["run_id", "tree_id", "node_id", "kind", "policy_version"],
                       ["tree_id", "node_id", "kind", "policy_version", "run_id"]),
+    "evaluations": (["run_id", "step", "mode", "task_index", "task_id", "eval_seed", "reward",
+                     "success"], ["run_id", "step", "mode", "task_index"]),
 }
 
 

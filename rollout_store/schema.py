@@ -26,10 +26,10 @@ from typing import Final, Literal, get_args
 
 import pyarrow as pa
 
-SCHEMA_VERSION: Final[int] = 2  # 2: the policy_scores table (issue 10)
+SCHEMA_VERSION: Final[int] = 3  # 2: the policy_scores table; 3: evaluations
 
 TableName = Literal["trees", "nodes", "snapshots", "credits", "mc_references", "metrics",
-                    "policy_scores"]
+                    "policy_scores", "evaluations"]
 TABLE_NAMES: Final[tuple[TableName, ...]] = get_args(TableName)
 
 NodeKind = Literal["prompt", "decision", "feedback_response"]
@@ -183,6 +183,26 @@ POLICY_SCORES = pa.schema([
     _f("created_at", TIMESTAMP, False),
 ])
 
+# Per-task held-out outcomes of a training run's evaluations (docs/METHODS.md V2: verdicts
+# pair arms by seed AND task, so rates alone are not enough). One row per (run_id, step,
+# mode, task_index): ``step`` as in ``metrics`` (-1: the starting weights), ``mode``
+# "sampled" (temperature 1) or "greedy", ``task_index`` the task's position in the run's
+# fixed held-out split, ``eval_seed`` the seed of that evaluation's sampling streams
+# (shared by every run evaluated at the same step, so arms pair on it), ``success`` the
+# one success rule of the evaluation (reward >= 1).
+EVALUATIONS = pa.schema([
+    _f("run_id", pa.string(), False),
+    _f("step", pa.int64(), False),
+    _f("mode", pa.string(), False),
+    _f("task_index", pa.int32(), False),
+    _f("task_id", pa.string(), False),
+    _f("eval_seed", pa.int64(), False),
+    _f("reward", pa.float64(), False),
+    _f("success", pa.bool_(), False),
+    _f("steps", pa.int32(), False),
+    _f("created_at", TIMESTAMP, False),
+])
+
 SCHEMAS: Final[dict[TableName, pa.Schema]] = {
     "trees": TREES,
     "nodes": NODES,
@@ -191,16 +211,19 @@ SCHEMAS: Final[dict[TableName, pa.Schema]] = {
     "mc_references": MC_REFERENCES,
     "metrics": METRICS,
     "policy_scores": POLICY_SCORES,
+    "evaluations": EVALUATIONS,
 }
 
 # Released schemas by version. A new version appends here; never edit an entry.
 SCHEMA_HISTORY: Final[dict[int, dict[TableName, pa.Schema]]] = {
-    1: {name: schema for name, schema in SCHEMAS.items() if name != "policy_scores"},
-    2: SCHEMAS,
+    1: {name: schema for name, schema in SCHEMAS.items()
+        if name not in ("policy_scores", "evaluations")},
+    2: {name: schema for name, schema in SCHEMAS.items() if name != "evaluations"},
+    3: SCHEMAS,
 }
 # Tables added after version 1 (a store of an older version lacks them until it is opened
 # for writing once; see Store.__init__).
-ADDED_TABLES: Final[dict[TableName, int]] = {"policy_scores": 2}
+ADDED_TABLES: Final[dict[TableName, int]] = {"policy_scores": 2, "evaluations": 3}
 
 
 def describe_type(schema: pa.Schema) -> str:

@@ -34,6 +34,10 @@ Hardening (issue 13):
 * Data files, the table directory, every commit file and ``_delta_log`` are fsync'd
   before the next table's commit (``deltalog.fsync_commit``).
 * A damaged Delta log is a ``DamagedLogError`` naming the table and the log file.
+* Every table commit lands at exactly the version after the one its checks read, or
+  not at all (issue 21): a writer whose put for that version fails re-reads the table,
+  re-checks (same key, duplicate tree ids) and tries again, so the duplicate check holds
+  even for a writer stalled past its lease on object storage (``objectstore.py``).
 
 Issue 16, locally as on object storage:
 
@@ -59,7 +63,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -121,6 +125,9 @@ CREATE_LOCK = ".create.lock"  # creating the tables of a new store (flock, or a 
 # commits per replay one process's RSS crept up ~0.5 MiB per commit between checkpoints
 # (benchmarks/bench_store_rss.py), and every open (several per append) got slower.
 CHECKPOINT_EVERY = 10
+# Tries of one table commit whose next version another commit took (each one re-checks
+# against the version that won; the old delta-rs retry limit was the same).
+COMMIT_ATTEMPTS = 100
 
 
 def open_delta(uri: str, version: int | None = None, what: str = "",
@@ -474,10 +481,15 @@ class Store:
               if "min.commit_key" in actions.column_names else nothing)
         hi = (actions.column("max.commit_key").to_pylist()
               if "max.commit_key" in actions.column_names else nothing)
+        real_root = None if self.loc.remote else os.path.realpath(str(root))
         for path, size, n, kmin, kmax in zip(
                 actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist(),
                 actions.column("num_records").to_pylist(), lo, hi, strict=True):
             full = str(root / path)
+            if _outside(str(path), full, real_root):
+                # a forged log ``add`` of /etc/passwd or ../../x: never read it
+                raise StoreError(f"{self.path}: the log of table {name!r} names a data file "
+                                 f"outside the store ({path}); refusing to read it")
             if check:
                 try:
                     actual = listed[full] if self.loc.remote else os.stat(full).st_size
@@ -542,10 +554,11 @@ class Store:
             finally:
                 self._lease = Lease()
 
-    def _committed_under(self, name: TableName, key: str, digest: int, rows: int
-                         ) -> bool:
-        """Whether ``key`` already committed ``name``; refuse it if with other content."""
-        dt = self.delta_table(name)
+    def _committed_under(self, name: TableName, key: str, digest: int, rows: int,
+                         dt: DeltaTable | None = None) -> bool:
+        """Whether ``key`` already committed ``name`` (at ``dt``'s version, latest if None);
+        refuse it if with other content."""
+        dt = self.delta_table(name) if dt is None else dt
         recorded = dt.transaction_version(key)
         if recorded is None:
             return False
@@ -560,40 +573,66 @@ class Store:
         return True
 
     def _commit_table(self, name: TableName, table: pa.Table, key: str,
-                      report: CommitReport, digest: int | None = None) -> None:
+                      report: CommitReport, digest: int | None = None,
+                      guard: tuple[int, Callable[[], None]] | None = None) -> None:
         """Write ``table`` as one Parquet file and commit it under application id ``key``.
 
         Call with the append lock held. ``digest`` (default: of all columns) is recorded
-        with the key and checked on a retry."""
+        with the key and checked on a retry. ``guard`` is ``(version, check)``: ``check``
+        (an append's duplicate-tree-id check) passed against version ``version`` of this
+        table or a later one, and runs again whenever the table has moved past that.
+
+        The commit is made at exactly the version after the one the checks read
+        (``max_commit_retries=0``: the commit file's conditional put fails if any other
+        commit took that version). A writer that lost its lease and stalled past its last
+        lease check therefore cannot commit over a clash it never saw: its put fails, it
+        re-reads the table, re-runs the checks (a same-key commit that landed meanwhile is
+        "already committed", the same tree ids are ``duplicate_tree_id``) and its lease
+        check, and only then tries the next version (``objectstore.py``)."""
         self._require_current(name)
         if digest is None:
             digest = default_digest(name, table)
-        if self._committed_under(name, key, digest, table.num_rows):
+        dt = self.delta_table(name)
+        if self._committed_under(name, key, digest, table.num_rows, dt):
             report.skipped.append(name)
             return
         if table.num_rows == 0:
             return
+        keys_seen = dt.version()  # _committed_under read this version
+        checked = None if guard is None else guard[0]
         rel, size, stats = self.write_data_file(name, [table])
-        dt = self.delta_table(name)
-        before = dt.version()
-        self._lease.check()  # on object storage: still ours, just before the commit
-        try:
-            dt.create_write_transaction(
-                [AddAction(rel, size, {}, int(time.time() * 1000), True, stats)],
-                mode="append", schema=SCHEMAS[name],
-                commit_properties=CommitProperties(
-                    app_transactions=[Transaction(key, digest),
-                                      Transaction(f"{key}#rows", table.num_rows)],
-                    custom_metadata={"rollout_trees.commit_key": key},
-                    max_commit_retries=100,
-                ),
-            )
-        except CommitFailedError as exc:  # a writer that does not take our lock won
-            if self._committed_under(name, key, digest, table.num_rows):
-                report.skipped.append(name)
-                return
-            raise StoreError(f"{self.path}: commit to table {name!r} failed: "
-                             f"{str(exc).splitlines()[0] if str(exc) else exc}") from None
+        for _ in range(COMMIT_ATTEMPTS):
+            dt = self.delta_table(name)
+            before = dt.version()
+            if before != keys_seen:
+                if self._committed_under(name, key, digest, table.num_rows, dt):
+                    report.skipped.append(name)  # a same-key writer committed it meanwhile
+                    return
+                keys_seen = before
+            if guard is not None and before != checked:
+                guard[1]()  # reads the latest version: ``before`` or later
+                checked = before
+            self._lease.check()  # on object storage: still ours, just before the commit
+            try:
+                dt.create_write_transaction(
+                    [AddAction(rel, size, {}, int(time.time() * 1000), True, stats)],
+                    mode="append", schema=SCHEMAS[name],
+                    commit_properties=CommitProperties(
+                        app_transactions=[Transaction(key, digest),
+                                          Transaction(f"{key}#rows", table.num_rows)],
+                        custom_metadata={"rollout_trees.commit_key": key},
+                        max_commit_retries=0,  # exactly version before + 1, or nothing
+                    ),
+                )
+            except CommitFailedError as exc:
+                if self.delta_table(name).version() > before:
+                    continue  # another commit took version before + 1: check against it
+                raise StoreError(f"{self.path}: commit to table {name!r} failed: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else exc}") from None
+            break
+        else:
+            raise StoreError(f"{self.path}: commit to table {name!r} failed: other commits "
+                             f"took the next version {COMMIT_ATTEMPTS} times in a row")
         after = self.delta_table(name)
         if not self.loc.remote:
             fsync_commit(self._uri(name), before, after.version())
@@ -636,6 +675,7 @@ class Store:
         tables: dict[TableName, pa.Table] = {"snapshots": snapshots, "nodes": nodes,
                                              "trees": trees_rows}
         digests = {name: default_digest(name, t) for name, t in tables.items()}
+        tree_ids = batch.trees.column("tree_id")
         with self._append_lock():
             # Check every table first: a key whose trees landed must match in all three.
             done = {name: self._committed_under(name, key, digests[name], t.num_rows)
@@ -643,9 +683,12 @@ class Store:
             if done["trees"]:
                 report.skipped.append("trees")
                 return report
-            self._refuse_stored_trees(batch.trees.column("tree_id"))
+            seen = self.delta_table("trees").version()
+            self._refuse_stored_trees(tree_ids)  # reads version ``seen`` or a later one
             for name, table in tables.items():
-                self._commit_table(name, table, key, report, digests[name])
+                guard = (seen, lambda: self._refuse_stored_trees(tree_ids))
+                self._commit_table(name, table, key, report, digests[name],
+                                   guard if name == "trees" else None)
         return report
 
     def stored_tree_ids(self, version: StoreVersion | None = None) -> pa.ChunkedArray:
@@ -752,6 +795,23 @@ class Store:
         """Commit rows with the ``metrics`` schema (idempotent per ``key``)."""
         _check_finite(table, "value", "metrics")
         return self._append_rows("metrics", table, key)
+
+    def append_evaluations(self, table: pa.Table, key: str | None = None) -> CommitReport:
+        """Commit rows with the ``evaluations`` schema (per-task held-out outcomes;
+        idempotent per ``key``)."""
+        _check_finite(table, "reward", "evaluations")
+        check_columns(table, SCHEMAS["evaluations"], "evaluations")
+        return self._append_rows("evaluations", table, key)
+
+
+def _outside(path: str, full: str, real_root: str | None) -> bool:
+    """Whether a data file path from a Delta log leaves its table's directory: absolute,
+    a URI, a ``..`` component, or (local stores, ``real_root`` given) a symlink out."""
+    if path.startswith(("/", "\\")) or "://" in path or ".." in Path(path).parts:
+        return True
+    if real_root is None:
+        return False
+    return os.path.commonpath([real_root, os.path.realpath(full)]) != real_root
 
 
 def check_data_file(path: str, size: int, loc: Location | None = None) -> None:

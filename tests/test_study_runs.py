@@ -18,7 +18,7 @@ from cli.main import app
 from train.jobs import STUDIES, study_config
 
 runner = CliRunner()
-VERDICTS = {"reproduced", "not reproduced", "inconclusive"}
+VERDICTS = {"superior", "inferior", "equivalent", "underpowered"}
 
 
 def _strip(doc: Any) -> Any:

@@ -20,7 +20,7 @@ import pytest
 import analysis.table1 as t1
 from analysis.report import build_study_report
 from rollout_store import Store
-from rollout_store.schema import METRICS
+from rollout_store.schema import EVALUATIONS, METRICS
 from rollout_store.store import now_utc
 from train.studies.table1 import CONFIGS, SMALL, Table1Config, run_table1_study, slug
 from train.studies.workflow_study import write_study
@@ -45,14 +45,34 @@ def _commit(store_dir: Path, run_id: str, rows: dict[str, dict[int, float]]) -> 
         key=f"{run_id}:metrics")
 
 
-def _study(tmp_path: Path, finals: dict[str, list[int]], truncate: str | None = None
-           ) -> Path:
+def _commit_outcomes(store_dir: Path, run_id: str, step: int, mode: str, k: int) -> None:
+    """Per-task outcomes of one evaluation: tasks 0..k-1 solved, the rest not."""
+    store = Store(store_dir)
+    n = N_TASKS
+    store.append_evaluations(pa.table({
+        "run_id": pa.array([run_id] * n, pa.string()), "step": pa.array([step] * n, pa.int64()),
+        "mode": pa.array([mode] * n, pa.string()),
+        "task_index": pa.array(range(n), pa.int32()),
+        "task_id": pa.array([f"t{i}" for i in range(n)], pa.string()),
+        "eval_seed": pa.array([7] * n, pa.int64()),
+        "reward": pa.array([float(i < k) for i in range(n)], pa.float64()),
+        "success": pa.array([i < k for i in range(n)], pa.bool_()),
+        "steps": pa.array([1] * n, pa.int32()),
+        "created_at": pa.array([now_utc()] * n, EVALUATIONS.field("created_at").type)},
+        schema=EVALUATIONS), key=f"{run_id}:eval:{mode}")
+
+
+def _study(tmp_path: Path, finals: dict[str, list[int]], truncate: str | None = None,
+           per_task: bool = True) -> Path:
     """A study directory in the layout of ``run_table1_study``: per (config, seed) a
-    store whose metrics say held-out successes k/N_TASKS (start 5, end ``finals``);
-    ``trace+group`` refused; ``truncate``: that config's runs lack their last iteration."""
-    config = Table1Config(configs=(*finals, "trace+group"), seeds=(0, 1), steps=STEPS,
+    store whose metrics say held-out successes k/N_TASKS (start 5, end ``finals``), and
+    (``per_task``) the final evaluation's per-task rows; ``trace+group`` refused;
+    ``truncate``: that config's runs lack their last iteration."""
+    n_seeds = len(next(iter(finals.values())))
+    config = Table1Config(configs=(*finals, "trace+group"), seeds=tuple(range(n_seeds)),
+                          steps=STEPS,
                           tasks_per_step=2, n_total=4, heldout_tasks=N_TASKS,
-                          eval_every=1, n_boot=400)
+                          eval_every=1)
     runs: list[dict[str, Any]] = []
     for name, ks in finals.items():
         env, sampler, credit = CONFIGS[name]
@@ -67,6 +87,9 @@ def _study(tmp_path: Path, finals: dict[str, list[int]], truncate: str | None = 
                 "new_tool_steps": {s: 10.0 * (seed + 1) for s in range(last + 1)},
                 "env_steps": {s: 12.0 for s in range(last + 1)},
                 "seconds_sample": {s: 1.5 for s in range(last + 1)}})
+            if per_task:
+                _commit_outcomes(tmp_path / d / "store", run_id, last, "sampled", k)
+                _commit_outcomes(tmp_path / d / "store", run_id, last, "greedy", k + 1)
             runs.append({"config": name, "seed": seed, "env": env, "sampler": sampler,
                          "credit": credit, "run_id": run_id, "dir": d, "store": "store",
                          "train": "train", "status": "done", "seconds": 3.0})
@@ -85,14 +108,14 @@ def _study(tmp_path: Path, finals: dict[str, list[int]], truncate: str | None = 
 
 
 def test_report_numbers_come_from_the_metric_rows(tmp_path: Path) -> None:
-    study = _study(tmp_path, {"grpo+group": [8, 10], "elpo+bel": [16, 18]})
+    study = _study(tmp_path, {"grpo+group": [8, 10, 9], "elpo+bel": [16, 18, 17]})
     res = t1.table1_results(study)
     grpo, elpo = res["configs"]["grpo+group"], res["configs"]["elpo+bel"]
     assert grpo["final_sampled"]["mean"] == pytest.approx(0.45)
-    assert grpo["final_sampled"]["std"] == pytest.approx(np.std([0.4, 0.5], ddof=1))
+    assert grpo["final_sampled"]["std"] == pytest.approx(np.std([0.4, 0.5, 0.45], ddof=1))
     assert elpo["final_greedy"]["mean"] == pytest.approx(0.9)
     assert grpo["start_sampled"]["mean"] == pytest.approx(0.25)
-    assert grpo["tool_steps"]["mean"] == pytest.approx((20 + 40) / 2)  # 2 iterations each
+    assert grpo["tool_steps"]["mean"] == pytest.approx((20 + 40 + 60) / 3)  # 2 iterations
     assert grpo["rollouts"] == STEPS * 2 * 4
     assert grpo["seconds_per_iteration"] == pytest.approx(1.5)
     lo, hi = grpo["final_sampled"]["ci"]
@@ -100,13 +123,21 @@ def test_report_numbers_come_from_the_metric_rows(tmp_path: Path) -> None:
     claims = {v["claim"].split(" (")[0]: v for v in res["verdicts"]}
     beats = claims["ELPO Table 1: ELPO beats GRPO"]
     assert beats["estimate"] == pytest.approx(0.4)
-    assert beats["verdict"] == "reproduced"  # 0.85 vs 0.45 with 20 tasks: far apart
+    # 0.85 vs 0.45 paired over 3 seeds x 20 tasks: far apart; two claims judged (K = 2)
+    assert beats["verdict"] == "superior" and beats["level"] == pytest.approx(0.95)
+    assert "3 seeds x 20 tasks" in beats["note"] and "greedy +0.400" in beats["note"]
+    ours = t1.compare({s: {i: float(i < k) for i in range(N_TASKS)} for s, k in
+                       enumerate([16, 18, 17])},
+                      {s: {i: float(i < k) for i in range(N_TASKS)} for s, k in
+                       enumerate([8, 10, 9])}, 0.95)
+    assert ours is not None and beats["ci"] == pytest.approx(list(ours.ci))
+    assert beats["mde"] == pytest.approx(ours.mde)
     trace = claims["TRACE Table 1: TRACE beats GRPO"]
-    assert trace["verdict"] == "inconclusive" and "not run" in trace["note"]
+    assert trace["verdict"] == "underpowered" and "not run" in trace["note"]
     assert res["configs"]["trace+group"]["status"] == (
-        "not run: ConfigError: credit 'trace' refused (seeds 0, 1)")
+        "not run: ConfigError: credit 'trace' refused (seeds 0, 1, 2)")
     report = (study / "report.md").read_text()
-    assert "0.450 ± 0.071" in report and "0.850 ± 0.071" in report
+    assert "0.450 ± 0.050" in report and "0.850 ± 0.050" in report
     assert "ELPO's Table 1" in report and (study / "table1_curves.png").stat().st_size
     # the audit's rebuild from the files alone gives the same numbers
     again = build_study_report(study, tmp_path / "rebuilt")
@@ -126,10 +157,19 @@ def test_an_unfinished_run_is_not_counted(tmp_path: Path) -> None:
         f"incomplete (1/{STEPS} iterations)"}
 
 
-def test_bootstrap_of_a_rate_is_binomial() -> None:
-    boots = t1.boot_means([0.5], 100, 4000, np.random.default_rng(0))
-    assert boots.mean() == pytest.approx(0.5, abs=0.01)
-    assert boots.std() == pytest.approx(0.05, rel=0.1)  # sqrt(0.25 / 100)
+def test_stores_without_per_task_rows_pair_the_seed_rates(tmp_path: Path) -> None:
+    """A study from before the evaluations table: the claim pairs per-seed rates."""
+    study = _study(tmp_path, {"grpo+group": [8, 10, 9], "elpo+bel": [16, 19, 17]},
+                   per_task=False)
+    res = t1.table1_results(study)
+    beats = {v["claim"].split(" (")[0]: v for v in res["verdicts"]}[
+        "ELPO Table 1: ELPO beats GRPO"]
+    d = np.array([16 - 8, 19 - 10, 17 - 9]) / N_TASKS
+    from scipy import stats
+
+    half = stats.t.ppf(0.975, 2) * d.std(ddof=1) / np.sqrt(3)
+    assert beats["ci"] == pytest.approx([d.mean() - half, d.mean() + half])
+    assert "3 seeds (rates)" in beats["note"]
 
 
 def test_small_study_runs_resumes_and_rebuilds(tmp_path: Path) -> None:

@@ -57,6 +57,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from train.coerce import check_bounds, check_types
+from train.studies import STUDY_MAXIMA
 from train.studies.workflow_study import make_study_dir, write_study
 
 # name -> (env, sampler, credit); the order of the report's table.
@@ -98,20 +100,23 @@ class Table1Config:
     """Token cap of one agent step on calc."""
     sgls_max_new_tokens: int = 64
     """Token cap of one agent step on sgls (a reply takes up to ~45 tiny tokens)."""
-    n_boot: int = 2000
-    """Bootstrap resamples of the report (seeds, then held-out tasks)."""
-    boot_seed: int = 0
+    delta: float = 0.02
+    """Pre-registered equivalence margin of every claim (docs/METHODS.md V1): a difference
+    whose interval lies inside +-delta is called ``equivalent``."""
 
     def __post_init__(self) -> None:
+        check_types(self)  # train.coerce: field types, finite floats (issue 21)
+        check_bounds(self, {}, STUDY_MAXIMA)
         unknown = sorted(set(self.configs) - set(CONFIGS))
         if unknown or not self.configs:
             raise ValueError(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
         if not self.seeds:
             raise ValueError("name at least one seed")
         if min(self.steps, self.tasks_per_step, self.n_total, self.max_new_tokens,
-               self.sgls_max_new_tokens, self.n_boot) < 1:
-            raise ValueError("steps, tasks_per_step, n_total, max_new_tokens and n_boot "
-                             "must be >= 1")
+               self.sgls_max_new_tokens) < 1:
+            raise ValueError("steps, tasks_per_step, n_total and max_new_tokens must be >= 1")
+        if not (0.0 < self.delta < 1.0):  # also refuses nan
+            raise ValueError(f"delta must lie in (0, 1), got {self.delta}")
         if self.heldout_tasks < 1 or self.eval_every < 1:
             raise ValueError("heldout_tasks and eval_every must be >= 1 (the table is "
                              "held-out success)")
@@ -209,7 +214,7 @@ def run_table1_study(out_dir: str | Path, config: Table1Config | None = None,
 SMALL: dict[str, Any] = {"configs": ("grpo+group", "trace+group", "slca+group (sgls)"),
                          "seeds": (0,),
                          "steps": 1, "tasks_per_step": 2, "n_total": 4, "heldout_tasks": 4,
-                         "eval_every": 1, "n_boot": 100}
+                         "eval_every": 1}
 
 
 __all__ = ["CONFIGS", "RUN_FILE", "SMALL", "Table1Config", "run_config", "run_finished",
