@@ -36,6 +36,9 @@ register_train(app)
 from cli.study_cmd import register as register_study  # noqa: E402  (issue 14)
 
 register_study(app)
+from cli.view_cmd import register as register_view  # noqa: E402  (issue 26)
+
+register_view(app)
 
 if TYPE_CHECKING:
     import pyarrow as pa
