@@ -176,3 +176,37 @@ def test_cli_view_bad_input(tmp_path: Path) -> None:
     assert res.exit_code == 1 and "no such store" in res.output
     res = CliRunner().invoke(app, ["view", "--store", str(tmp_path), "--port", "70000"])
     assert res.exit_code == 1 and "--port must be in 0..65535" in res.output
+
+
+def test_static_export_embeds_every_answer(store_path: Path, tmp_path: Path) -> None:
+    from analysis.viewer.export import export_static, static_key
+
+    report = export_static(store_path, tmp_path / "out", run_id="viewer-run")
+    html = report.path.read_text()
+    assert report.trees == 3 and report.runs == 1
+    assert "static/viewer.js" not in html and "window.RTREES_STATIC" in html  # one file
+    start = html.index("window.RTREES_STATIC = ") + len("window.RTREES_STATIC = ")
+    answers = json.loads(html[start:html.index(";</script>", start)].replace("<\\/", "</"))
+    assert answers[static_key("/api/tree", id="bel-0")]["tree"]["critical_node_id"] == 2
+    cmp = answers[static_key("/api/compare", tree="bel-0", a="grpo", b="tree_grpo")]
+    assert cmp["sign_disagreements"] == 1
+    assert static_key("/api/trees", run="viewer-run", where="") == "/api/trees|run=viewer-run"
+    with pytest.raises(ValueError, match="no tree selected"):
+        export_static(store_path, tmp_path / "none", where="sampler = 'nope'")
+    with pytest.raises(ValueError, match="more than --max-trees 2"):
+        export_static(store_path, tmp_path / "many", max_trees=2)
+    with pytest.raises(ValueError, match="no tree 'nope'"):
+        export_static(store_path, tmp_path / "bad", tree_ids=["bel-0", "nope"])
+    with pytest.raises(FilterError):
+        export_static(store_path, tmp_path / "bad", where="1=1; DROP VIEW trees")
+
+
+def test_cli_view_export(store_path: Path, tmp_path: Path) -> None:
+    from cli.main import app
+
+    res = CliRunner().invoke(app, ["view", "--store", str(store_path), "--export",
+                                   str(tmp_path / "e"), "--tree", "cal-0"])
+    assert res.exit_code == 0, res.output
+    assert "1 trees" in res.output and (tmp_path / "e" / "index.html").is_file()
+    res = CliRunner().invoke(app, ["view", "--store", str(store_path), "--where", "1=1"])
+    assert res.exit_code == 1 and "select trees for --export" in res.output

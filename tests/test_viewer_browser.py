@@ -58,7 +58,7 @@ def make_driver(found: tuple[str, str]) -> Any:
     return webdriver.Chrome(options=options, service=Service(found[1]))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def driver() -> Iterator[Any]:
     found = browser()
     if isinstance(found, str):
@@ -143,6 +143,35 @@ def test_the_page_in_chromium(driver: Any, tmp_path: Path) -> None:
     assert seen["plots"] == ["loss", "reward"]
     assert seen["console_errors"] == []
     assert (tmp_path / "viewer.png").stat().st_size > 10_000
+
+
+def test_the_static_export_in_chromium(driver: Any, tmp_path: Path) -> None:
+    """``rtrees view --export``: the same page from one file on disk (file://, no server)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    from analysis.viewer.export import export_static
+
+    store = viewer_store.build(tmp_path / "store")
+    report = export_static(store, tmp_path / "export", where="sampler IN ('bel', 'caliper')")
+    assert report.trees == 2
+    wait = WebDriverWait(driver, 15)
+    driver.get(report.path.as_uri())
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "body[data-ready]"))
+    assert driver.find_element(By.ID, "filter").get_attribute("disabled") is not None
+    rows = driver.find_elements(By.CSS_SELECTOR, "#tree-list tbody tr")
+    assert [r.get_attribute("data-tree") for r in rows] == ["bel-0", "cal-0"]
+    rows[1].click()
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".local-group"))
+    assert driver.find_element(By.CSS_SELECTOR, ".local-group").get_attribute(
+        "data-branch") == "1"
+    driver.find_element(By.CSS_SELECTOR, 'g.node[data-node="4"]').click()
+    wait.until(lambda d: d.find_element(By.ID, "node-title").text == "node 4")
+    assert driver.find_element(By.ID, "action-text").text == "<answer>442</answer>"
+    Select(driver.find_element(By.ID, "compare-b")).select_by_value("grpo")
+    Select(driver.find_element(By.ID, "compare-a")).select_by_value("tree_grpo")
+    wait.until(lambda d: "disagree" in d.find_element(By.ID, "compare-summary").text)
+    assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
 
 
 if __name__ == "__main__":  # python tests/test_viewer_browser.py --write: docs/viewer.png

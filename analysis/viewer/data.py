@@ -362,9 +362,11 @@ class ViewerData:
                         "refreshed_by": refreshed_by},
         }
 
-    def compare(self, tree_id: str, a: str, b: str) -> dict[str, Any]:
-        """``compare_credit`` of methods ``a`` and ``b`` (keys of ``tree()['methods']``)."""
-        data = self.tree(tree_id)
+    def compare(self, tree_id: str, a: str, b: str,
+                tree: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``compare_credit`` of methods ``a`` and ``b`` (keys of ``tree()['methods']``);
+        ``tree`` is ``self.tree(tree_id)`` when the caller has it already."""
+        data = self.tree(tree_id) if tree is None else tree
         credits = {m: {n["id"]: n["credit"][m]["value"] for n in data["nodes"]
                        if m in n["credit"] and n["credit"][m]["value"] is not None}
                    for m in (a, b)}

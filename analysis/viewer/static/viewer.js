@@ -35,8 +35,12 @@
     const s = q.toString();
     return s ? path + "?" + s : path;
   }
+  function staticKey(path, params) {  // analysis/viewer/export.py builds the same keys
+    const items = Object.entries(params || {}).filter(([, v]) => v).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
+    return [path, ...items.map(([k, v]) => k + "=" + v)].join("|");
+  }
   async function api(path, params) {
-    const key = query(path, params);
+    const key = STATIC ? staticKey(path, params) : query(path, params);
     if (STATIC) {
       if (!(key in STATIC)) throw new Error("not in this export: " + key);
       return STATIC[key];
