@@ -39,6 +39,9 @@ register_study(app)
 from cli.view_cmd import register as register_view  # noqa: E402  (issue 26)
 
 register_view(app)
+from cli.search_cmd import register as register_search  # noqa: E402  (issue 26)
+
+register_search(app)
 
 if TYPE_CHECKING:
     import pyarrow as pa
