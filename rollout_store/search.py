@@ -24,7 +24,6 @@ next segments (the node's observation, then each child's action) in Python.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
