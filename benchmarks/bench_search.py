@@ -5,16 +5,17 @@ Store: synthetic BEL-shaped trees (``rollout_store.synthetic``, 16 rollouts, dep
 stored path so that they cross a node boundary (the last two observation tokens of a
 node and the first action token of its child), so hits exist on both sides.
 
-* ``search_tokens(store, ids)``: reads the nodes' token columns from the store and finds
-  every run along every root-to-leaf path, crossing boundaries
-  (``rollout_store/search.py``).
+* ``search_tokens(store, ids)``: finds every run along every root-to-leaf path, crossing
+  boundaries, over the store's token index (``rollout_store/search.py``): warm, the index
+  of this store version memory-mapped from ``<store>/.search-index/`` (built by the first
+  search); cold (``cache=False``), read from the ``nodes`` table each time.
 * Baseline: one DuckDB query over the same store views, the plain way: each node's
   action and observation ids joined into one string and searched with ``contains``
   (it finds runs inside one node only; it cannot follow a path).
 * Informative: ``search_regex`` over the text (a DuckDB ``regexp_matches`` scan).
 
 Both sides' within-node hits are compared (the same set of nodes) before timing.
-Target (issue 26): the token search takes under 1 s over 1M nodes.
+Target (issue 26): the token search takes under 1 s over 1M nodes (the warm search).
 
     .venv/bin/python benchmarks/bench_search.py [--nodes 1000000] [--repeat 3]
 """
@@ -86,18 +87,22 @@ def main() -> None:
         assert inside == plain, "within-node hits differ from the plain scan"
         print(f"hits: {ours.total:,} along paths ({ours.total - len(inside):,} crossing a "
               f"boundary), {len(plain):,} nodes holding the run themselves")
-        tok_t = Timings("search_tokens (store read + runs along paths)")
+        build_s = timed(lambda: search_tokens(store, ids))  # builds and saves the index
+        print(f"first search (builds the index): {build_s:.3f} s")
+        tok_t = Timings("search_tokens, warm (index memory-mapped)")
+        cold_t = Timings("search_tokens, cold (nodes table read every time)")
         base_t = Timings("plain DuckDB scan, within nodes only  [baseline]")
         regex_t = Timings("search_regex 'answer [0-9]+ ok' (DuckDB regexp scan)")
         for _ in range(args.repeat):
             tok_t.seconds.append(timed(lambda: search_tokens(store, ids)))
+            cold_t.seconds.append(timed(lambda: search_tokens(store, ids, cache=False)))
             base_t.seconds.append(timed(lambda: plain_scan(con, ids)))
             regex_t.seconds.append(timed(lambda: search_regex(store, r"answer [0-9]+ ok")))
-        print_timings([base_t, tok_t, regex_t], base_t)
-    verdict(f"token search over {n_nodes:,} nodes, seconds (min) vs the {TARGET_S:.0f} s "
-            f"target; {tok_t.min / base_t.min:.2f}x the plain scan", tok_t.min / TARGET_S,
-            tok_t.min < TARGET_S * args.nodes / 1_000_000 if args.nodes < 1_000_000
-            else tok_t.min < TARGET_S, f"< {TARGET_S:.0f} s at 1M nodes")
+        print_timings([base_t, tok_t, cold_t, regex_t], base_t)
+    target = TARGET_S * min(1.0, args.nodes / 1_000_000)  # pro rata below 1M nodes
+    verdict(f"warm token search over {n_nodes:,} nodes, seconds (min) / {target:.2f} s "
+            f"target; {tok_t.min / base_t.min:.3f}x the plain scan", tok_t.min / target,
+            tok_t.min < target, f"< 1, i.e. < {TARGET_S:.0f} s at 1M nodes")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ register_view(app)
 from cli.search_cmd import register as register_search  # noqa: E402  (issue 26)
 
 register_search(app)
+from cli.label_cmd import register as register_label  # noqa: E402  (issue 26)
+
+register_label(app)
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -280,6 +280,8 @@ TABLE_DOCS: dict[str, str] = {
                "held-out success, timings",
     "policy_scores": "log-probabilities a named policy gives stored text, computed once "
                      "(`gold_answer`: TRACE T2; `action`: DSC D3)",
+    "labels": "labels people put on trees and nodes (`rtrees label`, the viewer); append-only "
+              "history, the view `labels_latest` keeps the last write per key",
 }
 
 # Meanings by column name; "table.column" entries override for one table.
@@ -357,6 +359,11 @@ COLUMN_DOCS: dict[str, str] = {
     "policy_scores.policy_ref": "the spec that loaded the scoring policy",
     "policy_scores.value": "the score",
     "policy_scores.token_logprobs": "the per-token log-probabilities behind the score",
+    "labels.tree_id": "the labelled tree",
+    "labels.node_id": "the labelled node (null: the whole tree)",
+    "labels.key": "label name; the latest row per (tree, node, key) holds its value",
+    "labels.value": "label value (null: the key was cleared)",
+    "labels.author": "who wrote it (`--author`, `$RTREES_AUTHOR` or the login name)",
 }
 
 

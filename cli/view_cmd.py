@@ -27,6 +27,9 @@ def view_command(
         "--tree", help="With --export: a tree id (repeatable).")] = None,
     max_trees: Annotated[int, typer.Option(
         "--max-trees", help="With --export: refuse more trees than this.")] = 500,
+    labels: Annotated[bool, typer.Option(
+        help="Let the page append labels (its only write); --no-labels serves it "
+             "strictly read-only.")] = True,
 ) -> None:
     """Serve a read-only page over the store on 127.0.0.1: runs and trees (filter by an SQL
     WHERE over trees), one tree drawn with its node panel (text, coloured tokens, credit
@@ -58,10 +61,11 @@ def view_command(
     from analysis.viewer import serve
 
     def ready(url: str) -> None:
-        print(f"serving {s.path} on {url} (read only; Ctrl-C stops)", flush=True)
+        print(f"serving {s.path} on {url} ({'labels writable' if labels else 'read only'}; "
+              "Ctrl-C stops)", flush=True)
 
     try:
-        serve(s, port, on_ready=ready)
+        serve(s, port, on_ready=ready, labels=labels)
     except OSError as exc:  # the port is taken, or not ours to bind
         fail(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}")
     except KeyboardInterrupt:

@@ -26,10 +26,10 @@ from typing import Final, Literal, get_args
 
 import pyarrow as pa
 
-SCHEMA_VERSION: Final[int] = 2  # 2: the policy_scores table (issue 10)
+SCHEMA_VERSION: Final[int] = 3  # 2: the policy_scores table (issue 10); 3: labels (issue 26)
 
 TableName = Literal["trees", "nodes", "snapshots", "credits", "mc_references", "metrics",
-                    "policy_scores"]
+                    "policy_scores", "labels"]
 TABLE_NAMES: Final[tuple[TableName, ...]] = get_args(TableName)
 
 NodeKind = Literal["prompt", "decision", "feedback_response"]
@@ -183,6 +183,18 @@ POLICY_SCORES = pa.schema([
     _f("created_at", TIMESTAMP, False),
 ])
 
+# Labels people put on trees and nodes (issue 26: `rtrees label`, the viewer). Append-only
+# history: a label is the row with the latest created_at per (tree_id, node_id, key) (the
+# reader's ``labels_latest`` view; last write wins), and a null value clears it.
+LABELS = pa.schema([
+    _f("tree_id", pa.string(), False),
+    _f("node_id", pa.int64()),  # null: a label of the whole tree
+    _f("key", pa.string(), False),
+    _f("value", pa.string()),  # null: the key cleared
+    _f("author", pa.string()),
+    _f("created_at", TIMESTAMP, False),
+])
+
 SCHEMAS: Final[dict[TableName, pa.Schema]] = {
     "trees": TREES,
     "nodes": NODES,
@@ -191,16 +203,19 @@ SCHEMAS: Final[dict[TableName, pa.Schema]] = {
     "mc_references": MC_REFERENCES,
     "metrics": METRICS,
     "policy_scores": POLICY_SCORES,
+    "labels": LABELS,
 }
 
 # Released schemas by version. A new version appends here; never edit an entry.
 SCHEMA_HISTORY: Final[dict[int, dict[TableName, pa.Schema]]] = {
-    1: {name: schema for name, schema in SCHEMAS.items() if name != "policy_scores"},
-    2: SCHEMAS,
+    1: {name: schema for name, schema in SCHEMAS.items()
+        if name not in ("policy_scores", "labels")},
+    2: {name: schema for name, schema in SCHEMAS.items() if name != "labels"},
+    3: SCHEMAS,
 }
 # Tables added after version 1 (a store of an older version lacks them until it is opened
 # for writing once; see Store.__init__).
-ADDED_TABLES: Final[dict[TableName, int]] = {"policy_scores": 2}
+ADDED_TABLES: Final[dict[TableName, int]] = {"policy_scores": 2, "labels": 3}
 
 
 def describe_type(schema: pa.Schema) -> str:

@@ -14,18 +14,25 @@
   node where it ends; a match that continues into several children is one hit per
   child it ends in (its start is shared).
 
-How the token search is fast (benchmarks/bench_search.py: 1M nodes): the two token
-columns are read as flat Arrow arrays (no per-node Python), candidates are the
-positions equal to ``ids[0]`` (one vectorised comparison), and a candidate whose match
-fits inside its segment is verified by ``len(ids) - 1`` vectorised gathers; only the
-few candidates whose prefix matches up to their segment's end are followed into the
-next segments (the node's observation, then each child's action) in Python.
+How the token search is fast (benchmarks/bench_search.py: 1M nodes): the search runs
+over a ``TokenIndex``, the two token columns as flat arrays with their offsets and the
+children of every node as CSR arrays, built from one read of the ``nodes`` table and,
+for a local store, kept in ``<store>/.search-index/`` for the store version it was
+built at and memory-mapped by later searches (decoding the Parquet token columns is
+most of a cold search). Candidates are the positions equal to ``ids[0]`` (one
+vectorised comparison); a candidate whose match fits inside its segment is verified by
+``len(ids) - 1`` vectorised gathers; only the few candidates whose prefix matches up to
+their segment's end are followed into the next segments (the node's observation, then
+each child's action) in Python.
 """
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -88,40 +95,129 @@ def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     return values, offsets - offsets[0]
 
 
-def search_tokens(store: StoreLike, ids: Sequence[int], limit: int = 100,
-                  version: StoreVersion | int | None = None) -> SearchResult:
-    """Where ``ids`` occur contiguously along a root-to-leaf path (module docstring)."""
-    q = np.asarray([int(i) for i in ids], dtype=np.int64)
-    if q.size == 0:
-        raise ValueError("give at least one token id")
-    if limit < 1:
-        raise ValueError(f"limit must be at least 1, got {limit}")
-    nodes = read_arrow(store, "nodes", version, columns=list(TOKEN_COLUMNS))
-    return find_token_runs(nodes, q, limit)
-
-
 TOKEN_COLUMNS = ("tree_id", "node_id", "parent_id", "action_token_ids",
                  "observation_token_ids")
+INDEX_DIR = ".search-index"  # in a local store's directory; not a table (see TokenIndex)
+_ARRAYS = ("action", "action_offsets", "observation", "observation_offsets", "node_ids",
+           "kids", "first")
+
+
+@dataclass(frozen=True)
+class TokenIndex:
+    """The flat arrays the token search scans, for the committed nodes of one version.
+
+    ``action[action_offsets[r]:action_offsets[r + 1]]`` are row r's action tokens (int32),
+    the same for ``observation``; ``tree_ids`` / ``node_ids`` name the rows; row r's
+    children are ``kids[first[r]:first[r + 1]]``. Built from the ``nodes`` table in one
+    read (``from_nodes``); for a local store it is saved under ``<store>/.search-index/``
+    keyed by the ``trees`` and ``nodes`` table versions (which fix the visible rows) and
+    memory-mapped by later searches of that version (``load_index``), so a warm search
+    reads no Parquet. A new version builds a new index and removes the old ones.
+    """
+
+    action: np.ndarray
+    action_offsets: np.ndarray
+    observation: np.ndarray
+    observation_offsets: np.ndarray
+    node_ids: np.ndarray
+    kids: np.ndarray
+    first: np.ndarray
+    tree_ids: pa.Array
+
+    @staticmethod
+    def from_nodes(nodes: pa.Table) -> TokenIndex:
+        a, ao = _flat(nodes.column("action_token_ids"))
+        o, oo = _flat(nodes.column("observation_token_ids"))
+        kids, first = _children(nodes)
+        return TokenIndex(a, ao, o, oo, np.asarray(nodes.column("node_id").to_numpy(),
+                                                   dtype=np.int64),
+                          kids, first, nodes.column("tree_id").combine_chunks())
+
+    def save(self, folder: Path) -> None:
+        """Write the arrays (``.npy``) and tree ids (Arrow IPC) into ``folder`` atomically
+        (a temporary sibling renamed into place)."""
+        tmp = folder.with_name(f"{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir(parents=True)
+        for name in _ARRAYS:
+            np.save(tmp / f"{name}.npy", np.ascontiguousarray(getattr(self, name)))
+        with pa.OSFile(str(tmp / "tree_ids.arrow"), "wb") as sink, \
+                pa.ipc.new_file(sink, pa.schema([("tree_id", pa.string())])) as w:
+            w.write_table(pa.table({"tree_id": self.tree_ids}))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another search built the same index meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def load(folder: Path) -> TokenIndex:
+        arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+        tree_ids = pa.ipc.open_file(pa.memory_map(str(folder / "tree_ids.arrow"))
+                                    ).read_all().column("tree_id").combine_chunks()
+        return TokenIndex(tree_ids=tree_ids, **arrays)
+
+
+def load_index(store: StoreLike, version: StoreVersion | int | None = None,
+               cache: bool = True) -> TokenIndex:
+    """The ``TokenIndex`` of ``store`` at ``version`` (latest if None): memory-mapped
+    from ``<store>/.search-index/`` when built before, else built from the ``nodes``
+    table (and, with ``cache`` on a local store, saved there)."""
+    s = as_store(store)
+    pinned = s.resolve(version)
+    if not cache or s.loc.remote:
+        return TokenIndex.from_nodes(read_arrow(s, "nodes", pinned, list(TOKEN_COLUMNS)))
+    root = Path(str(s.path)) / INDEX_DIR
+    folder = root / f"trees{pinned['trees']}-nodes{pinned['nodes']}"
+    if (folder / "tree_ids.arrow").is_file():
+        try:
+            return TokenIndex.load(folder)
+        except (OSError, ValueError, pa.ArrowException):
+            shutil.rmtree(folder, ignore_errors=True)  # damaged: rebuild below
+    index = TokenIndex.from_nodes(read_arrow(s, "nodes", pinned, list(TOKEN_COLUMNS)))
+    try:
+        for old in root.glob("trees*-nodes*"):
+            shutil.rmtree(old, ignore_errors=True)
+        index.save(folder)
+    except OSError:  # a read-only store: search without the cache
+        pass
+    return index
+
+
+def search_tokens(store: StoreLike, ids: Sequence[int], limit: int = 100,
+                  version: StoreVersion | int | None = None, cache: bool = True
+                  ) -> SearchResult:
+    """Where ``ids`` occur contiguously along a root-to-leaf path (module docstring), over
+    the store's ``TokenIndex`` (built on first use, then reused; ``cache=False`` reads
+    the ``nodes`` table every time)."""
+    q = _query(ids, limit)
+    return _runs(load_index(store, version, cache), q, limit)
 
 
 def find_token_runs(nodes: pa.Table, ids: Sequence[int] | np.ndarray, limit: int = 100
                     ) -> SearchResult:
     """``search_tokens`` over a nodes table in memory (``TOKEN_COLUMNS`` at least; trees
     whole, any row order)."""
-    q = np.asarray(ids, dtype=np.int64)
+    q = _query(ids, limit)
+    return _runs(TokenIndex.from_nodes(nodes), q, limit)
+
+
+def _query(ids: Sequence[int] | np.ndarray, limit: int) -> np.ndarray:
+    q = np.asarray([int(i) for i in ids], dtype=np.int64)
     if q.size == 0:
         raise ValueError("give at least one token id")
-    if q.min() < np.iinfo(np.int32).min or q.max() > np.iinfo(np.int32).max:
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    return q
+
+
+def _runs(index: TokenIndex, q64: np.ndarray, limit: int) -> SearchResult:
+    """The search proper (module docstring) over ``index``."""
+    lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+    if q64.min() < lo or q64.max() > hi:
         return SearchResult(TOKEN_HITS.empty_table(), 0)  # token ids are int32
-    q = q.astype(np.int32)
-    n = nodes.num_rows
-    # segment 2i: node i's action tokens; 2i + 1: its observation tokens
-    vals, offs, lens = [], [], []
-    for col in ("action_token_ids", "observation_token_ids"):
-        v, o = _flat(nodes.column(col))
-        vals.append(v)
-        offs.append(o)
-        lens.append(np.diff(o))
+    q = q64.astype(np.int32)
+    vals = [index.action, index.observation]
+    offs = [index.action_offsets, index.observation_offsets]
+    lens = [np.diff(o) for o in offs]
     m = q.size
     starts: list[tuple[int, int]] = []  # (node row, offset in the node's stream)
     partial: list[tuple[int, int, int]] = []  # (node row, offset, tokens matched so far)
@@ -130,8 +226,7 @@ def find_token_runs(nodes: pa.Table, ids: Sequence[int] | np.ndarray, limit: int
         if cand.size == 0:
             continue
         row = np.searchsorted(o, cand, side="right") - 1
-        end = o[row + 1]
-        room = end - cand  # tokens left in the segment from the candidate on
+        room = o[row + 1] - cand  # tokens left in the segment from the candidate on
         ok = np.ones(cand.size, dtype=bool)
         for j in range(1, m):
             inside = room > j
@@ -145,26 +240,25 @@ def find_token_runs(nodes: pa.Table, ids: Sequence[int] | np.ndarray, limit: int
                             room[cut].tolist(), strict=True))
     hits: list[tuple[int, int, int]] = [(r, off, r) for r, off in starts]
     if partial:
-        hits += _cross(nodes, vals, offs, lens, q, partial)
+        hits += _cross(index, vals, offs, lens, q, partial)
     hits.sort(key=lambda h: (h[0], h[1], h[2]))
-    total = len(hits)
     shown = hits[:int(limit)]
-    rows = np.asarray([h[0] for h in shown], dtype=np.int64)
+    rows = pa.array([h[0] for h in shown], pa.int64())
     table = pa.table({
-        "tree_id": nodes.column("tree_id").take(pa.array(rows)) if n else pa.array([], pa.string()),
-        "node_id": nodes.column("node_id").take(pa.array(rows)) if n else pa.array([], pa.int64()),
+        "tree_id": index.tree_ids.take(rows),
+        "node_id": pa.array(index.node_ids[[h[0] for h in shown]], pa.int64()),
         "offset": pa.array([h[1] for h in shown], pa.int64()),
-        "end_node_id": nodes.column("node_id").take(pa.array([h[2] for h in shown],
-                                                             pa.int64()))
-        if n else pa.array([], pa.int64()),
+        "end_node_id": pa.array(index.node_ids[[h[2] for h in shown]], pa.int64()),
     }).cast(TOKEN_HITS)
-    return SearchResult(table, total)
+    return SearchResult(table, len(hits))
 
 
 def _children(nodes: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """The child rows of every row as CSR arrays (vectorised): row r's children are
     ``kids[first[r]:first[r + 1]]``. Rows are keyed by (tree, node id) packed into one
     int64 (node ids are below 2**31, ``schema.MAX_NODE_ID``)."""
+    if nodes.num_rows == 0:
+        return np.zeros(0, np.int64), np.zeros(1, np.int64)
     tree = pc.dictionary_encode(nodes.column("tree_id").combine_chunks()).indices
     code = np.asarray(tree.to_numpy(zero_copy_only=False), dtype=np.int64) << 31
     key = code | np.asarray(nodes.column("node_id").to_numpy(), dtype=np.int64)
@@ -181,12 +275,12 @@ def _children(nodes: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return by_parent, first
 
 
-def _cross(nodes: pa.Table, vals: list[np.ndarray], offs: list[np.ndarray],
+def _cross(index: TokenIndex, vals: list[np.ndarray], offs: list[np.ndarray],
            lens: list[np.ndarray], q: np.ndarray, partial: list[tuple[int, int, int]]
            ) -> list[tuple[int, int, int]]:
     """Follow the candidates whose prefix runs to their segment's end into the next
     segments along every path; (start row, offset, end row) of each full match."""
-    kids, first = _children(nodes)
+    kids, first = index.kids, index.first
     out: list[tuple[int, int, int]] = []
     want = q.tolist()
     for row, off, matched in partial:
@@ -207,4 +301,5 @@ def _cross(nodes: pa.Table, vals: list[np.ndarray], offs: list[np.ndarray],
     return out
 
 
-__all__ = ["SearchResult", "find_token_runs", "search_regex", "search_tokens"]
+__all__ = ["SearchResult", "TokenIndex", "find_token_runs", "load_index", "search_regex",
+           "search_tokens"]

@@ -113,6 +113,25 @@ def test_search_the_store(store: Store) -> None:
         search_tokens(store, [])
 
 
+def test_the_index_is_reused_and_follows_new_versions(tmp_path: Path) -> None:
+    from rollout_store.search import INDEX_DIR
+
+    s = Store(tmp_path / "store", create=True)
+    s.append_trees([_tree("a")], key="one")
+    assert search_tokens(s, [2, 3, 4]).total == 1
+    (built,) = (Path(s.path) / INDEX_DIR).iterdir()
+    mtime = (built / "action.npy").stat().st_mtime_ns
+    assert search_tokens(s, [2, 3, 4]).total == 1  # read back, not rebuilt
+    assert (built / "action.npy").stat().st_mtime_ns == mtime
+    s.append_trees([_tree("b")], key="two")
+    assert search_tokens(s, [2, 3, 4]).total == 2  # a new version: a new index
+    (again,) = (Path(s.path) / INDEX_DIR).iterdir()
+    assert again.name != built.name
+    assert search_tokens(s, [2, 3, 4], version=1, cache=False).total == 1  # time travel
+    (again / "kids.npy").write_bytes(b"garbage")  # a damaged index is rebuilt
+    assert search_tokens(s, [2, 3, 4]).total == 2
+
+
 def test_cli_search(store: Store, tmp_path: Path) -> None:
     from cli.main import app
 

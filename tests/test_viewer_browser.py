@@ -5,9 +5,9 @@ Chromium and its driver come from Debian's packages (``make setup`` installs
 have). Where neither a browser nor Selenium can be found the test skips and says why
 (``pytest -ra`` prints the reason). Otherwise, on the store of ``tests/viewer_store.py``:
 open the page, select a tree, click a node, check the panel's stored action text and
-credit values, switch the token and node colouring, plot a run's metrics, and take a
-screenshot into the test's temporary directory. ``python tests/test_viewer_browser.py
---write`` saves the screenshot as ``docs/viewer.png``.
+credit values, label the node, switch the token and node colouring, plot a run's
+metrics, and take a screenshot into the test's temporary directory.
+``python tests/test_viewer_browser.py --write`` saves the screenshot as ``docs/viewer.png``.
 """
 
 from __future__ import annotations
@@ -94,6 +94,10 @@ def drive(d: Any, url: str, shot: Path) -> dict[str, Any]:
                       for td in d.find_elements(By.CSS_SELECTOR, "#credit-table td[data-method]")}
     seen["critical"] = len(d.find_elements(By.CSS_SELECTOR, 'g.node[data-node="2"] .critical'))
     seen["mc"] = d.find_element(By.ID, "mc-ref").text
+    d.find_element(By.ID, "label-key").send_keys("verdict")
+    d.find_element(By.ID, "label-value").send_keys("wrong operator")
+    d.find_element(By.ID, "label-add").click()
+    seen["label"] = css('#label-list li[data-key="verdict"]').text
     toks = d.find_elements(By.CSS_SELECTOR, "#tokens .tok")
     seen["tokens"] = "".join(t.text for t in toks)
     seen["logprob_bg"] = toks[-1].value_of_css_property("background-color")
@@ -133,6 +137,7 @@ def test_the_page_in_chromium(driver: Any, tmp_path: Path) -> None:
     grpo, tree_grpo = CREDIT[("bel-0", 2)]
     assert seen["credit"] == {"grpo": f"{grpo:g}", "tree_grpo": f"{tree_grpo:g}"}
     assert seen["critical"] == 1
+    assert seen["label"].startswith("node: verdict = wrong operator")
     assert seen["mc"].startswith("Mean@8 = 0.375 (3/8")
     assert seen["tokens"] == ACTION_2  # decoded by the tree's tokenizer
     assert seen["logprob_bg"] != seen["credit_bg"]  # the colouring switched

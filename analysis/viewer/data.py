@@ -7,14 +7,17 @@ the page's questions:
 
 * ``runs()``: every run with its trees, samplers and metric names;
 * ``trees(where)``: the trees whose row satisfies a user's SQL ``WHERE`` expression over
-  ``trees`` plus three derived columns (``reward``: the mean leaf reward, ``max_reward``,
-  ``leaves``); the text goes through ``checked_where`` first;
+  ``trees`` plus four derived columns (``reward``: the mean leaf reward, ``max_reward``,
+  ``leaves``, ``labels``: the tree's current labels as ``key=value`` words); the text goes
+  through ``checked_where`` first;
 * ``tree(tree_id)``: one tree for the drawing and the node panel: nodes with their
   layout (``analysis.tree_plot.tree_layout``: depth down, leaves in preorder), action and
   observation text, tokens (decoded with the tree's ``policy_ref`` tokenizer where that is
   a checkpoint directory holding ``tokenizer.json``) with logprobs and entropies, credit
   under every stored method (values and per-token values), Mean@k references, snapshot
-  summaries, BEL's critical step, CALIPER's local groups and refresh lineage;
+  summaries, BEL's critical step, CALIPER's local groups, refresh lineage and the current
+  labels of the tree and its nodes (``labels_latest``, with the number of label rows in
+  the history);
 * ``compare(tree_id, a, b)``: where two credit methods disagree on one tree, by sign and
   by rank among siblings;
 * ``metrics(run_id)``: a run's metrics as ``{name: [[step, value], ...]}``.
@@ -48,12 +51,16 @@ if TYPE_CHECKING:
 TREE_ROWS_VIEW = "viewer_tree_rows"
 _TREE_ROWS_SQL = f"""
     CREATE OR REPLACE TEMP VIEW {TREE_ROWS_VIEW} AS
-    SELECT t.*, r.reward, r.max_reward, coalesce(r.leaves, 0) AS leaves
+    SELECT t.*, r.reward, r.max_reward, coalesce(r.leaves, 0) AS leaves,
+           coalesce(l.labels, '') AS labels
     FROM trees t LEFT JOIN (
         SELECT tree_id, avg(reward) AS reward, max(reward) AS max_reward, count(*) AS leaves
-        FROM paths GROUP BY tree_id) r USING (tree_id)"""
+        FROM paths GROUP BY tree_id) r USING (tree_id)
+    LEFT JOIN (
+        SELECT tree_id, string_agg(key || '=' || value, ' ' ORDER BY key) AS labels
+        FROM labels_latest WHERE node_id IS NULL GROUP BY tree_id) l USING (tree_id)"""
 TREE_LIST_COLUMNS = ("tree_id", "run_id", "task_id", "env", "sampler", "policy_version",
-                     "n_nodes", "leaves", "reward", "critical_node_id", "created_at")
+                     "n_nodes", "leaves", "reward", "critical_node_id", "labels", "created_at")
 MAX_TREES = 2000  # rows a tree list returns at most (the page says when it was cut)
 SNAPSHOT_PREVIEW = 400  # characters of a snapshot state shown in the panel
 
@@ -337,6 +344,7 @@ class ViewerData:
         snapshots = {sid: snapshot_summary(sid, tree.env, state)
                      for sid, state in tree.snapshots.items()}
         meta = tree.meta or {}
+        labels = self.labels(tree_id)
         refreshed_by = [r["tree_id"] for r in self._rows(
             "SELECT tree_id FROM trees WHERE json_extract_string(meta, '$.refresh_of') = ? "
             "ORDER BY tree_id", [tree_id])]
@@ -352,6 +360,7 @@ class ViewerData:
             "methods": list(credits),
             "snapshots": snapshots,
             "groups": caliper_groups(tree),
+            "labels": labels,
             "lineage": {"refresh_of": meta.get("refresh_of"),
                         "refresh_of_version": meta.get("refresh_of_version"),
                         "refreshed_nodes": meta.get("refreshed_nodes", []),
@@ -361,6 +370,19 @@ class ViewerData:
                                    is not None},
                         "refreshed_by": refreshed_by},
         }
+
+    def labels(self, tree_id: str) -> dict[str, Any]:
+        """The tree's current labels: ``tree`` (of the whole tree) and ``nodes`` ({node id:
+        [...]}), each ``{key, value, author, created_at}``; ``history``: all label rows."""
+        out: dict[str, Any] = {"tree": [], "nodes": defaultdict(list)}
+        for r in self._rows("SELECT node_id, key, value, author, created_at FROM "
+                            "labels_latest WHERE tree_id = ? ORDER BY key", [tree_id]):
+            nid = r.pop("node_id")
+            (out["tree"] if nid is None else out["nodes"][int(nid)]).append(r)
+        out["nodes"] = dict(out["nodes"])
+        (out["history"],), = [tuple(r.values()) for r in self._rows(
+            "SELECT count(*) FROM labels WHERE tree_id = ?", [tree_id])]
+        return out
 
     def compare(self, tree_id: str, a: str, b: str,
                 tree: dict[str, Any] | None = None) -> dict[str, Any]:

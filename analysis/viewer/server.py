@@ -12,7 +12,8 @@ Safety:
   server's port, so a web page elsewhere cannot reach the server through DNS rebinding;
 * reads go through the locked-down connection (``ViewerData``); tree filters through
   ``data.checked_where``;
-* the only write (``POST /api/label``, issue 26's labels) must carry the page's random
+* the only write (``POST /api/label``: append a label; off with ``labels=False``,
+  ``rtrees view --no-labels``) must carry the page's random
   per-server token in an ``X-Rtrees-Token`` header: a cross-site form cannot set a
   header, and a cross-site script setting one needs a CORS preflight we never answer;
 * static files come from a fixed list (no path from the request touches the disk), and
@@ -38,7 +39,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from analysis.viewer.data import FilterError, ViewerData
-from rollout_store.store import Store
+from rollout_store.store import Store, StoreError
 
 HOST = "127.0.0.1"  # never 0.0.0.0: the viewer is for this machine only
 STATIC_FILES = {"viewer.js": "text/javascript", "viewer.css": "text/css"}
@@ -90,6 +91,8 @@ def answer(data: ViewerData, path: str, query: dict[str, list[str]]) -> Any:
         return data.compare(arg("tree"), arg("a"), arg("b"))
     if path == "/api/metrics":
         return data.metrics(arg("run"))
+    if path == "/api/labels":
+        return data.labels(arg("tree"))
     raise KeyError(f"no route {path}")
 
 
@@ -145,8 +148,8 @@ class ViewerHandler(BaseHTTPRequestHandler):
             return
         url = urlsplit(self.path)
         if url.path in ("/", "/index.html"):
-            self._send(HTTPStatus.OK, page_html(self.server.token).encode(),
-                       "text/html; charset=utf-8")
+            token = self.server.token if self.server.on_label else ""  # no token: no form
+            self._send(HTTPStatus.OK, page_html(token).encode(), "text/html; charset=utf-8")
             return
         if url.path.startswith("/static/"):
             name = url.path[len("/static/"):]
@@ -185,25 +188,52 @@ class ViewerHandler(BaseHTTPRequestHandler):
             if not isinstance(body, dict):
                 raise ValueError("a label request is a JSON object")
             result = self.server.on_label(body)
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, StoreError) as exc:  # TreeValidationError: ValueError
             self._json(HTTPStatus.BAD_REQUEST, {"error": str(exc)})
         else:
             self._json(HTTPStatus.OK, result)
 
 
-def start(store: Store | str | Path, port: int = 0) -> tuple[ViewerServer, threading.Thread]:
+def label_writer(data: ViewerData) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The ``POST /api/label`` action: ``{"tree_id", "node_id" (or null), "key", "value"
+    (null clears), "author" (optional)}`` appended with ``rollout_store.labels``; the view
+    is re-pinned so the page reads it back; answers the tree's labels."""
+    from rollout_store.labels import write_labels
+
+    def write(body: dict[str, Any]) -> dict[str, Any]:
+        tree_id, node_id, key = body.get("tree_id"), body.get("node_id"), body.get("key")
+        value, author = body.get("value"), body.get("author") or None
+        if not isinstance(tree_id, str) or not isinstance(key, str):
+            raise ValueError("a label needs tree_id and key (strings)")
+        if node_id is not None and (not isinstance(node_id, int) or isinstance(node_id, bool)):
+            raise ValueError("node_id must be an integer or null")
+        if value is not None and not isinstance(value, str):
+            raise ValueError("value must be a string or null")
+        if author is not None and not isinstance(author, str):
+            raise ValueError("author must be a string")
+        write_labels(data.store, tree_id, node_id, {key: value}, author)
+        data.reload()
+        return data.labels(tree_id)
+
+    return write
+
+
+def start(store: Store | str | Path, port: int = 0, labels: bool = True
+          ) -> tuple[ViewerServer, threading.Thread]:
     """Serve ``store`` on ``127.0.0.1:port`` (0: a free port) from a background thread;
-    stop with ``server.shutdown()``."""
-    server = ViewerServer(ViewerData(store), port)
+    stop with ``server.shutdown()``. ``labels``: the page may append labels."""
+    data = ViewerData(store)
+    server = ViewerServer(data, port, label_writer(data) if labels else None)
     thread = threading.Thread(target=server.serve_forever, name="rtrees-view", daemon=True)
     thread.start()
     return server, thread
 
 
 def serve(store: Store | str | Path, port: int = 0,
-          on_ready: Callable[[str], None] | None = None) -> None:
+          on_ready: Callable[[str], None] | None = None, labels: bool = True) -> None:
     """Serve ``store`` until interrupted; ``on_ready(url)`` once the socket listens."""
-    server = ViewerServer(ViewerData(store), port)
+    data = ViewerData(store)
+    server = ViewerServer(data, port, label_writer(data) if labels else None)
     if on_ready is not None:
         on_ready(server.url)
     try:

@@ -107,12 +107,12 @@
     clear(body);
     for (const t of res.trees) {
       const tr = el("tr", { "data-tree": t.tree_id });
-      for (const v of [t.tree_id, t.sampler, t.task_id, t.n_nodes, fmt(t.reward)]) tr.appendChild(el("td", {}, v));
+      for (const v of [t.tree_id, t.sampler, t.task_id, t.n_nodes, fmt(t.reward), t.labels || ""]) tr.appendChild(el("td", {}, v));
       tr.addEventListener("click", () => openTree(t.tree_id));
       if (state.tree && state.tree.tree.tree_id === t.tree_id) tr.classList.add("selected");
       body.appendChild(tr);
     }
-    $("filter-note").textContent = `${res.trees.length} trees${res.truncated ? " (list cut; narrow the filter)" : ""} · columns of trees, plus reward (mean leaf reward), max_reward, leaves`;
+    $("filter-note").textContent = `${res.trees.length} trees${res.truncated ? " (list cut; narrow the filter)" : ""} · columns of trees, plus reward (mean leaf reward), max_reward, leaves, labels`;
   }
 
   // ---- one tree
@@ -129,6 +129,7 @@
     if (lin.refresh_of) facts.push(`refresh of ${lin.refresh_of} (version ${lin.refresh_of_version || "?"})`);
     if (lin.refreshed_by.length) facts.push(`refreshed by ${lin.refreshed_by.join(", ")}`);
     if (data.groups.length) facts.push(`${data.groups.length} CALIPER local group(s)`);
+    if (data.labels.tree.length) facts.push("labels " + data.labels.tree.map((l) => `${l.key}=${l.value}`).join(" "));
     $("tree-meta").textContent = facts.join(" · ");
     fillSelect($("node-color"), ["reward", ...data.methods.map((m) => "credit:" + m)], "reward");
     fillSelect($("token-color"), ["logprob", "entropy", ...data.methods.map((m) => "credit:" + m)], $("token-color").value || "logprob");
@@ -274,7 +275,45 @@
       sn.appendChild(el("div", { class: "note" }, `${s.snapshot_id} · ${s.env} · ${s.bytes} bytes · sha256 ${s.sha256.slice(0, 12)}…`));
       sn.appendChild(el("pre", {}, s.preview + (s.truncated ? "\n…" : "")));
     }
-    if (window.RTREES_LABELS) window.RTREES_LABELS(n, data);
+    drawLabels();
+  }
+  function drawLabels() {
+    const data = state.tree, host = $("labels-section");
+    clear(host);
+    if (!data || state.node === null) return;
+    const L = data.labels, mine = L.nodes[state.node] || [];
+    host.appendChild(el("h3", {}, `labels (node ${state.node}; ${L.history} rows of history in this tree)`));
+    const list = el("ul", { id: "label-list" });
+    for (const [where, rows] of [["node", mine], ["tree", L.tree]]) {
+      for (const l of rows) {
+        list.appendChild(el("li", { "data-key": l.key, "data-target": where }, `${where}: ${l.key} = ${l.value} (${l.author || "?"}, ${String(l.created_at).slice(0, 19)})`));
+      }
+    }
+    if (!list.childNodes.length) list.appendChild(el("li", { class: "note" }, "none"));
+    host.appendChild(list);
+    if (STATIC || !TOKEN) return;  // a static export, or a server started with --no-labels
+    const form = el("form", { id: "label-form" });
+    const target = el("select", { id: "label-target" });
+    target.appendChild(el("option", { value: "node" }, `node ${state.node}`));
+    target.appendChild(el("option", { value: "tree" }, "whole tree"));
+    const key = el("input", { id: "label-key", placeholder: "key", size: 8 });
+    const value = el("input", { id: "label-value", placeholder: "value (empty clears)", size: 14 });
+    const button = el("button", { id: "label-add", type: "submit" }, "label");
+    const msg = el("div", { id: "label-error", class: "error" });
+    for (const e of [target, key, value, button, msg]) form.appendChild(e);
+    form.addEventListener("submit", async (ev) => {
+      ev.preventDefault();
+      const body = { tree_id: data.tree.tree_id, node_id: target.value === "node" ? state.node : null, key: key.value, value: value.value === "" ? null : value.value };
+      try {
+        const r = await fetch("/api/label", { method: "POST", headers: { "Content-Type": "application/json", "X-Rtrees-Token": TOKEN }, body: JSON.stringify(body) });
+        const res = await r.json();
+        if (!r.ok) throw new Error(res.error || r.statusText);
+        data.labels = res;
+        drawLabels();
+        loadTrees();
+      } catch (e) { msg.textContent = e.message; }
+    });
+    host.appendChild(form);
   }
   function drawTokens() {
     const data = state.tree;
