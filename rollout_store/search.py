@@ -162,16 +162,22 @@ def load_index(store: StoreLike, version: StoreVersion | int | None = None,
     from ``<store>/.search-index/`` when built before, else built from the ``nodes``
     table (and, with ``cache`` on a local store, saved there)."""
     s = as_store(store)
-    pinned = s.resolve(version)
     if not cache or s.loc.remote:
-        return TokenIndex.from_nodes(read_arrow(s, "nodes", pinned, list(TOKEN_COLUMNS)))
+        return TokenIndex.from_nodes(read_arrow(s, "nodes", version, list(TOKEN_COLUMNS)))
+    if version is None:  # the two versions that fix the visible nodes (cheaper than all)
+        key = {name: s.delta_table(name).version() for name in ("trees", "nodes")}
+    else:
+        key = dict(s.resolve(version))
     root = Path(str(s.path)) / INDEX_DIR
-    folder = root / f"trees{pinned['trees']}-nodes{pinned['nodes']}"
+    folder = root / f"trees{key['trees']}-nodes{key['nodes']}"
     if (folder / "tree_ids.arrow").is_file():
         try:
             return TokenIndex.load(folder)
         except (OSError, ValueError, pa.ArrowException):
             shutil.rmtree(folder, ignore_errors=True)  # damaged: rebuild below
+    pinned = s.resolve(version) if version is not None else s.version()
+    if {n: pinned[n] for n in key} != key:  # a commit landed meanwhile: index what we read
+        folder = root / f"trees{pinned['trees']}-nodes{pinned['nodes']}"
     index = TokenIndex.from_nodes(read_arrow(s, "nodes", pinned, list(TOKEN_COLUMNS)))
     try:
         for old in root.glob("trees*-nodes*"):
