@@ -1,6 +1,6 @@
 """Study reports: ``results.json``, ``report.md`` and PNG plots, rebuilt from the store alone.
 
-Every audit (DESIGN.md section 6) writes the same three kinds of file into one
+Every audit writes the same three kinds of file into one
 directory. This module holds what they share:
 
 * writers: ``write_json`` (NaN and inf become ``null``), ``markdown_table``,

@@ -1,6 +1,6 @@
 """Helpers shared by the store benchmarks: repeated timings, tables, verdict lines.
 
-Timings on a shared 2-core machine are noisy (GOTCHAS.md), so every benchmark
+Timings on a shared 2-core machine are noisy, so every benchmark
 times the store and its naive baseline alternately in one run, several times,
 and reports min and median; the verdict uses the ratio of the minima (the
 least disturbed runs), with the ratio of medians printed beside it.

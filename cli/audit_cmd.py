@@ -1,4 +1,4 @@
-"""``rtrees audit ...``: audits of stored trees and the workflow studies (DESIGN.md section 6).
+"""``rtrees audit ...``: audits of stored trees and the workflow studies.
 
 Every command parses its options, calls one function of ``train.jobs`` and prints.
 

@@ -50,7 +50,7 @@ its storage, and the rest of ``rollout_store`` goes through it:
   commit (seconds against a 60 s lease), documented here rather than hidden.
 * **DuckDB** reads a remote store through Arrow datasets over the same ``S3FileSystem``
   (``reader.connect`` registers one per table). DuckDB's ``httpfs`` extension would be the
-  native route, but DuckDB extensions download at run time and fail offline (GOTCHAS.md),
+  native route, but DuckDB extensions download at run time and fail offline,
   and none on PyPI matches DuckDB 2.0.
 
 Credentials come from the standard AWS environment variables: ``AWS_ACCESS_KEY_ID``,

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 
 from rollout_store import Store
 
-# Generation-speed health checks are noise on a shared 2-core machine (GOTCHAS.md),
+# Generation-speed health checks are noise on a shared 2-core machine,
 # not failures of the code under test; deadlines likewise. Tests that set their
 # own suppress list must include these (see GENERATION_CHECKS).
 GENERATION_CHECKS = [HealthCheck.too_slow, HealthCheck.data_too_large]

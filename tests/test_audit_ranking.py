@@ -1,6 +1,6 @@
 """The Mean@K ranking audit (METHODS.md §2.4, E10-E11) and its reference job.
 
-Math three ways (STYLE.md rule 8): per-prefix τ_b equals ``scipy.stats.kendalltau``
+Math three ways: per-prefix τ_b equals ``scipy.stats.kendalltau``
 (variant b) on random data with ties, pairwise accuracy equals a loop over pairs,
 and on the ``workflow`` environment an oracle score (each child's exact success
 probability under the tabular policy) approaches τ_b = 1 as the reference's k

@@ -1,4 +1,4 @@
-"""CALIPER credit (METHODS C4-C8), tested three ways (STYLE.md rule 8).
+"""CALIPER credit (METHODS C4-C8), tested three ways: a hand case, a reference loop, invariants.
 
 1. Hand-computed trees, the numbers worked out in comments.
 2. A slow plain-Python reference over ``Tree`` objects, compared with the

@@ -1,4 +1,4 @@
-"""``elpo`` estimator (METHODS E3-E8), tested three ways (STYLE.md rule 8).
+"""``elpo`` estimator (METHODS E3-E8), tested three ways: a hand case, a reference loop, invariants.
 
 1. A small tree with every quantity of E3-E8 worked out by hand in the comments.
 2. A plain-Python reference (dicts and loops over ``Tree`` objects, one tree at

@@ -1,4 +1,4 @@
-"""``grpo`` and ``tree_grpo`` estimators, tested three ways (STYLE.md rule 8).
+"""``grpo`` and ``tree_grpo`` estimators, tested three ways: a hand case, a reference loop, invariants.
 
 1. Small trees with advantages worked out by hand in the comments.
 2. A plain-Python reference (dicts and loops over ``Tree`` objects, one tree at

@@ -1,4 +1,4 @@
-"""SLCA-GRPO credit (METHODS S1, S5, S6), tested three ways (STYLE.md rule 8).
+"""SLCA-GRPO credit (METHODS S1, S5, S6), tested three ways: a hand case, a reference loop, invariants.
 
 1. Hand-computed trees (S1 runs whatever the segment codes say, a truncated
    trajectory keeps its summary, the run split, a node shared by a summary run and a

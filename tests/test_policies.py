@@ -72,7 +72,7 @@ CALC_CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "(5-10)*19"}}</to
 
 @pytest.fixture(autouse=True)
 def _two_threads() -> None:
-    torch.set_num_threads(2)  # the machine has 2 shared cores (GOTCHAS.md)
+    torch.set_num_threads(2)  # the machine has 2 shared cores
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The README stays true (STYLE.md rule 12: examples run).
+"""The README stays true (examples run).
 
 * Every fenced block whose info string is ``bash runnable`` is a runnable block. One
   test executes them in order with bash (``set -euo pipefail``, ``.venv/bin`` first on

@@ -1,4 +1,4 @@
-"""Golden trajectory of the trainer (STYLE.md rule 10): the tiny calc policy, a fixed seed,
+"""Golden trajectory of the trainer: the tiny calc policy, a fixed seed,
 10 iterations; per-step losses and rewards must match ``tests/golden/trainer_calc.json``.
 
 Regenerate only on purpose: ``make golden`` (runs this file as a script with ``--write``).

@@ -1,4 +1,4 @@
-"""``TrainConfig``: the one flat, typed configuration of ``rtrees train`` (STYLE.md rule 5).
+"""``TrainConfig``: the one flat, typed configuration of ``rtrees train``.
 
 Every field is documented once, below. A config comes from the defaults, a TOML file
 (``load_config``; top-level keys are field names, ``sampler_params`` /
@@ -84,7 +84,7 @@ class TrainConfig:
     seed: int = 0
     """Seed of task draws, sampling and mini-batch order."""
     lr: float = 3e-4
-    """AdamW learning rate (GOTCHAS.md: 3e-4 lifted the tiny calc policy in minutes)."""
+    """AdamW learning rate (3e-4 lifted the tiny calc policy in minutes)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 0

@@ -1,4 +1,4 @@
-"""The policy loss in three separate steps (STYLE.md rule 3; METHODS.md G2-G8, E8-E9).
+"""The policy loss in three separate steps (docs/METHODS.md G2-G8, E8-E9).
 
 1. ``token_loss``: per-token clipped surrogate with per-token clip bounds, optional
    dual clip, optional KL penalty to a frozen reference policy and optional entropy

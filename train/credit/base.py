@@ -1,4 +1,4 @@
-"""The one signature every credit estimator shares (STYLE.md rules 1-3, DESIGN.md section 5).
+"""The one signature every credit estimator shares (README, "Architecture as built").
 
 An estimator is a pure function ``(TreeArrays, Params) -> Credit``:
 
@@ -37,7 +37,7 @@ KIND_CODE: Final[dict[str, int]] = {k: i for i, k in enumerate(NODE_KINDS)}
 SEGMENT_NONE: Final[int] = 0  # a token outside every segment (or an observation token)
 SEGMENT_CODE: Final[dict[str, int]] = {k: i + 1 for i, k in enumerate(SEGMENT_KINDS)}
 
-# String options of estimator params, collected in one place (STYLE.md rule 14).
+# String options of estimator params, collected in one place.
 # F_norm of a group z-score (METHODS G1): unbiased std (verl, TRL), population
 # std (TRACE), or none (Dr.GRPO: no division at all).
 StdNorm = Literal["unbiased", "population", "none"]

@@ -1,4 +1,4 @@
-"""Tool environments with exact snapshot and restore (DESIGN.md section 4, issue 3).
+"""Tool environments with exact snapshot and restore.
 
 ``make_env(name, **config)`` builds one by name; classes load lazily so that a
 sandbox-less machine can still use the pure-Python worlds.

@@ -1,4 +1,4 @@
-"""``calc``: arithmetic tasks solved through a calculator tool (DESIGN.md section 4, issue 3).
+"""``calc``: arithmetic tasks solved through a calculator tool.
 
 Episode format (the text protocol of ``train.envs.base``)::
 
@@ -452,7 +452,7 @@ class CalcEnv(OneToolEnv[_State]):
         ``max_steps`` (default 4): the step limit, room for the expert's two steps
         and one recovered mistake. The default mix is 1-2 operations because a
         tiny CPU policy learns one-operation tasks well and two-operation ones
-        only slowly (GOTCHAS.md, calculator feasibility study); harder mixes are
+        only slowly (the calculator feasibility study); harder mixes are
         there for evaluation and curricula.
 
         Tasks are drawn one after another from ``random.Random(seed)``, so

@@ -1,5 +1,5 @@
 """``python``: a sandboxed code interpreter tool for tool-integrated reasoning
-(DESIGN.md section 4, issue 3), as in ToRL and ELPO.
+as in ToRL and ELPO.
 
 Episode format (the text protocol of ``train.envs.base``)::
 

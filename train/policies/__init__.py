@@ -1,4 +1,4 @@
-"""Policy backends behind one protocol (``train.policies.base``; DESIGN.md section 4).
+"""Policy backends behind one protocol (``train.policies.base``; README, "Architecture as built").
 
 ``load_policy(spec, env, **kw)`` builds one by spec:
 

@@ -1,4 +1,4 @@
-"""The policy protocol every backend implements (DESIGN.md section 4, issue 6).
+"""The policy protocol every backend implements (README, "Architecture as built").
 
 A transcript is the episode so far as typed turns: the prompt (the root's
 observation), then alternating agent actions and environment observations.

@@ -17,8 +17,8 @@ Tokenizer (``build_tokenizer``)
     ``"}}</tool_call>``, ``<tool_response>``, ``<answer>``, ...), for each workflow
     action string as a whole (``WORKFLOW_ACTION_TOKENS``: an action is ONE token), and
     for the workflow environment's fixed phrases and stage names
-    (``WORKFLOW_PHRASE_TOKENS``). Boilerplate tokens cut sequences about 3x
-    (GOTCHAS.md); the workflow phrases cut an episode of the default mix from about
+    (``WORKFLOW_PHRASE_TOKENS``). Boilerplate tokens cut sequences about 3x;
+    the workflow phrases cut an episode of the default mix from about
     2,300 characters to about 205 tokens (11x), which makes SFT on it affordable on CPU.
     ``build_tokenizer("sgls")`` appends ``SGLS_PHRASE_TOKENS`` (each world's tool-schema
     block, every tool's call prefix, the JSON keys of arguments and responses, the fixed
@@ -201,7 +201,7 @@ ENVS: tuple[str, ...] = ("calc", "workflow", "sgls")
 
 @dataclass(frozen=True)
 class TinyModelConfig:
-    """The tiny Llama's shape. The defaults are the GOTCHAS.md feasibility model
+    """The tiny Llama's shape. The defaults are the feasibility study's model
     (4 layers, hidden 128, 4 heads, ~0.8M parameters learned on 2 cores)."""
 
     hidden_size: int = 128

@@ -134,7 +134,8 @@ class SFTConfig:
     """Token cap of one sampled step during evaluation."""
     threads: int = 2
     """Torch threads, capped at the CPUs this process may run on (``os.sched_getaffinity``,
-    e.g. under ``taskset``): more threads than CPUs oversubscribe them (GOTCHAS.md)."""
+    e.g. under ``taskset``): more threads than CPUs oversubscribe them and run many times
+    slower."""
     init_from: str | None = None
     """Start from this env's seed-0 tiny checkpoint (``find_checkpoint``: the cached one,
     else the committed one; its path and version go into the new checkpoint's record)

@@ -1,6 +1,6 @@
 """The rollout engine every sampler shares: one task and a budget ``n_total`` in, one ``Tree`` out.
 
-Node model (DESIGN.md section 3):
+Node model (README, "Store schema"):
 
 * the root (kind ``"prompt"``) holds the prompt as ``observation_text`` and the
   snapshot of the environment right after ``reset``;

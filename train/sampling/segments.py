@@ -1,4 +1,4 @@
-"""What a step node records of its action text: segments and entropies (DESIGN.md section 3).
+"""What a step node records of its action text: segments and entropies.
 
 * ``segments`` split the action tokens by the text they decode to: the
   ``<tool_call>...</tool_call>`` blocks are ``tool_call``, the

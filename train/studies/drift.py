@@ -1,6 +1,6 @@
 """Credit-drift study (DSC-Gate Figs. 2-3): how action credit moves across a policy update.
 
-METHODS.md section 5 (D1, D2, D6), DESIGN.md section 6. On ``workflow`` tasks
+METHODS.md section 5 (D1, D2, D6). On ``workflow`` tasks
 with tabular policies every number is exact:
 
 1. an old policy mu per task (``workflow_study.base_policy``) and updates

@@ -1,7 +1,7 @@
 """Localization study: BEL localizations of failed trajectories, with the exact first
 irrecoverable step, archived in a store (the report: ``analysis.localization``).
 
-METHODS.md section 2.1 (ELPO's BEL), DESIGN.md section 6. On ``workflow`` tasks
+METHODS.md section 2.1 (ELPO's BEL). On ``workflow`` tasks
 the first irrecoverable step t_crit of a failed trajectory is known exactly
 (``WorkflowModel.first_irrecoverable_step``: the first step after which success
 has probability 0 under every policy). For each task, mode (deterministic /
