@@ -186,7 +186,7 @@ def test_static_export_embeds_every_answer(store_path: Path, tmp_path: Path) -> 
     assert report.trees == 3 and report.runs == 1
     assert "static/viewer.js" not in html and "window.RTREES_STATIC" in html  # one file
     start = html.index("window.RTREES_STATIC = ") + len("window.RTREES_STATIC = ")
-    answers = json.loads(html[start:html.index(";</script>", start)].replace("<\\/", "</"))
+    answers = json.loads(html[start:html.index(";</script>", start)])
     assert answers[static_key("/api/tree", id="bel-0")]["tree"]["critical_node_id"] == 2
     cmp = answers[static_key("/api/compare", tree="bel-0", a="grpo", b="tree_grpo")]
     assert cmp["sign_disagreements"] == 1
@@ -210,3 +210,22 @@ def test_cli_view_export(store_path: Path, tmp_path: Path) -> None:
     assert "1 trees" in res.output and (tmp_path / "e" / "index.html").is_file()
     res = CliRunner().invoke(app, ["view", "--store", str(store_path), "--where", "1=1"])
     assert res.exit_code == 1 and "select trees for --export" in res.output
+
+
+def test_stored_text_never_becomes_markup(tmp_path: Path) -> None:
+    """A hostile action text is data: the static export's embedded answers cannot close
+    the script element, and the page builds text nodes only (no innerHTML anywhere)."""
+    from analysis.viewer.export import export_static
+    from analysis.viewer.server import static_text
+    from rollout_store import Store
+    from rollout_store.tree import Node, Tree
+
+    evil = "</script><script>alert(1)</script><img src=x onerror=alert(2)>"
+    store = Store(tmp_path / "s", create=True)
+    store.append_trees([Tree("evil", [
+        Node(0, None, "prompt", observation_text=evil),
+        Node(1, 0, action_text=evil, terminal=True, reward=1.0)])])
+    html = export_static(store, tmp_path / "out").path.read_text()
+    assert evil not in html and "\\u003c/script>\\u003cscript>alert(1)" in html
+    assert html.count("<script>") == 2  # the data and the inlined viewer.js, nothing more
+    assert ".innerHTML" not in static_text("viewer.js")  # the comment names it, no code

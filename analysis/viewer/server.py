@@ -56,8 +56,11 @@ def page_html(token: str = "", static_data: str | None = None, inline: bool = Fa
     (``static_data``: a JSON object of API path -> answer) and, with ``inline``, the
     script and stylesheet inlined."""
     html = static_text("index.html").replace("{{TOKEN}}", token)
+    # Every "<" of the JSON (only ever inside its strings) as \u003c: no stored text can
+    # close the script element or open a comment in it.
     data = "" if static_data is None else (
-        "<script>window.RTREES_STATIC = " + static_data.replace("</", "<\\/") + ";</script>")
+        "<script>window.RTREES_STATIC = " + static_data.replace("<", "\\u003c")
+        + ";</script>")
     html = html.replace("{{STATIC_DATA}}", data)
     if inline:
         html = html.replace('<link rel="stylesheet" href="static/viewer.css">',
