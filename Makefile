@@ -11,6 +11,11 @@ $(STAMP): pyproject.toml Makefile
 	# bubblewrap sandboxes the python tool (train/envs/sandbox.py); needs root (CI runs as root).
 	command -v bwrap >/dev/null || { apt-get update -qq && apt-get install -y -qq bubblewrap; } \
 		|| echo "warning: bubblewrap not installed; the python environment will refuse to run"
+	# headless Chromium for the viewer's browser test (tests/test_viewer_browser.py, Selenium);
+	# Debian's packages, since Playwright's browser download needs more than a package mirror.
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null \
+		|| { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; } \
+		|| echo "warning: chromium not installed; the viewer's browser test will skip"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and exactly this version: any other spec pulls a multi-GB CUDA build.

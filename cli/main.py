@@ -36,6 +36,18 @@ register_train(app)
 from cli.study_cmd import register as register_study  # noqa: E402  (issue 14)
 
 register_study(app)
+from cli.view_cmd import register as register_view  # noqa: E402  (issue 26)
+
+register_view(app)
+from cli.search_cmd import register as register_search  # noqa: E402  (issue 26)
+
+register_search(app)
+from cli.label_cmd import register as register_label  # noqa: E402  (issue 26)
+
+register_label(app)
+from cli.export_cmd import register as register_export  # noqa: E402  (issue 26)
+
+register_export(app)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -208,6 +220,7 @@ def csv_ready(data: pa.Table) -> pa.Table:
 class ImportFormat(StrEnum):
     verl_jsonl = "verl-jsonl"
     trl_parquet = "trl-parquet"
+    atif = "atif"
 
 
 @app.command("import")
@@ -220,10 +233,22 @@ def import_dumps(
              "not step or advantage).")] = None,
     run_id: Annotated[str | None, typer.Option(help="Run id for the imported trees.")] = None,
 ) -> None:
-    """Ingest verl rollout_data_dir JSONL or TRL completions Parquet as one-level trees."""
+    """Ingest verl rollout_data_dir JSONL or TRL completions Parquet as one-level trees, or
+    ATIF trajectories (files or folders, e.g. `rtrees export --format atif`) as one tree
+    each: the prompt, then one node per agent step."""
     from rollout_store.importers import DumpImportError, import_files
 
     s = _open(store, create=True)
+    if fmt is ImportFormat.atif:
+        from rollout_store.exporters import import_atif
+
+        try:
+            done = import_atif(s, [str(p) for p in paths], run_id)
+        except (ValueError, OSError) as exc:  # TreeValidationError is a ValueError
+            fail(str(exc))
+        console.print(f"atif: {done.rows.get('trees', 0)} trees imported"
+                      + (" (already stored)" if done.already_committed else ""), markup=False)
+        return
     try:
         reports = import_files(s, [str(p) for p in paths], fmt.value, run_id=run_id,
                                reward_columns=None if reward_columns is None

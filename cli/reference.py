@@ -283,6 +283,8 @@ TABLE_DOCS: dict[str, str] = {
                      "(`gold_answer`: TRACE T2; `action`: DSC D3)",
     "evaluations": "one row per (run, step, mode, held-out task): the per-task outcomes of "
                    "the trainer's held-out evaluations, which paired verdicts need (V2)",
+    "labels": "labels people put on trees and nodes (`rtrees label`, the viewer); append-only "
+              "history, the view `labels_latest` keeps the last write per key",
 }
 
 # Meanings by column name; "table.column" entries override for one table.
@@ -369,6 +371,11 @@ COLUMN_DOCS: dict[str, str] = {
     "evaluations.reward": "final reward of the episode (0 when the step limit cut it)",
     "evaluations.success": "reward >= 1, the one success rule",
     "evaluations.steps": "agent steps the episode took",
+    "labels.tree_id": "the labelled tree",
+    "labels.node_id": "the labelled node (null: the whole tree)",
+    "labels.key": "label name; the latest row per (tree, node, key) holds its value",
+    "labels.value": "label value (null: the key was cleared)",
+    "labels.author": "who wrote it (`--author`, `$RTREES_AUTHOR` or the login name)",
 }
 
 

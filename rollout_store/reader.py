@@ -10,8 +10,11 @@ holds committed rows only; any other file is filtered row by row.
 
 DuckDB views (``connect``):
 
-* ``trees``, ``nodes``, ``snapshots``, ``credits``, ``mc_references``, ``metrics``:
-  the tables, with the columns of ``schema.py``.
+* ``trees``, ``nodes``, ``snapshots``, ``credits``, ``mc_references``, ``metrics``,
+  ``policy_scores``, ``labels``: the tables, with the columns of ``schema.py``.
+* ``labels_latest``: the current labels, the last write per (``tree_id``, ``node_id``,
+  ``key``) by ``created_at``, cleared keys (null value) left out; ``labels`` keeps the
+  history.
 * ``paths``: one row per root-to-leaf trajectory: ``tree_id``, ``leaf_id``,
   ``depth``, ``reward``. Leaves are exactly the nodes with a reward (a rule the
   writer enforces), so no anti-join is needed.
@@ -297,6 +300,14 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
         else:  # several parts, or an older schema version: align columns by name
             source = " UNION ALL BY NAME ".join([f"SELECT * FROM {empty}", *parts])
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {source}")
+    # Last write wins per (tree, node, key); a null value clears the key (schema.LABELS).
+    con.execute("""
+        CREATE OR REPLACE VIEW labels_latest AS
+        SELECT tree_id, node_id, key, value, author, created_at FROM (
+            SELECT *, row_number() OVER (PARTITION BY tree_id, node_id, key
+                                         ORDER BY created_at DESC) AS _rank
+            FROM labels)
+        WHERE _rank = 1 AND value IS NOT NULL""")
     con.execute("""
         CREATE OR REPLACE VIEW paths AS
         SELECT tree_id, node_id AS leaf_id, depth, reward

@@ -26,10 +26,10 @@ from typing import Final, Literal, get_args
 
 import pyarrow as pa
 
-SCHEMA_VERSION: Final[int] = 3  # 2: the policy_scores table; 3: evaluations
+SCHEMA_VERSION: Final[int] = 3  # 2: the policy_scores table; 3: evaluations and labels
 
 TableName = Literal["trees", "nodes", "snapshots", "credits", "mc_references", "metrics",
-                    "policy_scores", "evaluations"]
+                    "policy_scores", "evaluations", "labels"]
 TABLE_NAMES: Final[tuple[TableName, ...]] = get_args(TableName)
 
 NodeKind = Literal["prompt", "decision", "feedback_response"]
@@ -203,6 +203,18 @@ EVALUATIONS = pa.schema([
     _f("created_at", TIMESTAMP, False),
 ])
 
+# Labels people put on trees and nodes (issue 26: `rtrees label`, the viewer). Append-only
+# history: a label is the row with the latest created_at per (tree_id, node_id, key) (the
+# reader's ``labels_latest`` view; last write wins), and a null value clears it.
+LABELS = pa.schema([
+    _f("tree_id", pa.string(), False),
+    _f("node_id", pa.int64()),  # null: a label of the whole tree
+    _f("key", pa.string(), False),
+    _f("value", pa.string()),  # null: the key cleared
+    _f("author", pa.string()),
+    _f("created_at", TIMESTAMP, False),
+])
+
 SCHEMAS: Final[dict[TableName, pa.Schema]] = {
     "trees": TREES,
     "nodes": NODES,
@@ -212,18 +224,21 @@ SCHEMAS: Final[dict[TableName, pa.Schema]] = {
     "metrics": METRICS,
     "policy_scores": POLICY_SCORES,
     "evaluations": EVALUATIONS,
+    "labels": LABELS,
 }
 
 # Released schemas by version. A new version appends here; never edit an entry.
 SCHEMA_HISTORY: Final[dict[int, dict[TableName, pa.Schema]]] = {
     1: {name: schema for name, schema in SCHEMAS.items()
-        if name not in ("policy_scores", "evaluations")},
-    2: {name: schema for name, schema in SCHEMAS.items() if name != "evaluations"},
+        if name not in ("policy_scores", "evaluations", "labels")},
+    2: {name: schema for name, schema in SCHEMAS.items()
+        if name not in ("evaluations", "labels")},
     3: SCHEMAS,
 }
 # Tables added after version 1 (a store of an older version lacks them until it is opened
 # for writing once; see Store.__init__).
-ADDED_TABLES: Final[dict[TableName, int]] = {"policy_scores": 2, "evaluations": 3}
+ADDED_TABLES: Final[dict[TableName, int]] = {"policy_scores": 2, "evaluations": 3,
+                                             "labels": 3}
 
 
 def describe_type(schema: pa.Schema) -> str:

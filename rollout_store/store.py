@@ -791,6 +791,21 @@ class Store:
         self._refuse_unknown_nodes(table, "policy_scores")
         return self._append_rows("policy_scores", table, key)
 
+    def append_labels(self, table: pa.Table, key: str | None = None) -> CommitReport:
+        """Commit rows with the ``labels`` schema (idempotent per ``key``); every row must
+        name a stored tree (``unknown_tree``) and, where ``node_id`` is set, a stored node
+        (``unknown_node``). See ``rollout_store.labels``."""
+        check_columns(table, SCHEMAS["labels"], "labels")
+        tree_ids = table.column("tree_id")
+        unknown = pc.invert(pc.is_in(tree_ids, value_set=self.stored_tree_ids()))
+        if len(table) and pc.any(unknown).as_py():
+            row = pc.index(unknown, True).as_py()
+            raise TreeValidationError(str(tree_ids[row]), None, "unknown_tree",
+                                      "labels row names a tree that is not stored")
+        on_nodes = table.filter(pc.is_valid(table.column("node_id")))
+        self._refuse_unknown_nodes(on_nodes, "labels")
+        return self._append_rows("labels", table, key)
+
     def append_metrics(self, table: pa.Table, key: str | None = None) -> CommitReport:
         """Commit rows with the ``metrics`` schema (idempotent per ``key``)."""
         _check_finite(table, "value", "metrics")

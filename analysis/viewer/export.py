@@ -1,0 +1,99 @@
+"""``rtrees view --export DIR``: the viewer's page as one static HTML file, for a report.
+
+``export_static`` answers, ahead of time, every question the page can ask about the
+selected trees (one run, a checked ``WHERE`` over ``trees``, or tree ids): the run and
+tree lists, each tree, each pair of its credit methods compared, and the metrics of the
+runs listed. The answers are embedded in ``DIR/index.html`` with the script and
+stylesheet inlined, so the file opens from disk, offline, with nothing else beside it.
+The SQL filter box is disabled there (no store to run it on).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from itertools import permutations
+from pathlib import Path
+from typing import Any
+
+from analysis.viewer.data import ViewerData
+from analysis.viewer.server import page_html
+from rollout_store.store import Store
+
+MAX_TREES = 500  # default cap: every tree's answers are embedded in one HTML file
+
+
+def static_key(path: str, **params: str | None) -> str:
+    """The lookup key of one answer (``staticKey`` in ``viewer.js``): the route, then
+    ``name=value`` for each non-empty parameter in name order, joined by ``|``."""
+    return "|".join([path, *(f"{k}={v}" for k, v in sorted(params.items()) if v)])
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What ``export_static`` wrote."""
+
+    path: Path
+    trees: int
+    runs: int
+    bytes: int
+
+    def summary(self) -> str:
+        return (f"wrote {self.path}: {self.trees} trees, {self.runs} runs, "
+                f"{self.bytes:,} bytes (open it in a browser; no server needed)")
+
+
+def export_static(store: Store | str | Path, out: str | Path, *, run_id: str | None = None,
+                  where: str | None = None, tree_ids: list[str] | None = None,
+                  max_trees: int = MAX_TREES) -> ExportReport:
+    """Write ``out/index.html`` for the trees of ``run_id`` and/or matching ``where`` (both
+    optional; checked like the page's filter) or exactly ``tree_ids``. ``ValueError``
+    when nothing or more than ``max_trees`` trees are selected, or a tree id is unknown."""
+    data = ViewerData(store)
+    if tree_ids:
+        listed = data.trees(None, None, limit=10**9)["trees"]
+        by_id = {t["tree_id"]: t for t in listed}
+        unknown = [t for t in tree_ids if t not in by_id]
+        if unknown:
+            raise ValueError(f"no tree {unknown[0]!r} in {data.store.path}")
+        rows = [by_id[t] for t in dict.fromkeys(tree_ids)]
+        if run_id:
+            rows = [r for r in rows if r["run_id"] == run_id]
+    else:
+        found = data.trees(where, run_id, limit=max_trees)
+        if found["truncated"]:
+            raise ValueError(f"more than --max-trees {max_trees} trees selected (every tree "
+                             "is embedded in the page): narrow --run or --where")
+        rows = found["trees"]
+    if not rows:
+        raise ValueError("no tree selected (check --run, --where, --tree)")
+    if len(rows) > max_trees:
+        raise ValueError(f"{len(rows)} trees selected, more than --max-trees {max_trees} "
+                         "(every tree is embedded in the page)")
+    answers: dict[str, Any] = {static_key("/api/summary"): data.summary()}
+    run_ids = {r["run_id"] for r in rows}
+    if run_id:
+        run_ids.add(run_id)
+    runs = [dict(r, trees=sum(t["run_id"] == r["run_id"] for t in rows))
+            for r in data.runs() if r["run_id"] in run_ids]
+    answers[static_key("/api/runs")] = runs
+    answers[static_key("/api/trees")] = {"trees": rows, "truncated": False}
+    for r in runs:
+        answers[static_key("/api/trees", run=r["run_id"])] = {
+            "trees": [t for t in rows if t["run_id"] == r["run_id"]], "truncated": False}
+        if r["metrics"]:
+            answers[static_key("/api/metrics", run=r["run_id"])] = data.metrics(r["run_id"])
+    for t in rows:
+        tid = t["tree_id"]
+        tree = data.tree(tid)
+        answers[static_key("/api/tree", id=tid)] = tree
+        for a, b in permutations(tree["methods"], 2):
+            answers[static_key("/api/compare", tree=tid, a=a, b=b)] = data.compare(tid, a, b,
+                                                                                 tree)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # NaN stays NaN: the answers are a JavaScript literal, not JSON
+    html = page_html("", json.dumps(answers, default=str), inline=True)
+    path = out / "index.html"
+    path.write_text(html, encoding="utf-8")
+    return ExportReport(path, len(rows), len(runs), len(html.encode()))
