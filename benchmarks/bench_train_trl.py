@@ -229,8 +229,10 @@ class TRLSide:
         from transformers.trainer_callback import PrinterCallback
         from trl import GRPOConfig, GRPOTrainer
 
-        tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True,
+                                            trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True,
+                                                     trust_remote_code=False,
                                                      dtype=torch.float32)
         texts = tok.batch_decode([[i] for i in range(len(tok))], skip_special_tokens=False)
         stop_ids = sorted(i for i, s in enumerate(texts) if any(x in s for x in STOP_STRINGS))

@@ -39,7 +39,7 @@ from train.policies import (
     load_policy_ref,
 )
 from train.policies.base import STOP_STRINGS, Policy, SampleConfig, Transcript
-from train.policies.hf import HFPolicy, weights_version
+from train.policies.hf import HFPolicy, state_dict_version, weights_version
 from train.policies.tabular import ACTION_VOCAB, TabularBackend, model_from_prompt
 from train.policies.tiny import (
     CALC_CALL_PREFIX,
@@ -500,14 +500,23 @@ def test_policy_ref_resolver(tmp_path: Path, policy) -> None:  # type: ignore[no
     for a, b in zip(policy.model.state_dict().values(),
                     again.model.state_dict().values(), strict=True):  # type: ignore[attr-defined]
         assert torch.equal(a, b)
+    # (the version is recomputed from the weights, never taken from the file on trust)
+    run_version = f"run-a-{state_dict_version(policy.model)}"
     trainer_dir = save_checkpoint(policy.model, policy.tokenizer, tmp_path / "step-3",
-                                  {"env": "calc", "policy_version": "run-a/v3"})
-    assert load_policy_ref(str(trainer_dir), "calc", version="run-a/v3",
-                           device="cpu").policy_version == "run-a/v3"
+                                  {"env": "calc", "policy_version": run_version})
+    assert load_policy_ref(str(trainer_dir), "calc", version=run_version,
+                           device="cpu").policy_version == run_version
+    label_dir = save_checkpoint(policy.model, policy.tokenizer, tmp_path / "step-4",
+                                {"env": "calc", "policy_version": "run-a/v4"})
+    with pytest.raises(PolicyRefError, match="the weights hash to"):
+        load_policy_ref(str(label_dir), "calc", version="run-a/v4", device="cpu")
     # A non-tiny HF checkpoint (another chat template) reloads as hf:PATH with env tools.
     other = tmp_path / "hf"
     shutil.copytree(tiny_dir, other)
     (other / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    with pytest.raises(PolicyRefError, match=r"chat_template\.jinja does not match"):
+        load_policy_ref(str(other), "calc", device="cpu")  # an edited rtrees checkpoint
+    (other / "rtrees_policy.json").unlink()  # a plain HF directory
     assert not is_tiny_checkpoint(other)
     hf = load_policy_ref(str(other), "calc", device="cpu")
     assert isinstance(hf, HFPolicy) and hf.renderer.tools  # the hf:PATH default

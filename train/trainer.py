@@ -21,9 +21,11 @@ One iteration, top to bottom in ``train``:
 6. held-out success (sampled and greedy) every ``eval_every`` iterations, metrics into
    the store's ``metrics`` table, then publish the new weights as checkpoint
    ``step-(k+1)``: model and tokenizer (an ordinary HF directory: ``hf:PATH`` loads it),
-   optimizer, scheduler, RNG states, iteration, store version, sampler state; written to
-   a temporary directory and renamed into place. The last ``keep_last`` checkpoints and
-   every ``save_every``-th are kept.
+   optimizer, scheduler, RNG states, iteration, store version, sampler state (JSON and
+   safetensors, never a pickle: ``train.rundir.save_state``), and ``rtrees_policy.json``
+   with the version, run id, env, run configuration and the sha256 of every file;
+   written to a temporary directory and renamed into place (``train.rundir``). The last
+   ``keep_last`` checkpoints and every ``save_every``-th are kept.
 
 Trace credit (T2) scores the gold answer at every node of the fresh trees under a frozen
 copy of the initial policy; the scores are committed to ``policy_scores`` (keyed) and the
@@ -35,13 +37,25 @@ ranks (tree j on rank j mod N), gather them, let rank 0 commit, checkpoint and e
 normalise each mini-batch's loss by global counts and sum the gradients over ranks, so N
 ranks compute the single-rank update (within float summation order).
 
-Resume (``resume=True``) loads the newest complete checkpoint; every random choice is
-seeded from (seed, iteration, ...) and all state is restored, so on CPU a resumed run
-gives the same per-step losses and final weights as an uninterrupted one.
+One trainer per run directory, one run directory per run id: ``open_run_dir`` holds an
+exclusive lock on ``OUT/train.lock`` for the run's lifetime, creates ``config.json``
+exclusively with a random run token, and records the token with the run id in the
+store's ``metrics`` (row ``run_token``, step -2); another directory's run of the same id
+(``/a/run`` and ``/b/run`` both default to ``train-run``) is refused (``RunIdTakenError``).
+
+Resume (``resume=True``) loads the newest checkpoint that passes every check
+(``load_checkpoint``: file digests, run id, env, run configuration, finite weights whose
+recomputed version is the recorded one, state in the current format); a damaged or
+foreign newer one is named in a one-line warning and skipped (``resume_checkpoint``),
+and none usable is a ``TrainError``. Every random choice is seeded from (seed,
+iteration, ...) and all state is restored, so on CPU a resumed run gives the same
+per-step losses and final weights as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -74,11 +88,16 @@ from train.batches import (
     tree_token_ratio,
 )
 from train.config import (
+    CONFIG_FILE,
+    RESUMABLE_FIELDS,
     UNSUPPORTED_CREDIT,
     ConfigError,
     TrainConfig,
     check_resume,
+    create_config,
+    new_run_token,
     read_config,
+    read_run_token,
     write_config,
 )
 from train.credit.scores import GOLD, score_extras, score_trees
@@ -92,13 +111,23 @@ from train.loss import (
     token_weights,
 )
 from train.policies.base import SampleConfig, Turn
-from train.policies.hf import HFPolicy, quiet_progress, state_dict_version
+from train.policies.hf import HFPolicy, check_finite, quiet_progress, state_dict_version
+from train.rundir import (
+    META_FILE,
+    CheckpointError,
+    load_state,
+    save_state,
+    verify_checkpoint,
+    write_checkpoint,
+)
 from train.sampling import SAMPLERS, CaliperSampler, CaliperState, Sampler, make_sampler
 from train.sampling.base import mix_seed
 
 CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.pt"
-META_FILE = "rtrees_policy.json"
+STATE_FILE = "trainer_state.json"  # structure and scalars (train.rundir.save_state)
+STATE_TENSORS = "trainer_state.tensors"  # its tensors, safetensors format (not *.safetensors:
+#                                          loaders glob those as weights)
+OLD_STATE_FILE = "trainer_state.pt"  # the pickled format of earlier versions: never loaded
 
 
 class TrainError(RuntimeError):
@@ -115,12 +144,19 @@ class TrainReport:
     heldout: dict[int, dict[str, float]] = field(default_factory=dict)
     rank: int = 0
     """Data-parallel rank that returns this report (rank 0 evaluates and holds ``heldout``)."""
+    finished_before: bool = False
+    """A resume found the run already finished: nothing ran, ``heldout`` is the stored one."""
 
     def summary(self) -> str:
+        head = (f"{self.run_id}: already finished ({self.iterations} iterations in "
+                f"{self.out}), nothing to do" if self.finished_before else
+                f"{self.run_id}: {self.iterations} iterations in {self.out}")
         last = self.heldout[max(self.heldout)] if self.heldout else {}
-        return (f"{self.run_id}: {self.iterations} iterations in {self.out}; "
-                f"held-out success {last.get('heldout_sampled', float('nan')):.3f} "
-                f"(greedy {last.get('heldout_greedy', float('nan')):.3f})")
+        if "heldout_sampled" not in last:  # eval off (or none stored): no "nan" (issue 21)
+            return f"{head}; held-out success not evaluated"
+        greedy = last.get("heldout_greedy")
+        return (f"{head}; held-out success {last['heldout_sampled']:.3f}"
+                + ("" if greedy is None else f" (greedy {greedy:.3f})"))
 
 
 # ----------------------------------------------------------------------------- setup
@@ -215,44 +251,128 @@ def checkpoint_dir(out: Path, step: int) -> Path:
     return out / CHECKPOINTS / f"step-{step:06d}"
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    """The newest complete checkpoint (temporary directories start with '.')."""
+def checkpoints(out: Path) -> list[Path]:
+    """Every published checkpoint directory, oldest first (temporary ones start with '.')."""
     root = out / CHECKPOINTS
-    done = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file()) \
-        if root.is_dir() else []
-    return done[-1] if done else None
+    found = [p for p in root.glob("step-*") if p.is_dir()
+             and p.name[5:].isdigit()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest published checkpoint (``resume_checkpoint`` checks it before use)."""
+    found = checkpoints(out)
+    return found[-1] if found else None
+
+
+def run_fields(config: TrainConfig) -> dict[str, Any]:
+    """The run's configuration but ``RESUMABLE_FIELDS`` (run directory, store, seed, ...),
+    as JSON holds it: a checkpoint records it, so one copied from another run (or a
+    ``config.json`` edited since) is recognised, field by field."""
+    fields = {k: v for k, v in config.to_dict().items() if k not in RESUMABLE_FIELDS}
+    loaded: dict[str, Any] = json.loads(json.dumps(fields))
+    return loaded
 
 
 def save_checkpoint(out: Path, step: int, policy: HFPolicy, version: str, state: dict[str, Any],
                     config: TrainConfig) -> Path:
-    """Write checkpoint ``step`` atomically (temporary directory, fsync, rename); prune."""
-    final = checkpoint_dir(out, step)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    with quiet_progress():
-        policy.model.save_pretrained(tmp)
-    policy.tokenizer.save_pretrained(tmp)
-    (tmp / META_FILE).write_text(json.dumps({
+    """Write checkpoint ``step`` atomically with a sha256 per file
+    (``train.rundir.write_checkpoint``); prune. Non-finite weights are never published."""
+    try:
+        check_finite(policy.model, f"the weights to publish as step-{step:06d}")
+    except CheckpointError as exc:
+        raise TrainError(f"{exc}: training diverged, checkpoint step-{step:06d} not written "
+                         "(lower lr or set grad_clip)") from None
+
+    def fill(tmp: Path) -> None:
+        with quiet_progress():
+            policy.model.save_pretrained(tmp)
+        policy.tokenizer.save_pretrained(tmp)
+        save_state(state, tmp / STATE_FILE, tmp / STATE_TENSORS)
+
+    final = write_checkpoint(checkpoint_dir(out, step), fill, {
         "policy_version": version, "env": config.env, "step": step,
-        "run_id": config.resolved_run_id, "trained_from": config.policy}, indent=2) + "\n")
-    torch.save(state, tmp / STATE_FILE)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():  # a rerun of the same step: move the old one aside first
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
-    steps = sorted(int(p.name.split("-")[1]) for p in (out / CHECKPOINTS).glob("step-*"))
+        "run_id": config.resolved_run_id, "trained_from": config.policy,
+        "config": run_fields(config)})
+    steps = [int(p.name[5:]) for p in checkpoints(out)]
     for s in steps[:-config.keep_last]:
         if s % config.save_every:
             shutil.rmtree(checkpoint_dir(out, s), ignore_errors=True)
     return final
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A checkpoint that passed every check of ``resume_checkpoint``, loaded."""
+
+    path: Path
+    policy: HFPolicy
+    version: str
+    state: dict[str, Any]
+
+
+def load_checkpoint(path: Path, config: TrainConfig) -> Resumed:
+    """Checkpoint ``path`` of this run, loaded, after every check (``CheckpointError``
+    naming what failed): the file digests (``verify_checkpoint``: truncated, missing,
+    flipped or edited files), the run id, env, step and run configuration (``run_fields``) it
+    records (a checkpoint of another run), finite weights whose recomputed version
+    ``RUN-state_dict_version`` is the recorded one, and trainer state in the current
+    format (JSON and safetensors: nothing is unpickled)."""
+    meta = verify_checkpoint(path, require=("config.json", STATE_FILE, STATE_TENSORS))
+    step = int(path.name[5:])
+    recorded = meta.get("config")
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{path / META_FILE} records no run configuration")
+    here = run_fields(config)  # fields added since the checkpoint was written: not compared
+    for key, want in (("run_id", config.resolved_run_id), ("env", config.env), ("step", step),
+                      *((k, here[k]) for k in sorted(recorded) if k in here)):
+        got = meta.get(key) if key in ("run_id", "env", "step") else recorded[key]
+        if got != want:
+            raise CheckpointError(f"{path / META_FILE} records {key} {got!r}, not this "
+                                  f"run's {want!r}: a checkpoint of another run (or "
+                                  "config.json was edited since)")
+    if not any(name.endswith(".safetensors") for name in meta.get("files", {})):
+        raise CheckpointError(f"{path / META_FILE} records no weights file")
+    policy = load_start_policy(config, path)  # digests again, finite, version recomputed
+    version = f"{config.resolved_run_id}-{state_dict_version(policy.model)}"
+    if meta.get("policy_version") != version:
+        raise CheckpointError(f"{path / META_FILE} names policy version "
+                              f"{meta.get('policy_version')!r}, but the weights are {version!r}")
+    state = load_state(path / STATE_FILE, path / STATE_TENSORS)
+    if not isinstance(state, dict) or state.get("iteration") != step or not all(
+            k in state for k in ("optimizer", "scheduler", "rng")):
+        raise CheckpointError(f"{path / STATE_FILE} is not the trainer state of step {step}")
+    return Resumed(path, policy, version, state)
+
+
+def resume_checkpoint(out: Path, config: TrainConfig, warn: bool = True) -> Resumed | None:
+    """The newest checkpoint of ``out`` that passes ``load_checkpoint``, loaded; None when
+    there is none at all (killed before step 0 was published).
+
+    Each newer one that fails is named in a one-line warning on stderr (``warn``), and
+    training continues from the previous one (the skipped iterations rerun; their
+    commits are keyed, so nothing lands twice). ``TrainError`` when no checkpoint is
+    usable, or the newest one is of the old pickled format (never unpickled)."""
+    found = checkpoints(out)
+    if not found:
+        return None
+    skipped: list[str] = []
+    for path in reversed(found):
+        if (path / OLD_STATE_FILE).exists() and not (path / STATE_FILE).exists():
+            raise TrainError(f"{path / OLD_STATE_FILE} is the old pickled trainer-state "
+                             "format, which is never loaded (unpickling a file can run "
+                             "code): start a new run directory")
+        try:
+            resumed = load_checkpoint(path, config)
+        except (CheckpointError, FileNotFoundError) as exc:
+            skipped.append(f"{path.name}: {exc}")
+            continue
+        if warn:
+            for why in skipped:
+                print(f"warning: checkpoint {why}; resuming from {path.name}",
+                      file=sys.stderr, flush=True)
+        return resumed
+    raise TrainError(f"no usable checkpoint in {out / CHECKPOINTS} ({'; '.join(skipped)})")
 
 
 def rng_state() -> dict[str, Any]:
@@ -338,6 +458,161 @@ def evaluate(policy: HFPolicy, env_name: str, tasks: Sequence[Task], greedy: boo
     return float(np.mean(success))
 
 
+# ------------------------------------------------------------- the run directory
+
+LOCK_FILE = "train.lock"
+OWNER_METRIC = "run_token"
+"""Metrics row (step ``OWNER_STEP``, value = the run token of ``OUT/config.json``) that
+records which run directory owns a run id in the store; ``read_metrics`` leaves it out."""
+OWNER_STEP = -2
+
+
+class RunInUseError(TrainError):
+    """Another trainer process holds the run directory (its lock file)."""
+
+
+class RunIdTakenError(TrainError):
+    """The run id is used in the store by another run directory."""
+
+
+@dataclass
+class RunLock:
+    """An exclusive ``flock`` on ``OUT/train.lock``, held for the run's lifetime; the
+    kernel releases it when the process dies (``kill -9`` included)."""
+
+    out: Path
+    handle: Any
+    created: Path | None = None
+    """The outermost directory ``lock_run_dir`` created (``out`` or an ancestor)."""
+
+    def release(self, remove_dir: bool = False) -> None:
+        """Drop the lock; ``remove_dir``: also remove the directories this process created
+        (a run refused before it wrote anything else; a non-empty one stays)."""
+        if self.handle is None:
+            return
+        self.handle.close()
+        self.handle = None
+        if remove_dir and self.created is not None:
+            (self.out / LOCK_FILE).unlink(missing_ok=True)
+            for d in [self.out, *self.out.parents]:
+                with contextlib.suppress(OSError):  # something else is in it: leave it
+                    d.rmdir()
+                if d == self.created:
+                    break
+
+
+def lock_run_dir(out: Path) -> RunLock:
+    """Create ``out`` if needed and lock it exclusively (``RunInUseError`` naming the
+    holder's pid when another process holds it)."""
+    created = None
+    for d in [out, *out.parents]:
+        if d.exists():
+            break
+        created = d
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / LOCK_FILE, "a+")  # noqa: SIM115 - held until release()
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "pid unknown"
+        handle.close()
+        raise RunInUseError(f"{out} is in use by another trainer ({holder}); wait for it to "
+                            "end, or pass another --out") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return RunLock(out, handle, created)
+
+
+def _run_rows(store: Store, run_id: str) -> tuple[list[int], int, str | None]:
+    """(owner tokens recorded for ``run_id``, its other rows in trees / metrics / credits,
+    the run directory its trees' ``policy_ref`` names, if any)."""
+    con = connect(store)
+    args = {"r": run_id, "n": OWNER_METRIC, "s": OWNER_STEP}
+    tokens = [int(v) for (v,) in con.execute(
+        "SELECT value FROM metrics WHERE run_id = $r AND name = $n AND step = $s "
+        "ORDER BY created_at", args).fetchall()]
+    [(rows,)] = con.execute(
+        "SELECT (SELECT count(*) FROM trees WHERE run_id = $r) + (SELECT count(*) FROM "
+        "credits WHERE run_id = $r) + (SELECT count(*) FROM metrics WHERE run_id = $r AND "
+        "NOT (name = $n AND step = $s))", args).fetchall()
+    refs = con.execute("SELECT policy_ref FROM trees WHERE run_id = $r AND policy_ref IS NOT "
+                       "NULL LIMIT 1", {"r": run_id}).fetchall()
+    ref = Path(refs[0][0]) if refs else None
+    where = str(ref.parent.parent) if ref is not None and ref.parent.name == CHECKPOINTS \
+        else None
+    return tokens, int(rows), where
+
+
+def _taken(store: Store, run_id: str, where: str | None) -> RunIdTakenError:
+    other = f" ({where})" if where else ""
+    return RunIdTakenError(f"run_id {run_id!r} is already used in store {store.path} by another "
+                           f"run directory{other}: pass --run-id NAME for this run, or "
+                           "--resume in that run's directory")
+
+
+def claim_run_id(store: Store, run_id: str, token: int, fresh: bool) -> None:
+    """Record ``token`` as the owner of ``run_id`` in the store, or refuse
+    (``RunIdTakenError``) when another run directory owns it: one whose token is recorded,
+    or, for a ``fresh`` run, any row of that run id (a run written before tokens). Two
+    claims at once commit under one key, so one row lands; the loser sees the other's."""
+    tokens, rows, where = _run_rows(store, run_id)
+    if (tokens and tokens[0] != token) or (not tokens and rows and fresh):
+        raise _taken(store, run_id, where)
+    if tokens:
+        return
+    now = now_utc()
+    store.append_metrics(pa.table({
+        "run_id": pa.array([run_id], pa.string()), "step": pa.array([OWNER_STEP], pa.int64()),
+        "name": pa.array([OWNER_METRIC], pa.string()),
+        "value": pa.array([float(token)], pa.float64()),
+        "created_at": pa.array([now], METRICS.field("created_at").type)}, schema=METRICS),
+        key=f"{run_id}:owner")
+    tokens, _, where = _run_rows(store, run_id)
+    if not tokens or tokens[0] != token:
+        raise _taken(store, run_id, where)
+
+
+def open_run_dir(out: Path, config: TrainConfig, store: Store, resume: bool) -> RunLock:
+    """Lock ``out`` for this run (``lock_run_dir``), write ``config.json`` (a fresh run:
+    exclusively, with a new run token; ``--resume``: after checking it again under the
+    lock) and claim the run id in the store with the token (``claim_run_id``). A run
+    refused here leaves no run directory it created behind."""
+    run_id = config.resolved_run_id
+    lock = lock_run_dir(out)
+    try:
+        if resume:
+            check_resume(read_config(out), config)  # again: another process may have been
+            token = read_run_token(out)  # ... writing it before this one held the lock
+            if token is None:  # a run directory written before run tokens: adopt it
+                token = new_run_token()
+            write_config(config, out, token)
+            claim_run_id(store, run_id, token, fresh=False)
+        else:
+            exists = TrainError(f"{out} already holds a run; pass --resume to continue it")
+            if (out / CONFIG_FILE).exists():  # written while this process waited
+                raise exists
+            tokens, rows, where = _run_rows(store, run_id)
+            if tokens or rows:
+                raise _taken(store, run_id, where)
+            token = new_run_token()
+            try:
+                create_config(config, out, token)
+            except FileExistsError:
+                raise exists from None
+            try:
+                claim_run_id(store, run_id, token, fresh=True)
+            except RunIdTakenError:
+                (out / CONFIG_FILE).unlink(missing_ok=True)
+                raise
+    except BaseException:
+        lock.release(remove_dir=True)
+        raise
+    return lock
+
+
 # ------------------------------------------------------------------------------ loop
 
 def train(config: TrainConfig, resume: bool = False) -> TrainReport:
@@ -345,18 +620,26 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
 
     Under ``torchrun`` / ``train.distributed.launch`` every rank runs this function; the
     lines marked ``DDP`` are the data-parallel ones (``train.distributed``); with one
-    process they do nothing."""
+    process they do nothing. The run directory is locked (``open_run_dir``) from the
+    moment it is written until this function returns."""
+    held: list[RunLock] = []
+    try:
+        return _train(config, resume, held)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainReport:
     world = dp.init_world()  # DDP: rank and size from the environment (1: no group)
     check_config(config, world.size)
     config = config.replace(store=str(Path(config.store).resolve()),
                             out=str(Path(config.out).resolve()))
     out = Path(config.out)
     run_id = config.resolved_run_id
-    start_ckpt = None
     if resume:
         check_resume(read_config(out), config)
-        start_ckpt = latest_checkpoint(out)  # None: killed before step 0 was published
-    elif (out / "config.json").exists():
+    elif (out / CONFIG_FILE).exists():
         raise TrainError(f"{out} already holds a run; pass --resume to continue it")
     dp.barrier(world)  # DDP: every rank has checked the run directory before rank 0 writes
     store = open_store(config.store, create=True) if world.is_main else None
@@ -371,14 +654,23 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
             raise TrainError(str(exc)) from exc
     reuse_params = rz.ReuseParams.parse(config.reuse_params)
     train_tasks, heldout = task_splits(config)
-    if world.is_main:  # DDP: rank 0 writes the run directory
-        write_config(config, out)
+    failure: TrainError | None = None
+    if world.is_main:  # DDP: rank 0 locks and writes the run directory, claims the run id
+        try:
+            held.append(open_run_dir(out, config, store, resume))
+        except TrainError as exc:
+            failure = exc
+    if dp.all_max(world, [float(failure is not None)])[0]:  # DDP: every rank stops
+        raise failure or TrainError(f"rank 0 could not open the run directory {out}")
+    if world.is_main:
         if config.reuse != "none":
             rz.write_params(out, reuse_params)
         for tmp in (out / CHECKPOINTS).glob(".step-*") if (out / CHECKPOINTS).is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint write a kill interrupted
 
-    policy = load_start_policy(config, start_ckpt)
+    resumed = resume_checkpoint(out, config, warn=world.is_main) if resume else None
+    start_ckpt = resumed.path if resumed is not None else None
+    policy = resumed.policy if resumed is not None else load_start_policy(config)
     model = policy.model
     ref_policy = None  # the frozen initial policy: KL reference, and trace's scorer (T2)
     if config.kl_coef > 0 or config.credit == "trace":
@@ -393,13 +685,18 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
     sampler = make_sampler(config.sampler, max_new_tokens=config.max_new_tokens,
                            temperature=config.temperature, **config.sampler_params)
     start = 0
-    if start_ckpt is not None:
-        state = torch.load(start_ckpt / STATE_FILE, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        if isinstance(sampler, CaliperSampler) and state.get("sampler_state"):
-            sampler.state = CaliperState.from_dict(state["sampler_state"])
+    if resumed is not None:
+        state = resumed.state
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            set_rng_state(state["rng"])
+            if isinstance(sampler, CaliperSampler) and state.get("sampler_state"):
+                sampler.state = CaliperState.from_dict(state["sampler_state"])
+        except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
+            raise TrainError(f"{resumed.path / STATE_FILE} does not restore this run's "
+                             f"optimizer, scheduler and RNG ({type(exc).__name__}: {exc})"
+                             ) from None
         start = int(state["iteration"])
     writer = None
     if config.tensorboard and world.is_main:
@@ -416,9 +713,8 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
     if start_ckpt is None and world.is_main:  # DDP: rank 0 writes checkpoints
         save_checkpoint(out, 0, current, current.policy_version,
                         _state(0, optimizer, scheduler, sampler, store), config)
-    elif start_ckpt is not None:
-        current = policy.published(str(start_ckpt), json.loads(
-            (start_ckpt / META_FILE).read_text())["policy_version"])
+    elif resumed is not None:
+        current = policy.published(str(resumed.path), resumed.version)
 
     if start == 0 and config.eval_every and heldout and world.is_main:  # step -1
         initial = _heldout(current, heldout, config, 0)
@@ -645,6 +941,12 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
                   f"reward {metrics['reward']:.3f} clip {metrics['clip_frac_low']:.3f}/"
                   f"{metrics['clip_frac_high']:.3f} ratio {metrics['tree_token_ratio']:.2f} "
                   f"{metrics['tokens_per_s']:.0f} tok/s{extra}", file=sys.stderr, flush=True)
+    if start >= config.steps and world.is_main:  # resumed a finished run: its stored result
+        report.iterations, report.finished_before = start, True
+        stored = read_metrics(store, run_id)  # metric step it holds iteration it + 1's eval
+        for name in ("heldout_sampled", "heldout_greedy"):
+            for metric_step, value in stored.get(name, []):
+                report.heldout.setdefault(metric_step + 1, {})[name] = value
     if writer is not None:
         writer.close()
     dp.finish(world)  # DDP: leave the process group this call joined
@@ -701,13 +1003,15 @@ def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, f
     """``{name: [(step, value), ...]}`` of a run, from the store's ``metrics`` table."""
     s = store if isinstance(store, Store) else open_store(store)
     con = connect(s)
-    rows = con.execute("SELECT name, step, value FROM metrics WHERE run_id = $r "
-                       "ORDER BY name, step", {"r": run_id}).fetchall()
+    rows = con.execute("SELECT name, step, value FROM metrics WHERE run_id = $r AND NOT "
+                       "(name = $n AND step = $s) ORDER BY name, step",
+                       {"r": run_id, "n": OWNER_METRIC, "s": OWNER_STEP}).fetchall()
     out: dict[str, list[tuple[int, float]]] = {}
     for name, step, value in rows:
         out.setdefault(name, []).append((int(step), float(value)))
     return out
 
 
-__all__ = ["TrainError", "TrainReport", "check_config", "credit_for", "evaluate",
-           "latest_checkpoint", "read_metrics", "task_splits", "train"]
+__all__ = ["Resumed", "RunIdTakenError", "RunInUseError", "TrainError", "TrainReport",
+           "check_config", "checkpoints", "credit_for", "evaluate", "latest_checkpoint",
+           "load_checkpoint", "read_metrics", "resume_checkpoint", "task_splits", "train"]

@@ -50,9 +50,10 @@ class PolicyUnavailableError(RuntimeError):
     says what to install or run."""
 
 
-class PolicyRefError(PolicyUnavailableError):
+class PolicyRefError(PolicyUnavailableError, ValueError):
     """A stored ``policy_ref`` that no longer reloads the weights that made the trees
-    (the checkpoint is gone, or holds other weights); the message names the version."""
+    (the checkpoint is gone, damaged, or holds other weights); the message names the
+    version. A ``ValueError`` too: bad input, which the CLI prints as a one-line error."""
 
 
 def env_tools(env: str) -> list[dict[str, Any]] | None:
@@ -141,11 +142,31 @@ def load_policy_ref(ref: str, env: str, version: str | None = None, **kw: Any) -
 
     ``ref`` is a spec (``tiny``, ``hf:PATH``, ...) or a checkpoint directory (module
     docstring). ``version``, the tree's ``policy_version``, when given must equal the
-    reloaded policy's version. Raises ``PolicyRefError`` for a directory that no longer
-    exists or that now holds other weights, ``FileNotFoundError`` for a directory that
-    is not a checkpoint.
+    reloaded policy's version, which is recomputed from the loaded weights (the file
+    hash, or the trainer's ``RUN-mem-HASH`` with HASH recomputed:
+    ``hf.recorded_version``), never read from ``rtrees_policy.json`` on trust. No code
+    of the checkpoint runs (``trust_remote_code=False``). Raises ``PolicyRefError`` for
+    a directory that no longer exists, that now holds other weights, or that is damaged
+    (a file digest, a non-finite weight, metadata the weights do not confirm),
+    ``FileNotFoundError`` for a directory that is not a checkpoint.
     """
+    from train.rundir import CheckpointError
+
     named = f" (policy version {version!r})" if version is not None else ""
+    try:
+        policy = _load_ref(ref, env, named, **kw)
+    except CheckpointError as exc:
+        raise PolicyRefError(f"policy_ref {ref!r}{named} is not usable: {exc}; pass "
+                             "--policy SPEC to use another policy") from None
+    if version is not None and str(policy.policy_version) != version:
+        raise PolicyRefError(
+            f"policy_ref {ref!r} now loads policy version {policy.policy_version!r}, not the "
+            f"{version!r} that made the trees; pass --policy SPEC to use another policy")
+    return policy
+
+
+def _load_ref(ref: str, env: str, named: str, **kw: Any) -> Policy:
+    """``load_policy_ref`` without the version check."""
     kind = ref.partition(":")[0]
     if ref in ("tiny", "tabular") or (kind in ("hf", "vllm") and ":" in ref):
         policy = load_policy(ref, env, **kw)
@@ -164,10 +185,6 @@ def load_policy_ref(ref: str, env: str, version: str | None = None, **kw: Any) -
             policy = load_tiny_policy(env, checkpoint=path, **kw)
         else:
             policy = load_policy(f"hf:{path}", env, **kw)
-    if version is not None and str(policy.policy_version) != version:
-        raise PolicyRefError(
-            f"policy_ref {ref!r} now loads policy version {policy.policy_version!r}, not the "
-            f"{version!r} that made the trees; pass --policy SPEC to use another policy")
     return policy
 
 

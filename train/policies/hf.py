@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +44,12 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 from train.policies.base import STOP_STRINGS, Continuation, SampleConfig, Transcript
+from train.rundir import DIGESTS_KEY, META_FILE, CheckpointError, read_meta, verify_checkpoint
 
 ObservationRole = Literal["user", "tool"]
 _RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -144,6 +145,44 @@ def state_dict_version(model: torch.nn.Module) -> str:
     return "mem-" + h.hexdigest()[:12]
 
 
+def check_finite(model: torch.nn.Module, where: str | Path) -> None:
+    """``CheckpointError`` naming the first parameter or buffer with a NaN or inf."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{where} holds non-finite weights (NaN or inf in {name})")
+
+
+def recorded_version(path: Path, model: torch.nn.Module, meta: dict[str, Any],
+                     as_saved: Callable[[], torch.nn.Module] | None = None) -> str | None:
+    """The ``policy_version`` that ``meta`` (a checkpoint's ``rtrees_policy.json``) names,
+    once recomputed from the loaded ``model``; None when it names none.
+
+    A version is accepted only when the weights reproduce it: the trainer's
+    ``RUN-mem-HASH`` (``state_dict_version``: HASH is recomputed), a bare ``mem-HASH``,
+    or the file hash ``weights_version(path)``. ``as_saved`` reloads the weights in
+    their saved dtype, for a ``model`` loaded in another one. Anything else (a label the
+    weights cannot confirm, or weights edited after it was written) is a
+    ``CheckpointError`` naming both versions."""
+    version = meta.get("policy_version")
+    if version is None:
+        return None
+    memory = state_dict_version(model)
+    if not (isinstance(version, str) and version.endswith(memory)) and as_saved is not None:
+        memory = state_dict_version(as_saved())  # the dtype on disk, as the trainer hashed
+    if isinstance(version, str) and (version == memory or version.endswith("-" + memory)):
+        return version
+    try:
+        on_disk = weights_version(path)
+    except FileNotFoundError:
+        on_disk = None
+    if isinstance(version, str) and version == on_disk:
+        return version
+    raise CheckpointError(
+        f"{path / META_FILE} names policy version {version!r}, but the weights hash to "
+        f"{memory!r} (file hash {on_disk!r}): the weights or the metadata were changed "
+        "after the checkpoint was written")
+
+
 @contextmanager
 def quiet_progress() -> Iterator[None]:
     """transformers' progress bars off (loading and saving a tiny model is instant)."""
@@ -207,21 +246,46 @@ class HFPolicy:
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str | None = None,
                         dtype: str | torch.dtype | None = None, **kw: Any) -> HFPolicy:
-        """Load a local checkpoint directory (model and tokenizer); no downloads."""
+        """Load a local checkpoint directory (model and tokenizer); no downloads, and no
+        code from the checkpoint ever runs (``trust_remote_code=False``: an ``auto_map``
+        in its config is ignored for a known ``model_type``, refused otherwise).
+
+        A checkpoint whose ``rtrees_policy.json`` records file digests
+        (``train.rundir``) is verified first; the loaded weights must be finite; the
+        ``policy_version`` that file names is used only if it is recomputed from the
+        loaded weights (``recorded_version``). Damage is a ``CheckpointError`` naming
+        the file."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a transformers checkpoint "
                                     "(no config.json)")
+        meta = read_meta(path)  # a training checkpoint names its version and digests
+        if meta is not None and DIGESTS_KEY in meta:
+            verify_checkpoint(path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        with quiet_progress():
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                         dtype=dtype or "auto")
+        try:
+            with quiet_progress():
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                          trust_remote_code=False)
+                model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                             trust_remote_code=False,
+                                                             dtype=dtype or "auto")
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError,
+                SafetensorError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CheckpointError(f"{path} does not load as a transformers checkpoint "
+                                  f"({type(exc).__name__}: {first})") from None
+        check_finite(model, path)
         model = model.to(device)  # type: ignore[arg-type]  # (transformers' .to stub)
-        meta = path / "rtrees_policy.json"  # a training checkpoint names its version
-        if "version" not in kw and meta.is_file():
-            version = json.loads(meta.read_text()).get("policy_version")
-            if isinstance(version, str):
+        if "version" not in kw and meta is not None:
+            def as_saved() -> torch.nn.Module:
+                with quiet_progress():
+                    return AutoModelForCausalLM.from_pretrained(
+                        path, local_files_only=True, trust_remote_code=False, dtype="auto")
+
+            version = recorded_version(path, model, meta,
+                                       as_saved if dtype not in (None, "auto") else None)
+            if version is not None:
                 kw["version"] = version
         return cls(model, tokenizer, ref=str(path.resolve()), **kw)
 

@@ -69,7 +69,6 @@ on time.
 
 from __future__ import annotations
 
-import json
 import os
 import string
 from dataclasses import asdict, dataclass
@@ -80,13 +79,15 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from train import rundir
 from train.envs.calc import call_text
 from train.envs.sgls import render_prompt
 from train.envs.sgls_worlds import AIRPORTS, CABINS, CATEGORIES, PAY_METHODS, SHIPPING_CENTS, WORLDS
 from train.envs.workflow import STAGE_NAMES
 from train.envs.workflow_model import ACTION_TEXTS, TOOLS
 from train.policies.base import Transcript
-from train.policies.hf import HFPolicy, quiet_progress
+from train.policies.hf import HFPolicy, check_finite, quiet_progress
+from train.rundir import write_checkpoint
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 ROLE_TOKENS: dict[str, str] = {role: f"<|{role}|>" for role in
@@ -195,7 +196,6 @@ CHAT_TEMPLATE = (
 )
 
 COMMITTED_DIR = Path(__file__).resolve().parent / "checkpoints"
-META_FILE = "rtrees_policy.json"  # training config and held-out results, beside the weights
 ENVS: tuple[str, ...] = ("calc", "workflow", "sgls")
 
 
@@ -266,13 +266,16 @@ def warm_start_model(tokenizer: PreTrainedTokenizerFast, source: str | Path, see
     their embeddings keep their meaning; each new token's embedding is drawn from a
     normal with the old embeddings' mean and covariance (transformers' mean resizing),
     seeded. ``ValueError`` when the vocabularies do not line up."""
-    old = PreTrainedTokenizerFast.from_pretrained(str(source))
+    old = PreTrainedTokenizerFast.from_pretrained(str(source), local_files_only=True,
+                                                  trust_remote_code=False)
     old_vocab, new_vocab = old.get_vocab(), tokenizer.get_vocab()
     moved = [t for t, i in old_vocab.items() if new_vocab.get(t) != i]
     if moved or len(old_vocab) > len(new_vocab):
         raise ValueError(f"the tokenizer of {source} is not a prefix of this one "
                          f"({len(moved)} of its {len(old_vocab)} tokens differ)")
-    model = LlamaForCausalLM.from_pretrained(str(source))
+    model = LlamaForCausalLM.from_pretrained(str(source), local_files_only=True,
+                                             trust_remote_code=False)
+    check_finite(model, source)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
@@ -336,12 +339,9 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def read_meta(path: Path) -> dict[str, Any] | None:
-    """The training record saved beside a checkpoint, or None."""
-    file = path / META_FILE
-    if not file.is_file():
-        return None
-    data: dict[str, Any] = json.loads(file.read_text())
-    return data
+    """The training record saved beside a checkpoint, or None; ``CheckpointError`` when
+    it is not a JSON object."""
+    return rundir.read_meta(path)
 
 
 def committed_checkpoint(env: str, seed: int) -> Path | None:
@@ -363,36 +363,19 @@ def find_checkpoint(env: str, seed: int = 0) -> Path | None:
 
 def save_checkpoint(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, path: Path,
                     meta: dict[str, Any]) -> Path:
-    """Write weights (safetensors), config, tokenizer (with chat template) and ``meta``.
+    """Write weights (safetensors), config, tokenizer (with chat template) and ``meta``
+    with the sha256 of every file (``train.rundir.write_checkpoint``).
 
     Written into a sibling temporary directory and renamed into place, so a reader never
     sees half a checkpoint and an interrupted write leaves the old one intact.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        _remove_tree(tmp)
-    with quiet_progress():
-        model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    for file in tmp.iterdir():
-        file.chmod(0o644)  # safetensors writes 0600; a shared cache must be readable
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        path.rename(old)
-        tmp.rename(path)
-        _remove_tree(old)
-    else:
-        tmp.rename(path)
-    return path
+    def fill(tmp: Path) -> None:
+        with quiet_progress():
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
 
-
-def _remove_tree(path: Path) -> None:
-    for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        child.rmdir() if child.is_dir() else child.unlink()
-    path.rmdir()
+    # 0644: safetensors writes 0600, and a shared cache must be readable
+    return write_checkpoint(Path(path), fill, meta, mode=0o644)
 
 
 def shape_dict(shape: TinyModelConfig | None = None) -> dict[str, Any]:

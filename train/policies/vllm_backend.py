@@ -47,6 +47,7 @@ import numpy as np
 from train.policies import INSTALL_HINT, PolicyUnavailableError
 from train.policies.base import STOP_STRINGS, Continuation, SampleConfig, Transcript
 from train.policies.hf import ChatRenderer, ObservationRole, weights_version
+from train.rundir import DIGESTS_KEY, read_meta, verify_checkpoint
 
 
 def import_vllm() -> Any:
@@ -87,7 +88,13 @@ class VLLMPolicy:
         if entropy_topk == 0 or entropy_topk < -1:
             raise ValueError(f"entropy_topk must be >= 1 or -1 (all), got {entropy_topk}")
         self.entropy_topk = entropy_topk
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        meta = read_meta(self.path)
+        if meta is not None and DIGESTS_KEY in meta:  # a checkpoint written by rtrees
+            verify_checkpoint(self.path)
+        # no code from the checkpoint ever runs (an auto_map in its config is not followed)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True,
+                                                       trust_remote_code=False)
+        engine_kw["trust_remote_code"] = False
         self.renderer = ChatRenderer(self.tokenizer, observation_role, system, tools)
         engine_kw.setdefault("logprobs_mode", "raw_logprobs")
         if entropy_topk == -1:
