@@ -106,7 +106,8 @@ class TrainConfig:
     node_weight: NodeWeight = "trajectories"
     """Loss weight of a tree node: trajectories through it (= paths) or ``once`` (E7 note)."""
     aggregation: Aggregation = "token-mean"
-    """Loss aggregation (G4): token-mean | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    """Loss aggregation (G4): token-mean | seq-mean-token-mean | seq-mean-token-sum-norm |
+    action-mean (F6, FACTOR: each action's tokens averaged, summed over actions)."""
     norm_length: int = 192
     """Constant token count of ``seq-mean-token-sum-norm`` (Dr.GRPO's generation budget)."""
     clip_low: float = 0.2

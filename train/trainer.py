@@ -519,8 +519,10 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
                                 pad_id=current.pad_id)
             n_tokens = sum(float(mb.traj_count.sum()) for mb in mbs)
             n_seqs = sum(len(s.leaves) for s in part_seqs)
-            tokens, paths = dp.all_sum(world, [n_tokens, n_seqs])  # DDP: global counts (G4)
-            d = denominator(config.aggregation, tokens, paths, config.norm_length)
+            n_actions = sum(float((mb.traj_count / mb.action_len).sum()) for mb in mbs
+                            if mb.action_len is not None)  # F6: (trajectory, action) pairs
+            tokens, paths, actions = dp.all_sum(world, [n_tokens, n_seqs, n_actions])  # DDP
+            d = denominator(config.aggregation, tokens, paths, config.norm_length, actions)
             part_batches.append((mbs, d, own))
         if config.check_logprobs:
             with torch.no_grad():
@@ -565,7 +567,8 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
                                        kl_estimator=config.kl_estimator,
                                        entropy=entropy if config.entropy_coef > 0 else None,
                                        entropy_coef=config.entropy_coef, weight=weight)
-                    w = token_weights(config.aggregation, mb.traj_count, mb.inv_len_sum)
+                    w = token_weights(config.aggregation, mb.traj_count, mb.inv_len_sum,
+                                      mb.action_len)
                     mask = torch.ones_like(w, dtype=torch.bool)
                     loss = aggregate(out_t.loss, mask, w, d)
                     loss.backward()
