@@ -153,6 +153,12 @@ class TrainConfig:
     reuse_params: dict[str, Any] = field(default_factory=dict)
     """Gate and refresh knobs (``train.reuse.ReuseParams``): kappa_R, kappa_delta, kappa_T
     (D7 radii), kappa_e, refresh_batch, refresh_cap (new tool steps per stored tree)."""
+    dynamic_sampling: str = "off"
+    """Q1 (SGCD, DAPO): a tree whose leaves are all successes or all failures is
+    ``resample``d (new seeds, up to ``dynamic_rounds`` more trees, the last kept) or
+    ``drop``ped; ``off`` keeps every tree. Extra trees are counted in the metrics."""
+    dynamic_rounds: int = 3
+    """Q1: the most extra trees sampled for one task with ``dynamic_sampling=resample``."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "tasks_per_step", "n_total", "max_new_tokens", "train_tasks",
@@ -160,7 +166,8 @@ class TrainConfig:
                      "save_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("heldout_tasks", "eval_every", "warmup_steps", "tree_row_tokens"):
+        for name in ("heldout_tasks", "eval_every", "warmup_steps", "tree_row_tokens",
+                     "dynamic_rounds"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.minibatches > self.tasks_per_step:
@@ -177,7 +184,7 @@ class TrainConfig:
             raise ConfigError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
         choices: dict[str, tuple[str, ...]] = {
             "layout": LAYOUTS, "node_weight": NODE_WEIGHTS, "aggregation": AGGREGATIONS,
-            "kl_estimator": KL_ESTIMATORS}
+            "kl_estimator": KL_ESTIMATORS, "dynamic_sampling": ("off", "resample", "drop")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
