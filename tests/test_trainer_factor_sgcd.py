@@ -113,3 +113,41 @@ def test_credit_trees_full_returns_the_rows_batch(tmp_path: Path) -> None:
     trees = bel_shaped_batch(2, seed=1).to_trees()
     rows, batch, credit = credit_trees_full(trees, "factor", {"eta": "0"})
     assert rows.num_rows == batch.n_nodes == credit.node.size
+
+
+def test_dynamic_sampling_resamples_or_drops_and_counts_the_budget(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from train.envs import env_class, make_env
+    from train.sampling import make_sampler
+    from train.trainer import _dynamic_sampling, _mixed, load_start_policy
+
+    cfg = load_config(None, {"dynamic_sampling": "resample", "dynamic_rounds": 2,
+                             "n_total": 2, "store": str(tmp_path / "s"),
+                             "out": str(tmp_path / "r"), "run_id": "ds"})
+    policy = load_start_policy(cfg)
+    sampler = make_sampler("group", max_new_tokens=40, temperature=1.0)
+    env = make_env("calc")
+    tasks = env_class("calc").generate_tasks(2, 0)
+    tree = sampler.sample_tree(env, policy, tasks[0], 2, seed=1, tree_id="t0", run_id="ds")
+    leaves = {n.node_id for n in tree.leaves()}
+    assert len(leaves) == 2
+
+    def with_rewards(values: list[float], tree_id: str) -> object:
+        it = iter(values)
+        return replace(tree, tree_id=tree_id, nodes=[
+            replace(n, reward=next(it)) if n.node_id in leaves else n for n in tree.nodes])
+
+    flat, mixed = with_rewards([0.0, 0.0], "flat"), with_rewards([1.0, 0.0], "mixed")
+    assert not _mixed(flat) and _mixed(mixed)  # type: ignore[arg-type]
+    kept, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, env, policy,  # type: ignore[list-item]
+                                 cfg, 0)
+    assert 1 <= ds["ds_extra_trees"] <= 2  # the flat tree was resampled
+    assert ds["ds_extra_rollouts"] == 2 * ds["ds_extra_trees"]
+    assert len(kept) == 2 - ds["ds_dropped_trees"] and kept[-1].tree_id == "mixed"
+    assert all(t.tree_id != "flat" for t in kept)
+    dropped, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, env, policy,  # type: ignore[list-item]
+                                    replace(cfg, dynamic_sampling="drop"), 0)
+    assert [t.tree_id for t in dropped] == ["mixed"]
+    assert ds == {"ds_dropped_trees": 1.0, "ds_extra_trees": 0.0, "ds_extra_rollouts": 2.0,
+                  "ds_extra_tool_steps": float(sum(n.tool_calls or 0 for n in flat.nodes))}
