@@ -12,7 +12,7 @@ from credit_helpers import node, random_trees
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout_store.tree import Tree
+from rollout_store.tree import Node, Tree
 from train.credit import ESTIMATORS
 from train.credit.base import from_trees, node_lists_to_tokens
 from train.credit.contrast import TemplateSummariser, contrast_pair, first_difference, reference
@@ -167,13 +167,13 @@ def test_sgcd_weights_are_bounded_and_signed_by_the_advantage() -> None:
 
 
 def test_template_summariser_names_the_first_differing_step() -> None:
-    def step(nid: int, parent: int | None, text: str, reward: float | None = None) -> object:
+    def step(nid: int, parent: int | None, text: str, reward: float | None = None) -> Node:
         n = node(nid, parent, 1, 1, reward=reward)
         return dataclasses.replace(n, action_text=text, observation_text=f"obs{nid}")
 
     tree = Tree("c", [step(0, None, ""), step(1, 0, "calc(2+3)"), step(2, 1, "answer 5", 1.0),
                       step(3, 1, "answer 6", 0.0), step(4, 0, "calc(2*3)"),
-                      step(5, 4, "answer 6", 0.0)], task_id="x")  # type: ignore[list-item]
+                      step(5, 4, "answer 6", 0.0)], task_id="x")
     success, failed = contrast_pair(tree)  # type: ignore[misc]
     assert [n.node_id for n in success] == [0, 1, 2]
     assert [n.node_id for n in failed] == [0, 1, 3]  # the closest failure, not node 5's
@@ -191,9 +191,9 @@ def test_both_are_registered_with_frozen_params() -> None:
         est = ESTIMATORS[name]
         assert est.params_type is params
         p = est.parse_params({"teacher": "abc"})
-        assert p.teacher == "abc"  # type: ignore[attr-defined]
+        assert p.teacher == "abc"
         with pytest.raises(dataclasses.FrozenInstanceError):
-            p.teacher = "x"  # type: ignore[misc]
+            p.teacher = "x"
         assert p.params_hash() != est.params_type().params_hash()
     with pytest.raises(ValueError, match="eta"):
         FactorParams(eta=1.5)

@@ -114,7 +114,7 @@ def test_clear_errors(store: Store) -> None:
         with pytest.raises(CreditError, match=rf"{method}: 2 tree\(s\) have no stored 'plain' "
                                               r"scores of their own policy versions"):
             compute_credits(store, method, progress=False)
-    with pytest.raises(CreditError, match="factor needs input 'hindsight_logprob'.*teacher="):
+    with pytest.raises(CreditError, match=r"factor needs input 'hindsight_logprob'.*teacher="):
         credit_trees(bel_shaped_batch(1, seed=3).to_trees(), "factor")
     result = runner.invoke(app, ["credit", "--store", str(store.path), "--method", "grpo",
                                  "--param", "std"])

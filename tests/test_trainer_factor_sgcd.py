@@ -17,8 +17,7 @@ from train.config import load_config
 from train.credit.contrast import TemplateSummariser, reference
 from train.credit.scores import HINDSIGHT, PLAIN, stored_scores, teacher_contexts, transcripts
 from train.credit.store_io import credit_trees, credit_trees_full
-from train.policies import load_policy
-from train.trainer import credit_for, read_metrics, train
+from train.trainer import credit_for, load_start_policy, read_metrics, train
 
 
 def _stored_credit(store: str) -> dict[tuple[str, int], tuple[str, str, float, list[float]]]:
@@ -91,7 +90,7 @@ def test_sgcd_dynamic_sampling_and_the_clean_student(tmp_path: Path) -> None:
     assert {meth for meth, *_ in stored.values()} == {"sgcd"}
     # Q5: the student's training rows are the sampled transcript: the loss targets are the
     # stored action tokens, node by node, and no reference text reaches the sequences.
-    policy = load_policy("tiny", "calc")
+    policy = load_start_policy(cfg)
     _, credit = credit_for(trees, cfg, stored_scores(open_store(cfg.store),
                                                      [t.tree_id for t in trees],
                                                      PLAIN, None))
@@ -102,9 +101,10 @@ def test_sgcd_dynamic_sampling_and_the_clean_student(tmp_path: Path) -> None:
         assert [tok for r in rows for tok in r.targets] == want
         text = policy.tokenizer.decode([i for r in rows for i in r.ids])
         assert "Hint from a solved attempt" not in text
-        if refs[tree.tree_id] is not None:  # the teacher did see it
+        ref = refs[tree.tree_id]
+        if ref is not None:  # the teacher did see it
             contexts = teacher_contexts(tree, "contrast:template", transcripts(tree))
-            assert contexts and all(refs[tree.tree_id] in c[0][1] for _, c in contexts)
+            assert contexts and all(ref in c[0][1] for _, c in contexts)
 
 
 def test_credit_trees_full_returns_the_rows_batch(tmp_path: Path) -> None:
@@ -118,6 +118,7 @@ def test_credit_trees_full_returns_the_rows_batch(tmp_path: Path) -> None:
 def test_dynamic_sampling_resamples_or_drops_and_counts_the_budget(tmp_path: Path) -> None:
     from dataclasses import replace
 
+    from rollout_store.tree import Tree
     from train.envs import env_class, make_env
     from train.sampling import make_sampler
     from train.trainer import _dynamic_sampling, _mixed, load_start_policy
@@ -133,20 +134,19 @@ def test_dynamic_sampling_resamples_or_drops_and_counts_the_budget(tmp_path: Pat
     leaves = {n.node_id for n in tree.leaves()}
     assert len(leaves) == 2
 
-    def with_rewards(values: list[float], tree_id: str) -> object:
+    def with_rewards(values: list[float], tree_id: str) -> Tree:
         it = iter(values)
         return replace(tree, tree_id=tree_id, nodes=[
             replace(n, reward=next(it)) if n.node_id in leaves else n for n in tree.nodes])
 
     flat, mixed = with_rewards([0.0, 0.0], "flat"), with_rewards([1.0, 0.0], "mixed")
-    assert not _mixed(flat) and _mixed(mixed)  # type: ignore[arg-type]
-    kept, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, env, policy,  # type: ignore[list-item]
-                                 cfg, 0)
+    assert not _mixed(flat) and _mixed(mixed)
+    kept, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, env, policy, cfg, 0)
     assert 1 <= ds["ds_extra_trees"] <= 2  # the flat tree was resampled
     assert ds["ds_extra_rollouts"] == 2 * ds["ds_extra_trees"]
     assert len(kept) == 2 - ds["ds_dropped_trees"] and kept[-1].tree_id == "mixed"
     assert all(t.tree_id != "flat" for t in kept)
-    dropped, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, env, policy,  # type: ignore[list-item]
+    dropped, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, env, policy,
                                     replace(cfg, dynamic_sampling="drop"), 0)
     assert [t.tree_id for t in dropped] == ["mixed"]
     assert ds == {"ds_dropped_trees": 1.0, "ds_extra_trees": 0.0, "ds_extra_rollouts": 2.0,
