@@ -197,3 +197,29 @@ def test_both_are_registered_with_frozen_params() -> None:
         assert p.params_hash() != est.params_type().params_hash()
     with pytest.raises(ValueError, match="eta"):
         FactorParams(eta=1.5)
+
+
+def test_hf_summariser_prompts_a_local_chat_model_deterministically() -> None:
+    """Q2 ``hf:PATH``: any local chat model (here the tiny calc checkpoint, which has a chat
+    template) is prompted with both siblings; greedy decoding gives the same reference."""
+    from train.credit.contrast import HFSummariser, make_summariser
+    from train.policies.tiny import committed_checkpoint
+
+    path = committed_checkpoint("calc", 0)
+    if path is None:
+        pytest.skip("no committed tiny calc checkpoint")
+
+    def step(nid: int, parent: int | None, text: str, reward: float | None = None) -> Node:
+        return dataclasses.replace(node(nid, parent, 1, 1, reward=reward), action_text=text,
+                                   observation_text=f"obs{nid}")
+
+    tree = Tree("h", [step(0, None, ""), step(1, 0, "<answer>5</answer>", 1.0),
+                      step(2, 0, "<answer>6</answer>", 0.0)], task_id="x")
+    summariser = make_summariser(f"hf:{path}")
+    assert isinstance(summariser, HFSummariser)
+    summariser.max_new_tokens = 8
+    first = reference(tree, summariser)
+    assert first is not None and first.startswith("Hint from a solved attempt:")
+    assert reference(tree, summariser) == first
+    with pytest.raises(ValueError, match="unknown summariser"):
+        make_summariser("openai:gpt")
