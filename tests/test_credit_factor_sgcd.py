@@ -223,3 +223,36 @@ def test_hf_summariser_prompts_a_local_chat_model_deterministically() -> None:
     assert reference(tree, summariser) == first
     with pytest.raises(ValueError, match="unknown summariser"):
         make_summariser("openai:gpt")
+
+
+@SETTINGS
+@given(trees=random_trees(max_trees=3, max_nodes=15), kappa=st.sampled_from([0.0, 1.0, 3.0]))
+def test_factor_values_equal_a_plain_loop(trees: list[Tree], kappa: float) -> None:
+    """F1-F2 node by node in Python (rows are in preorder: a parent before its children)."""
+    batch = from_trees(trees)
+    params = FactorParams(eta=0.0, prior_weight=kappa)
+    z = grpo(batch, GrpoParams()).node  # G1 at trajectory leaves
+    leaf = batch.is_leaf & np.isfinite(batch.reward)
+    n = np.zeros(batch.n_nodes)
+    s = np.zeros(batch.n_nodes)
+    for v in np.flatnonzero(leaf):
+        u = int(v)
+        while u >= 0:
+            n[u] += 1
+            s[u] += z[v]
+            u = int(batch.parent[u])
+    value = np.zeros(batch.n_nodes)
+    want = np.zeros(batch.n_nodes)
+    for v in range(batch.n_nodes):
+        p = int(batch.parent[v])
+        if p < 0:
+            continue
+        if batch.is_leaf[v]:
+            value[v] = 0.0
+        elif n[v] > 0:
+            value[v] = (s[v] + kappa * value[p]) / (n[v] + kappa)
+        else:
+            value[v] = value[p]
+        want[v] = value[v] - value[p] + (z[v] if leaf[v] else 0.0) if n[v] > 0 else np.nan
+    got = factor(batch, params).node
+    np.testing.assert_allclose(got, want, atol=1e-12)
