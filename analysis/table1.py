@@ -80,6 +80,12 @@ CLAIMS: tuple[tuple[str, str, str, str], ...] = (
      "'overall outperforms GRPO' (abstract; no numbers recovered)"),
     ("SLCA-GRPO: SLCA beats GRPO on SGLS", "slca+group (sgls)", "grpo+group (sgls)",
      "7B: +2.53 points in-domain over GRPO"),
+    ("FACTOR: FACTOR beats GRPO", "factor+group", "grpo+group",
+     "TD action credit with hindsight token allocation beats trajectory-level GRPO "
+     "(abstract; docs/METHODS.md section 10)"),
+    ("SGCD: SGCD beats GRPO", "sgcd+group", "grpo+group",
+     "sibling-guided credit distillation beats GRPO (abstract; docs/METHODS.md "
+     "section 11)"),
 )
 DEFAULT_DELTA = 0.02
 """Equivalence margin of studies whose config predates ``Table1Config.delta``."""

@@ -612,3 +612,23 @@ def test_split_by_run_and_sampler(wf: tuple[Store, Policy]) -> None:
         manual.method("oracle").pairwise_accuracy.value
     with pytest.raises(ValueError, match="by must be one of"):
         RankingConfig(("oracle",), by="task")  # type: ignore[arg-type]
+
+
+def test_factor_and_sgcd_are_audited(tmp_path: Path) -> None:
+    """issue 24: factor's TD credit and sgcd's node credit go through ``rtrees credit`` and
+    ``rtrees audit ranking`` like every estimator (teacher weights off: the tabular policy
+    has no text to score)."""
+    store, policy = workflow_store(tmp_path / "s", 6, seed=4)
+    collect_references(store, ReferenceConfig(k=8, seed=1), policy=policy, progress=False)
+    for method, param in (("factor", "eta=0"), ("sgcd", "kappa=0")):
+        result = runner.invoke(app, ["credit", "--store", str(store.path), "--method", method,
+                                     "--param", param])
+        assert result.exit_code == 0, result.output
+    out = tmp_path / "ranking"
+    result = runner.invoke(app, ["audit", "ranking", "--store", str(store.path), "--methods",
+                                 "factor,sgcd,oracle", "--k", "8", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "results.json").read_text())
+    for name in ("factor", "sgcd"):
+        m = doc["methods"][name]
+        assert m["n_prefixes"] > 0 and 0.0 <= m["pairwise_accuracy"] <= 1.0

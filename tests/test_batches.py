@@ -107,7 +107,8 @@ def test_tree_layout_equals_paths_logprobs(sampled: tuple[HFPolicy, list[Tree]],
 
 @pytest.mark.parametrize(("mode", "row_tokens"), [("token-mean", None),
                                                  ("seq-mean-token-mean", 48),
-                                                 ("seq-mean-token-sum-norm", None)])
+                                                 ("seq-mean-token-sum-norm", None),
+                                                 ("action-mean", 48)])
 def test_tree_layout_equals_paths_gradient(sampled: tuple[HFPolicy, list[Tree]],
                                            mode: str, row_tokens: int | None) -> None:
     policy, trees = sampled
@@ -124,7 +125,9 @@ def test_tree_layout_equals_paths_gradient(sampled: tuple[HFPolicy, list[Tree]],
         rows = make_rows(seqs, credit, layout, max_row_tokens=row_tokens)
         mbs = micro_batches(rows, layout, 400)
         n_tokens = sum(float(mb.traj_count.sum()) for mb in mbs)
-        d = denominator(mode, n_tokens, n_seqs, 64)  # type: ignore[arg-type]
+        n_actions = sum(float((mb.traj_count / mb.action_len).sum()) for mb in mbs
+                        if mb.action_len is not None)
+        d = denominator(mode, n_tokens, n_seqs, 64, n_actions)  # type: ignore[arg-type]
         model.zero_grad()
         for mb in mbs:
             lp, _ = forward_logprobs(model, mb)
@@ -132,7 +135,8 @@ def test_tree_layout_equals_paths_gradient(sampled: tuple[HFPolicy, list[Tree]],
             key = torch.tensor([1000 * b + 37 * i + k for b, i, k in mb.keys])
             old = mb.old_logp + 0.3 * torch.sin(key * 1.7)
             out = token_loss(lp, old, mb.advantage, mb.clip_low, mb.clip_high)
-            w = token_weights(mode, mb.traj_count, mb.inv_len_sum)  # type: ignore[arg-type]
+            w = token_weights(mode, mb.traj_count, mb.inv_len_sum,  # type: ignore[arg-type]
+                              mb.action_len)
             aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, d).backward()
         grads[layout] = torch.cat([p.grad.flatten() for p in model.parameters()
                                    if p.grad is not None])

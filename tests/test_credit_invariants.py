@@ -20,6 +20,8 @@ from rollout_store.tree import Tree
 from train.credit import ESTIMATORS
 from train.credit.base import TreeArrays, from_trees
 from train.credit.dsc import RATIO, STATE
+from train.credit.factor import HINDSIGHT_LOGPROB, STUDENT_LOGPROB
+from train.credit.sgcd import CONTRAST_LOGPROB, SgcdParams
 from train.credit.trace import REF_LOGPROB
 
 SETTINGS = settings(max_examples=25, deadline=None,
@@ -44,8 +46,9 @@ def scored_trees(draw: st.DrawFn) -> list[Tree]:
 
 
 def with_inputs(batch: TreeArrays, seed: int) -> TreeArrays:
-    """The extras trace and dsc read, random but valid, keyed by (tree, node) so that
-    reordering trees keeps each node's inputs."""
+    """The extras trace, dsc, factor and sgcd read, random but valid, keyed by (tree, node,
+    token) so that reordering trees keeps each node's inputs; factor's and sgcd's per-token
+    scores are NaN on some nodes (unscored) and on observation tokens."""
     def draw(tree: str, node: int, salt: int) -> float:
         return float(np.random.default_rng([seed, salt, zlib.crc32(tree.encode()), node]).random())
 
@@ -53,7 +56,19 @@ def with_inputs(batch: TreeArrays, seed: int) -> TreeArrays:
     lbar = np.array([-0.1 - 3 * draw(t, int(n), 1) for t, n in keys])
     ratio = np.array([0.5 + draw(t, int(n), 2) for t, n in keys])
     state = np.array([int(4 * draw(t, int(n), 3)) for t, n in keys])
-    return dataclasses.replace(batch, extras={REF_LOGPROB: lbar, RATIO: ratio, STATE: state})
+    tok_node = batch.token_node
+    rank = np.arange(batch.n_tokens) - batch.token_offsets[tok_node]
+    token_keys = [(keys[v][0], int(keys[v][1]) * 64 + int(k)) for v, k in zip(tok_node, rank,
+                                                                             strict=True)]
+    scored = np.array([draw(t, int(n), 4) < 0.8 for t, n in keys])[tok_node] & batch.agent_mask
+
+    def logprobs(salt: int) -> np.ndarray:
+        lp = np.array([-4 * draw(t, k, salt) for t, k in token_keys])
+        return np.where(scored, lp, np.nan)
+
+    return dataclasses.replace(batch, extras={
+        REF_LOGPROB: lbar, RATIO: ratio, STATE: state, HINDSIGHT_LOGPROB: logprobs(5),
+        STUDENT_LOGPROB: logprobs(6), CONTRAST_LOGPROB: logprobs(7)})
 
 
 @SETTINGS
@@ -75,6 +90,17 @@ def test_every_estimator_keeps_the_invariants(trees: list[Tree], seed: int) -> N
         elif name == "slca":
             mean = np.bincount(node_of, weights=tok, minlength=batch.n_nodes)[has] / n_act[has]
             np.testing.assert_allclose(credit.node[has], mean, atol=1e-9, err_msg=name)
+        elif name == "factor":  # F5: mean weight 1, no sign flip
+            mean = np.bincount(node_of, weights=tok, minlength=batch.n_nodes)[has] / n_act[has]
+            node = np.nan_to_num(credit.node)
+            np.testing.assert_allclose(node[has], mean, atol=1e-9, err_msg=name)
+            assert np.all(np.sign(tok) == np.sign(node[node_of])), name
+        elif name == "sgcd":  # Q4: w A with w in [1 - c, 1 + c]
+            c = SgcdParams().c
+            node = np.nan_to_num(credit.node)[node_of]
+            assert np.all(np.sign(tok) == np.sign(node)), name
+            assert np.all(np.abs(tok) <= (1 + c) * np.abs(node) + 1e-12), name
+            assert np.all(np.abs(tok) >= (1 - c) * np.abs(node) - 1e-12), name
         elif name == "caliper":  # C9: the credit of the last action token
             last = batch.token_offsets[:-1][has] + n_act[has] - 1
             np.testing.assert_allclose(credit.node[has], credit.token[last], atol=1e-9)

@@ -148,3 +148,51 @@ def test_a_store_from_before_policy_scores_opens_and_gains_the_table(store: Stor
     assert (Path(reopened.path) / "policy_scores").is_dir()
     assert connect(reopened).sql("SELECT count(*) FROM policy_scores").fetchall() == [(0,)]
     assert compute_credits(reopened, "grpo", progress=False).trees_done == 2
+
+
+def test_factor_and_sgcd_score_their_teachers_once_from_the_store(tiny_store: Store) -> None:
+    """issue 24: ``--param teacher=SPEC`` scores plain / hindsight / contrast:template rows
+    once per policy version; the committed credit is the pure estimator on them."""
+    from train.credit.base import node_lists_to_tokens
+    from train.credit.contrast import TemplateSummariser, reference
+    from train.credit.factor import HINDSIGHT_LOGPROB, STUDENT_LOGPROB, FactorParams, factor
+    from train.credit.scores import HINDSIGHT, PLAIN
+
+    store = tiny_store
+    spec = f"hf:{committed_checkpoint('calc', 0)}"
+    version = str(load_policy(spec, "calc", device="cpu").policy_version)
+    trees = read_trees(store)
+    assert compute_credits(store, "factor", {"teacher": spec}, progress=False).trees_done == 3
+    con = connect(store)
+    kinds = dict(con.execute("SELECT kind, count(*) FROM policy_scores WHERE policy_version "
+                             "= $v GROUP BY kind", {"v": version}).fetchall())
+    steps = sum(1 for t in trees for n in t.nodes if n.parent_id is not None and n.action_text)
+    assert kinds[PLAIN] == steps
+    assert kinds[HINDSIGHT] == sum(1 for t in trees for n in t.nodes if n.parent_id is not None
+                                   and n.action_text and n.observation_text)
+    before = _n_scores(store)
+    report = compute_credits(store, "sgcd", {"teacher": spec}, progress=False)
+    assert report.trees_done == 3
+    n_ref = sum(reference(t, TemplateSummariser()) is not None for t in trees)
+    con = connect(store)  # a connection reads the tables as of its opening
+    kinds = dict(con.sql("SELECT kind, count(DISTINCT tree_id) FROM policy_scores "
+                         "GROUP BY kind").fetchall())
+    assert kinds.get("contrast:template", 0) == n_ref
+    assert _n_scores(store) > before or n_ref == 0  # plain rows were reused, not rescored
+    # factor's committed credit is the pure estimator on the stored rows
+    batch = from_trees(trees)
+    extras = {}
+    for name, kind in ((HINDSIGHT_LOGPROB, HINDSIGHT), (STUDENT_LOGPROB, PLAIN)):
+        rows = stored_scores(store, [t.tree_id for t in trees], kind, version)
+        got = {(t, int(n)): lp for t, n, lp in zip(*(rows.column(c).to_pylist() for c in (
+            "tree_id", "node_id", "token_logprobs")), strict=True)}
+        arr = np.empty(batch.n_nodes, dtype=object)
+        for row in range(batch.n_nodes):
+            arr[row] = got.get((batch.tree_ids[batch.node_tree[row]], int(batch.node_ids[row])))
+        extras[name] = node_lists_to_tokens(batch, arr)
+    pure = factor(dataclasses.replace(batch, extras=extras), FactorParams(teacher=version))
+    stored = dict(((t, n), v) for t, n, v in con.sql(
+        "SELECT tree_id, node_id, value FROM credits WHERE method = 'factor'").fetchall())
+    for row in range(batch.n_nodes):
+        key = (batch.tree_ids[batch.node_tree[row]], int(batch.node_ids[row]))
+        assert stored[key] == pytest.approx(np.nan_to_num(pure.node[row]), abs=1e-12)

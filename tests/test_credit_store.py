@@ -84,11 +84,14 @@ def test_every_tree_once_and_rerun_changes_nothing(store: Store) -> None:
     assert dup == [(0,)]
 
 
-@pytest.mark.parametrize("method", ["grpo", "tree_grpo", "elpo", "caliper", "slca"])
+@pytest.mark.parametrize("method", ["grpo", "tree_grpo", "elpo", "caliper", "slca", "factor",
+                                    "sgcd"])
 def test_methods_without_extra_inputs_run_on_stored_trees(store: Store, method: str) -> None:
     store.append_trees(bel_shaped_batch(8, seed=3), key="a")
     # The synthetic leaves carry one reward part, "outcome": slca needs HierR parts (S1).
-    params = {"tool_part": "outcome", "sum_part": "outcome"} if method == "slca" else {}
+    # factor / sgcd without their teacher weights (eta = 0, kappa = 0) need no scores.
+    params = {"slca": {"tool_part": "outcome", "sum_part": "outcome"}, "factor": {"eta": "0"},
+              "sgcd": {"kappa": "0"}}.get(method, {})
     report = compute_credits(store, method, params, progress=False)
     assert report.trees_done == 8
     con = connect(store)
@@ -107,6 +110,12 @@ def test_clear_errors(store: Store) -> None:
         compute_credits(store, "trace", progress=False)
     with pytest.raises(CreditError, match="slca needs the HierR reward parts at every leaf"):
         compute_credits(store, "slca", progress=False)
+    for method in ("factor", "sgcd"):  # token scores of the trees' own versions: none stored
+        with pytest.raises(CreditError, match=rf"{method}: 2 tree\(s\) have no stored 'plain' "
+                                              r"scores of their own policy versions"):
+            compute_credits(store, method, progress=False)
+    with pytest.raises(CreditError, match=r"factor needs input 'hindsight_logprob'.*teacher="):
+        credit_trees(bel_shaped_batch(1, seed=3).to_trees(), "factor")
     result = runner.invoke(app, ["credit", "--store", str(store.path), "--method", "grpo",
                                  "--param", "std"])
     assert result.exit_code == 1 and "KEY=VALUE" in result.stderr
@@ -114,7 +123,9 @@ def test_clear_errors(store: Store) -> None:
 
 # ----------------------------------------------------------------- credit is history-free
 PROMPT_GROUP_METHODS = [("tree_grpo", {}), ("grpo", {"group": "task"}),
-                        ("elpo", {"group": "task"}), ("grpo", {})]
+                        ("elpo", {"group": "task"}), ("grpo", {}),
+                        ("factor", {"group": "task", "eta": "0"}),
+                        ("sgcd", {"group": "task", "kappa": "0"})]
 
 
 def _values(store: Store, method: str) -> dict[tuple[str, int], float]:

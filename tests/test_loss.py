@@ -278,3 +278,49 @@ def test_behaviour_weight_truncate_and_mask_hand_values() -> None:
     assert float(scaled.detach()) == pytest.approx(1.5 * float(base.detach()))
     with pytest.raises(ValueError, match="is_mode"):
         behaviour_weight(prox, mu, mode="clip")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------ FACTOR's action-mean (F6)
+
+def test_action_mean_hand_value() -> None:
+    # two trajectories in the paths layout; actions (token spans): traj 0 = [1, 2 | 3],
+    # traj 1 = [4 | 5, 6]; F6: sum over actions of the action's token mean / sum_i T_i
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    action_len = torch.tensor([[2.0, 2.0, 1.0], [1.0, 2.0, 2.0]])
+    mask = torch.ones_like(loss, dtype=torch.bool)
+    w = token_weights("action-mean", torch.ones(loss.shape), torch.ones(loss.shape), action_len)
+    n_actions = float((torch.ones(loss.shape) / action_len).sum())
+    assert n_actions == pytest.approx(4.0)
+    d = denominator("action-mean", 6.0, 2, 1, n_actions)
+    expected = ((1 + 2) / 2 + 3 + 4 + (5 + 6) / 2) / 4
+    assert aggregate(loss, mask, w, d).item() == pytest.approx(expected)
+    with pytest.raises(ValueError, match="action length"):
+        token_weights("action-mean", torch.ones(3), torch.ones(3))
+
+
+def test_action_mean_surrogate_at_ratio_one_is_the_td_credit() -> None:
+    """F6: at the behaviour policy (rho = 1), before clipping, each action's inner
+    action-mean surrogate (1/L) sum_j C_j equals its TD credit A*, whatever the split."""
+    import numpy as np
+
+    from train.credit.factor import allocation_weights
+
+    rng = np.random.default_rng(3)
+    lengths = [1, 4, 7, 2]
+    a_star = np.array([0.8, -1.3, 0.05, -0.2])
+    node_of = np.repeat(np.arange(len(lengths)), lengths)
+    w = allocation_weights(node_of, rng.normal(size=node_of.size) * 2, np.sign(a_star),
+                           len(lengths), 0.7, 3.0, 1.0)
+    c = torch.tensor(w * a_star[node_of], dtype=torch.float64)
+    logp = torch.full((node_of.size,), -1.3, dtype=torch.float64, requires_grad=True)
+    out = token_loss(logp, logp.detach(), c, 0.2, 0.28, dual_clip=None)
+    assert not out.clipped_low.any() and not out.clipped_high.any()
+    weights = token_weights("action-mean", torch.ones(node_of.size, dtype=torch.float64),
+                            torch.ones(node_of.size, dtype=torch.float64),
+                            torch.tensor(np.array(lengths)[node_of], dtype=torch.float64))
+    per_action = np.bincount(node_of, weights=(-out.loss * weights).detach().numpy())
+    np.testing.assert_allclose(per_action, a_star, rtol=0, atol=1e-12)
+    # and the aggregated loss is minus their sum over the number of actions
+    d = denominator("action-mean", float(node_of.size), 1, 1, float(len(lengths)))
+    total = aggregate(out.loss, torch.ones(node_of.size, dtype=torch.bool), weights, d)
+    assert total.item() == pytest.approx(-a_star.sum() / len(lengths), abs=1e-12)

@@ -1,6 +1,6 @@
 """Every equation tag the code cites is defined in docs/METHODS.md (issue 9).
 
-Tags are a letter of E, C, S, D, T, G, F, V and a number (``E7``, ``D10``), read from the
+Tags are a letter of E, C, S, D, T, G, F, Q, V and a number (``E7``, ``D10``), read from the
 comments and string literals (docstrings, messages) of every module under
 ``rollout_store/``, ``analysis/``, ``train/``, ``cli/`` and ``benchmarks/``. METHODS.md
 defines a tag as ``**(X1)**``. Not tags: a linter code after ``noqa:``, a quoted name
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("rollout_store", "analysis", "train", "cli", "benchmarks")
 METHODS = ROOT / "docs" / "METHODS.md"
 
-TAG = re.compile(r"(?<![\w\"'`])([ECSDTGFV]\d+)\b(?![\"'`])")
-DEFINED = re.compile(r"\*\*\(([ECSDTGFV]\d+)\)\*\*")
+TAG = re.compile(r"(?<![\w\"'`])([ECSDTGFQV]\d+)\b(?![\"'`])")
+DEFINED = re.compile(r"\*\*\(([ECSDTGFQV]\d+)\)\*\*")
 NOT_TAGS = (re.compile(r"noqa:[\w ,-]*"), re.compile(r"\bF1[ -]score\b|\bmultiset F1\b"))
 
 
@@ -49,7 +49,7 @@ def test_scanner_finds_tags_and_skips_non_tags() -> None:
 
 def test_every_cited_tag_is_defined() -> None:
     defined = defined_tags()
-    assert {"G1", "G4", "G8", "E7", "C9", "S1", "D3", "T2"} <= defined
+    assert {"G1", "G4", "G8", "E7", "C9", "S1", "D3", "T2", "F2", "F5", "Q4"} <= defined
     missing: dict[str, list[str]] = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):

@@ -190,3 +190,18 @@ def test_small_study_runs_resumes_and_rebuilds(tmp_path: Path) -> None:
     assert done and all(r.get("skipped") for r in done)
     assert [r["run_id"] for r in first["runs"]] == [r["run_id"] for r in second["runs"]]
     assert t1.table1_results(out)["configs"]["grpo+group"] == grpo
+
+
+def test_factor_and_sgcd_configs_carry_their_recipe(tmp_path: Path) -> None:
+    """issue 24: the study accepts factor and sgcd (not run by default), each with its loss
+    or sampling recipe in the trainer config."""
+    from train.studies.table1 import DEFAULT_CONFIGS, run_config
+
+    assert "factor+group" not in DEFAULT_CONFIGS and "sgcd+group" not in DEFAULT_CONFIGS
+    config = Table1Config(configs=("grpo+group", "factor+group", "sgcd+group"))
+    fa = run_config("factor+group", 0, config, tmp_path)
+    sg = run_config("sgcd+group", 0, config, tmp_path)
+    base = run_config("grpo+group", 0, config, tmp_path)
+    assert (fa.credit, fa.aggregation) == ("factor", "action-mean")
+    assert (sg.credit, sg.dynamic_sampling) == ("sgcd", "resample")
+    assert (base.aggregation, base.dynamic_sampling) == ("token-mean", "off")

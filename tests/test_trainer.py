@@ -46,6 +46,9 @@ def test_named_errors_before_any_work(tmp_path: Path) -> None:
                       ({"credit": "dsc"}, "use --reuse dsc"),
                       ({"credit": "trace", "credit_params": {"ref": "tiny"}}, "drop ref="),
                       ({"credit": "trace", "reuse": "all"}, "use reuse none"),
+                      ({"credit": "factor", "credit_params": {"teacher": "tiny"}},
+                       "drop teacher="),
+                      ({"credit": "sgcd", "reuse": "all"}, "use reuse none"),
                       ({"policy": "tabular"}, "tiny' or 'hf:PATH")):
         with pytest.raises(ConfigError, match=match):
             train(_cfg(tmp_path, "bad", **kw))
@@ -54,6 +57,10 @@ def test_named_errors_before_any_work(tmp_path: Path) -> None:
         TrainConfig(tasks_per_step=1, minibatches=2)
     with pytest.raises(ConfigError, match="unknown config field"):
         load_config(None, {"stepz": 3})
+    with pytest.raises(ConfigError, match="dynamic_sampling must be one of"):
+        TrainConfig(dynamic_sampling="sometimes")
+    with pytest.raises(ConfigError, match="aggregation must be one of"):
+        TrainConfig(aggregation="action-sum")  # type: ignore[arg-type]
 
 
 def test_resume_exact_and_checkpoints(tmp_path: Path) -> None:

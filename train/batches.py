@@ -223,6 +223,7 @@ class Row:
     keys: list[tuple[int, int, int]]  # (tree, node index, k-th action token)
     ancestors: np.ndarray | None = None  # (n_nodes, n_nodes) bool, tree layout only
     behav_logp: list[float] = field(default_factory=list)  # log mu (G8); = old_logp if fresh
+    action_len: list[float] = field(default_factory=list)  # L_t: tokens of t's action (F6)
 
 
 def make_rows(seqs: Sequence[TreeSeqs], credit: dict[tuple[str, int], NodeCredit],
@@ -295,6 +296,7 @@ def _add_actions(row: Row, b: int, ts: TreeSeqs, i: int, col_of: Callable[[int],
         row.clip_high.append(clip_high if nc.clip_high is None else float(nc.clip_high[k]))
         row.traj_count.append(count)
         row.inv_len_sum.append(inv)
+        row.action_len.append(float(n_act))
         row.keys.append((b, i, k))
 
 
@@ -401,6 +403,7 @@ class MicroBatch:
     inv_len_sum: torch.Tensor  # (K,)
     keys: list[tuple[int, int, int]]
     n_tokens: int  # real (non-padding) tokens forwarded
+    action_len: torch.Tensor | None = None  # (K,) L_t: tokens of the token's action (F6)
 
     @property
     def n_loss_tokens(self) -> int:
@@ -446,7 +449,8 @@ def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
         old_logp=f("old_logp"), behav_logp=f("behav_logp"), advantage=f("advantage"),
         clip_low=f("clip_low"), clip_high=f("clip_high"), traj_count=f("traj_count"),
         inv_len_sum=f("inv_len_sum"),
-        keys=[k for row in rows for k in row.keys], n_tokens=int(pad.sum()))
+        keys=[k for row in rows for k in row.keys], n_tokens=int(pad.sum()),
+        action_len=f("action_len"))
 
 
 def micro_batches(rows: Sequence[Row], layout: Layout, max_tokens: int, pad_id: int = 0,

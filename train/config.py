@@ -41,7 +41,7 @@ MINIMA: dict[str, int] = {
                      "epochs", "minibatches", "micro_tokens", "norm_length", "keep_last",
                      "save_every", "reuse_per_step", "max_staleness"), 1),
     **dict.fromkeys(("heldout_tasks", "eval_every", "warmup_steps", "tree_row_tokens",
-                     "seed", "heldout_seed"), 0)}
+                     "seed", "heldout_seed", "dynamic_rounds"), 0)}
 # Integer fields' upper bounds (inclusive; ``rtrees train --fields`` prints them): sizes
 # that are allocated up front or per iteration. The task splits are generated whole
 # (100k sgls tasks: about 1.1 GB and a minute here; 1e9 was OOM-killed, issue 21).
@@ -50,7 +50,8 @@ MAXIMA: dict[str, int] = {
     "n_total": 4_096, "max_new_tokens": 32_768, "micro_tokens": 1 << 22,
     "norm_length": 1 << 20, "tree_row_tokens": 1 << 20, "reuse_per_step": 4_096,
     "steps": 10_000_000, "epochs": 1_000, "minibatches": 4_096, "keep_last": 10_000,
-    "warmup_steps": 10_000_000, "seed": 2**63 - 1, "heldout_seed": 2**63 - 1}
+    "warmup_steps": 10_000_000, "seed": 2**63 - 1, "heldout_seed": 2**63 - 1,
+    "dynamic_rounds": 64}
 
 
 class ConfigError(ValueError):
@@ -127,7 +128,8 @@ class TrainConfig:
     node_weight: NodeWeight = "trajectories"
     """Loss weight of a tree node: trajectories through it (= paths) or ``once`` (E7 note)."""
     aggregation: Aggregation = "token-mean"
-    """Loss aggregation (G4): token-mean | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    """Loss aggregation (G4): token-mean | seq-mean-token-mean | seq-mean-token-sum-norm |
+    action-mean (F6, FACTOR: each action's tokens averaged, summed over actions)."""
     norm_length: int = 192
     """Constant token count of ``seq-mean-token-sum-norm`` (Dr.GRPO's generation budget)."""
     clip_low: float = 0.2
@@ -173,6 +175,12 @@ class TrainConfig:
     reuse_params: dict[str, Any] = field(default_factory=dict)
     """Gate and refresh knobs (``train.reuse.ReuseParams``): kappa_R, kappa_delta, kappa_T
     (D7 radii), kappa_e, refresh_batch, refresh_cap (new tool steps per stored tree)."""
+    dynamic_sampling: str = "off"
+    """Q1 (SGCD, DAPO): a tree whose leaves are all successes or all failures is
+    ``resample``d (new seeds, up to ``dynamic_rounds`` more trees, the last kept) or
+    ``drop``ped; ``off`` keeps every tree. Extra trees are counted in the metrics."""
+    dynamic_rounds: int = 3
+    """Q1: the most extra trees sampled for one task with ``dynamic_sampling=resample``."""
 
     def __post_init__(self) -> None:
         try:  # types (a TOML ``steps = 2.5``), finite floats, size bounds (issue 21)
@@ -194,7 +202,7 @@ class TrainConfig:
             raise ConfigError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
         choices: dict[str, tuple[str, ...]] = {
             "layout": LAYOUTS, "node_weight": NODE_WEIGHTS, "aggregation": AGGREGATIONS,
-            "kl_estimator": KL_ESTIMATORS}
+            "kl_estimator": KL_ESTIMATORS, "dynamic_sampling": ("off", "resample", "drop")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

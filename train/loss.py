@@ -4,7 +4,8 @@
    dual clip, optional KL penalty to a frozen reference policy and optional entropy
    bonus. Returns the per-token loss ``(B, L)`` to *minimise* and per-token diagnostics.
 2. ``token_weights``: how much each loss token counts under an aggregation mode
-   (``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum-norm``, G4).
+   (``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum-norm``, G4;
+   ``action-mean``, FACTOR's F6).
 3. ``aggregate``: ``sum(weight * loss) / denominator`` with a denominator counted over
    the WHOLE mini-batch before it is cut into micro-batches, so gradient accumulation
    over any split gives the same update as one big batch.
@@ -19,10 +20,15 @@ mode                       weight of agent token t          denominator
 token-mean                 c_t                              sum_t m_t c_t  (all tokens)
 seq-mean-token-mean        s_t = sum_{i ni t} 1 / n_i       number of trajectories
 seq-mean-token-sum-norm    c_t                              trajectories * norm_length
+action-mean                c_t / L_t                        sum_t m_t c_t / L_t
 =========================  ===============================  ==========================
 
-``c_t`` is the number of trajectories through t's node (1 in the ``paths`` layout) and
-``n_i`` the number of agent tokens of trajectory i. In the paths layout these are
+``c_t`` is the number of trajectories through t's node (1 in the ``paths`` layout),
+``n_i`` the number of agent tokens of trajectory i and ``L_t`` the number of tokens of
+t's action (its node's agent tokens). ``action-mean`` (F6) averages each action's tokens,
+sums over actions and divides by the number of (trajectory, action) pairs,
+``sum_i T_i``: the denominator ``sum_t m_t c_t / L_t`` counts each action once per
+trajectory through it. In the paths layout these are
 exactly verl's ``agg_loss`` modes (token-mean = masked mean; seq-mean-token-mean = mean
 over sequences of the per-sequence masked mean; seq-mean-token-sum-norm = mean over
 sequences of the masked sum divided by a constant) and TRL's ``dapo`` / ``grpo`` /
@@ -36,9 +42,10 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm",
+                      "action-mean"]
 AGGREGATIONS: tuple[Aggregation, ...] = ("token-mean", "seq-mean-token-mean",
-                                         "seq-mean-token-sum-norm")
+                                         "seq-mean-token-sum-norm", "action-mean")
 ISMode = Literal["truncate", "mask"]
 IS_MODES: tuple[ISMode, ...] = ("truncate", "mask")
 KLEstimator = Literal["k1", "k3"]
@@ -167,30 +174,38 @@ def token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
                      kl=kl.detach())
 
 
-def token_weights(mode: Aggregation, traj_count: torch.Tensor, inv_len_sum: torch.Tensor
-                  ) -> torch.Tensor:
-    """(G4) each token's weight in the aggregation ``mode`` (table in the module docstring).
+def token_weights(mode: Aggregation, traj_count: torch.Tensor, inv_len_sum: torch.Tensor,
+                  action_len: torch.Tensor | None = None) -> torch.Tensor:
+    """(G4, F6) each token's weight in the aggregation ``mode`` (module docstring table).
 
     ``traj_count`` (B, L): c_t, trajectories counted through the token (0 off the loss
-    mask); ``inv_len_sum`` (B, L): s_t = sum over those trajectories of 1 / n_i.
+    mask); ``inv_len_sum`` (B, L): s_t = sum over those trajectories of 1 / n_i;
+    ``action_len`` (B, L): L_t, the token count of t's action (``action-mean`` only).
     """
     if mode in ("token-mean", "seq-mean-token-sum-norm"):
         return traj_count
     if mode == "seq-mean-token-mean":
         return inv_len_sum
+    if mode == "action-mean":
+        if action_len is None:
+            raise ValueError("aggregation 'action-mean' needs each token's action length")
+        return traj_count / action_len.clamp(min=1.0)
     raise ValueError(f"unknown aggregation {mode!r}; choose from {AGGREGATIONS}")
 
 
-def denominator(mode: Aggregation, n_tokens: float, n_seqs: float, norm_length: float
-                ) -> float:
-    """(G4) the global normaliser of ``mode``: ``n_tokens`` (sum of c_t over the whole
-    mini-batch), ``n_seqs`` (its trajectories) or ``n_seqs * norm_length``."""
+def denominator(mode: Aggregation, n_tokens: float, n_seqs: float, norm_length: float,
+                n_actions: float = 0.0) -> float:
+    """(G4, F6) the global normaliser of ``mode``: ``n_tokens`` (sum of c_t over the whole
+    mini-batch), ``n_seqs`` (its trajectories), ``n_seqs * norm_length`` or ``n_actions``
+    (``sum_t c_t / L_t``: its (trajectory, action) pairs)."""
     if mode == "token-mean":
         value = n_tokens
     elif mode == "seq-mean-token-mean":
         value = n_seqs
     elif mode == "seq-mean-token-sum-norm":
         value = n_seqs * norm_length
+    elif mode == "action-mean":
+        value = n_actions
     else:
         raise ValueError(f"unknown aggregation {mode!r}; choose from {AGGREGATIONS}")
     return max(float(value), 1.0)

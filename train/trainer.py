@@ -100,7 +100,8 @@ from train.config import (
     read_run_token,
     write_config,
 )
-from train.credit.scores import GOLD, score_extras, score_trees
+from train.credit.scores import GOLD, score_trees
+from train.credit.store_io import resolve_method, token_score_kinds
 from train.envs import ENVIRONMENTS, Environment, Task, env_class, make_env
 from train.loss import (
     aggregate,
@@ -205,6 +206,15 @@ def check_config(config: TrainConfig, world_size: int = 1) -> None:
     if config.credit == "trace" and config.reuse != "none":
         raise ConfigError("credit 'trace' with reuse: the trainer scores only the fresh trees "
                           "under the frozen reference (T2); use reuse none")
+    if config.credit in ("factor", "sgcd") and "teacher" in config.credit_params:
+        raise ConfigError(f"credit_params: {config.credit} in the trainer scores each tree "
+                          "with the weights that sampled it (F3, Q3); drop teacher=")
+    if config.credit in ("factor", "sgcd") and config.reuse != "none":
+        raise ConfigError(f"credit {config.credit!r} with reuse: the trainer scores only the "
+                          "fresh trees (F3, Q3); use reuse none")
+    if world_size > 1 and config.dynamic_sampling != "off":
+        raise ConfigError("dynamic_sampling resamples a rank's trees one by one, which ranks "
+                          "cannot share yet: train with one rank")
     if world_size > 1 and config.reuse != "none":
         raise ConfigError(f"reuse {config.reuse!r} is not data-parallel yet (stored trees are "
                           "drawn and refreshed by one process): train with one rank")
@@ -397,22 +407,13 @@ def credit_for(trees: Sequence[Tree], config: TrainConfig, scores: pa.Table | No
     ``scores``: trace's ``policy_scores`` rows (kind ``gold_answer``, T2) of these trees
     under the frozen reference of version ``ref_version`` (recorded as the params' ``ref``,
     so the params hash names the reference weights, as ``rtrees credit --param ref=``)."""
-    from rollout_store.tree import TreeBatch
-    from train.credit.base import from_trees
-    from train.credit.store_io import credit_trees, resolve_method, stored_extras
+    from train.credit.store_io import credit_trees_full
 
     params = {k: str(v) for k, v in config.credit_params.items()}
     if ref_version is not None:
         params["ref"] = ref_version
-    rows = credit_trees(trees, config.credit, params, run_id=config.resolved_run_id,
-                        scores=scores)
-    estimator, p = resolve_method(config.credit, params)
-    nodes = TreeBatch.from_trees(list(trees)).nodes
-    extras = stored_extras(nodes)
-    if scores is not None and ref_version is not None:
-        extras.update(score_extras(nodes, scores, GOLD, ref_version))
-    arrays = from_trees(list(trees), extras)
-    credit = estimator(arrays, p)
+    rows, arrays, credit = credit_trees_full(trees, config.credit, params,
+                                             run_id=config.resolved_run_id, scores=scores)
     bounds: dict[tuple[str, int], tuple[np.ndarray | None, np.ndarray | None]] = {}
     a_len = np.bincount(arrays.token_node[arrays.agent_mask], minlength=arrays.n_nodes)
     for v in range(arrays.n_nodes):
@@ -734,7 +735,12 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                                     tree_id=f"{run_id}/it{it:06d}/{j:03d}",
                                     run_id=run_id)
                 for j, i in enumerate(picks) if world.owns(j)]  # DDP: tree j on rank j mod W
-        trees = dp.gather_shards(world, mine, len(picks))  # DDP: every tree on every rank
+        if config.dynamic_sampling != "off":  # Q1: groups with both outcomes (one rank)
+            mine, ds = _dynamic_sampling(mine, [int(i) for i in picks], train_tasks, sampler,
+                                         env, current, config, it)
+            metrics.update(ds)
+        n_trees = len(picks) if config.dynamic_sampling == "off" else len(mine)
+        trees = dp.gather_shards(world, mine, n_trees)  # DDP: every tree on every rank
         t1 = time.perf_counter()
         # 3. commit with policy_version / policy_ref of these weights (DDP: rank 0 commits
         #    every rank's trees under the single-process key, so they land once)
@@ -748,6 +754,14 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             ref_version = ref_policy.policy_version
             scores = pa.concat_tables(dp.gather_list(world, [score_trees(
                 mine, ref_policy, GOLD, policy_ref=config.policy, run_id=run_id)]))
+            if world.is_main:
+                store.append_policy_scores(scores, key=f"{run_id}:scores:{it}")
+        kinds = token_score_kinds(config.credit, resolve_method(config.credit, {
+            k: str(v) for k, v in config.credit_params.items()})[1])
+        if kinds:  # factor / sgcd (F3, Q3): teacher and student scores under these weights
+            scores = pa.concat_tables(dp.gather_list(world, [score_trees(
+                mine, current, kind, policy_ref=current.policy_ref, run_id=run_id)
+                for kind in dict.fromkeys(kinds.values())]))
             if world.is_main:
                 store.append_policy_scores(scores, key=f"{run_id}:scores:{it}")
         credit_rows_, credit = credit_for(trees, config, scores, ref_version)
@@ -815,8 +829,10 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                                 pad_id=current.pad_id)
             n_tokens = sum(float(mb.traj_count.sum()) for mb in mbs)
             n_seqs = sum(len(s.leaves) for s in part_seqs)
-            tokens, paths = dp.all_sum(world, [n_tokens, n_seqs])  # DDP: global counts (G4)
-            d = denominator(config.aggregation, tokens, paths, config.norm_length)
+            n_actions = sum(float((mb.traj_count / mb.action_len).sum()) for mb in mbs
+                            if mb.action_len is not None)  # F6: (trajectory, action) pairs
+            tokens, paths, actions = dp.all_sum(world, [n_tokens, n_seqs, n_actions])  # DDP
+            d = denominator(config.aggregation, tokens, paths, config.norm_length, actions)
             part_batches.append((mbs, d, own))
         if config.check_logprobs:
             with torch.no_grad():
@@ -861,7 +877,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                                        kl_estimator=config.kl_estimator,
                                        entropy=entropy if config.entropy_coef > 0 else None,
                                        entropy_coef=config.entropy_coef, weight=weight)
-                    w = token_weights(config.aggregation, mb.traj_count, mb.inv_len_sum)
+                    w = token_weights(config.aggregation, mb.traj_count, mb.inv_len_sum,
+                                      mb.action_len)
                     mask = torch.ones_like(w, dtype=torch.bool)
                     loss = aggregate(out_t.loss, mask, w, d)
                     loss.backward()
@@ -908,7 +925,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             "chain_breaks": float(sum(s.breaks() for s in seqs)),
             "env_steps": float(sum((t.meta or {}).get("env_steps", 0) for t in trees)),
             "new_tool_steps": float(sum(n.tool_calls or 0 for t in trees for n in t.nodes))
-            + metrics.get("reuse_new_tool_steps", 0.0),
+            + metrics.get("reuse_new_tool_steps", 0.0) + metrics.get("ds_extra_tool_steps", 0.0),
             "lr": float(scheduler.get_last_lr()[0]),
             "rss_mb": psutil.Process().memory_info().rss / 2**20,
             "seconds_sample": t1 - t0, "seconds_commit": t2 - t1,
@@ -951,6 +968,51 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         writer.close()
     dp.finish(world)  # DDP: leave the process group this call joined
     return report
+
+
+def _mixed(tree: Tree) -> bool:
+    """Q1: the tree has a successful and a failed trajectory (success = reward >= 1)."""
+    rewards = [n.reward for n in tree.leaves() if n.reward is not None]
+    return any(r >= 1.0 for r in rewards) and any(r < 1.0 for r in rewards)
+
+
+def _dynamic_sampling(trees: list[Tree], picks: Sequence[int], tasks: Sequence[Task],
+                      sampler: Sampler, env: Environment, policy: HFPolicy,
+                      config: TrainConfig, it: int) -> tuple[list[Tree], dict[str, float]]:
+    """Q1 (DAPO's dynamic sampling): each tree without both outcomes is resampled with new
+    seeds (``resample``: up to ``dynamic_rounds`` more trees, the last one kept) or dropped
+    (``drop``). Returns the kept trees (iteration order) and the extra-budget metrics; the
+    discarded trees are not committed but their rollouts and tool steps are counted."""
+    run_id = config.resolved_run_id
+    kept: list[Tree] = []
+    extra = {"ds_dropped_trees": 0.0, "ds_extra_trees": 0.0, "ds_extra_rollouts": 0.0,
+             "ds_extra_tool_steps": 0.0}
+
+    def discard(tree: Tree, sign: float = 1.0) -> None:
+        extra["ds_extra_rollouts"] += sign * sum(n.reward is not None for n in tree.leaves())
+        extra["ds_extra_tool_steps"] += sign * sum(n.tool_calls or 0 for n in tree.nodes)
+
+    for j, (i, tree) in enumerate(zip(picks, trees, strict=True)):
+        rounds = config.dynamic_rounds if config.dynamic_sampling == "resample" else 0
+        for r in range(1, rounds + 1):
+            if _mixed(tree):
+                break
+            discard(tree)
+            extra["ds_extra_trees"] += 1.0
+            tree = sampler.sample_tree(env, policy, tasks[i], config.n_total,
+                                       seed=mix_seed(config.seed, "tree", it, j, "ds", r),
+                                       tree_id=f"{run_id}/it{it:06d}/{j:03d}-ds{r}",
+                                       run_id=run_id)
+        if _mixed(tree):
+            kept.append(tree)
+        else:
+            discard(tree)
+            extra["ds_dropped_trees"] += 1.0
+    if not kept:  # never train on nothing: keep the last tree sampled [R]
+        kept.append(tree)
+        discard(tree, -1.0)
+        extra["ds_dropped_trees"] -= 1.0
+    return kept, extra
 
 
 def _state(iteration: int, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Sampler,

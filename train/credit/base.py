@@ -301,6 +301,20 @@ def depth_levels(batch: TreeArrays) -> list[np.ndarray]:
     return batch.levels
 
 
+def node_lists_to_tokens(batch: TreeArrays, lists: np.ndarray) -> np.ndarray:
+    """(T,) float64: ``lists`` (N,) object (each node's per-action-token values, or None)
+    placed on each node's agent tokens; NaN on observation tokens, on nodes without a
+    list and on nodes whose list length differs from their agent token count."""
+    n_act = np.bincount(batch.token_node[batch.agent_mask], minlength=batch.n_nodes)
+    length = np.array([-1 if v is None else len(v) for v in lists], np.int64)
+    ok = (length == n_act) & (n_act > 0)
+    out = np.full(batch.n_tokens, np.nan)
+    if ok.any():
+        pos = _positions(batch.token_offsets[:-1][ok], n_act[ok])
+        out[pos] = np.concatenate([np.asarray(v, np.float64) for v in lists[ok]])
+    return out
+
+
 # ----------------------------------------------------------------- building batches
 def from_trees(trees: list[Tree], extras: dict[str, np.ndarray] | None = None) -> TreeArrays:
     """A batch from in-memory trees (validated).

@@ -14,7 +14,15 @@ tree that lacks them (``rtrees credit --method trace --param ref=SPEC`` /
   per-token log-probs; every node but answer tails (non-root leaves without
   observation, which TRACE does not score);
 * kind ``action`` (D3): ``value`` = sum of the log-probs of the node's action text
-  after its parent's transcript; ``token_logprobs`` per token; nodes of depth >= 2.
+  after its parent's transcript; ``token_logprobs`` per token; nodes of depth >= 2;
+* kind ``plain`` (the student of F3 and Q3): the same for every node of depth >= 1 with
+  an action text;
+* kind ``hindsight`` (F3 teacher): the action after its parent's transcript with the
+  feedback that followed it (the node's observation) appended to the last context turn;
+  nodes of depth >= 1 with an action and an observation text;
+* kind ``contrast:<summariser>`` (Q3 teacher): the action after its parent's transcript
+  with the tree's contrast reference (Q2, ``train.credit.contrast``) appended to the
+  prompt; every node of depth >= 1 with an action, in trees that have a reference.
 
 Transcripts are rebuilt from the stored texts exactly as the samplers built them:
 ``("prompt", root observation)``, then per node ``("action", action_text)``,
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import pyarrow as pa
@@ -37,13 +45,22 @@ from rollout_store.reader import connect, read_trees
 from rollout_store.schema import POLICY_SCORES
 from rollout_store.store import Store, now_utc
 from rollout_store.tree import Node, Tree
+from train.credit.contrast import Summariser, make_summariser, reference
 
 if TYPE_CHECKING:
-    from train.policies.base import Policy, Transcript
+    from train.policies.base import Policy, Transcript, Turn
 
-ScoreKind = Literal["gold_answer", "action"]
+ScoreKind = str
+"""A ``policy_scores`` kind: ``GOLD``, ``ACTION``, ``PLAIN``, ``HINDSIGHT`` or
+``CONTRAST`` + a summariser spec (module docstring)."""
 GOLD: Final[ScoreKind] = "gold_answer"
 ACTION: Final[ScoreKind] = "action"
+PLAIN: Final[ScoreKind] = "plain"
+HINDSIGHT: Final[ScoreKind] = "hindsight"
+CONTRAST: Final[str] = "contrast:"
+FEEDBACK: Final[str] = "\n\n[feedback of your next step] "
+"""F3: what precedes the feedback appended to the teacher's last context turn [R]."""
+_TOKEN_KINDS: Final[tuple[str, ...]] = (PLAIN, HINDSIGHT)
 _TREES_PER_COMMIT = 32
 
 
@@ -99,14 +116,67 @@ def gold_answer(tree: Tree) -> str:
     raise ScoreError(f"tree {tree.tree_id!r}: the {tree.env} expert never answered")
 
 
+def check_kind(kind: str) -> None:
+    """Raise ``ScoreError`` for a kind that is not one of the module docstring's."""
+    if kind in (GOLD, ACTION, *_TOKEN_KINDS):
+        return
+    if kind.startswith(CONTRAST):
+        try:
+            make_summariser(kind[len(CONTRAST):])
+        except ValueError as exc:
+            raise ScoreError(str(exc)) from exc
+        return
+    raise ScoreError(f"unknown score kind {kind!r}; choose from "
+                     f"{[GOLD, ACTION, *_TOKEN_KINDS, CONTRAST + 'SUMMARISER']}")
+
+
+def _with_suffix(transcript: Transcript, index: int, suffix: str) -> list[Turn]:
+    """``transcript`` with ``suffix`` appended to the text of turn ``index``."""
+    turns: list[Turn] = list(transcript)
+    role, text = turns[index]
+    turns[index] = (role, text + suffix)
+    return turns
+
+
+def teacher_contexts(tree: Tree, kind: str, turns: Mapping[int, Transcript],
+                     summarisers: dict[str, Summariser] | None = None
+                     ) -> list[tuple[Node, list[Turn]]]:
+    """(node, scoring context) of every node scored under ``kind`` (``plain``,
+    ``hindsight`` or ``contrast:...``; module docstring): the parent's transcript, with the
+    feedback (F3) or the contrast reference (Q2) added for the teachers."""
+    out: list[tuple[Node, list[Turn]]] = []
+    steps = [n for n in tree.nodes if n.parent_id is not None and n.action_text]
+    if kind == PLAIN:
+        return [(n, list(turns[n.parent_id])) for n in steps if n.parent_id is not None]
+    if kind == HINDSIGHT:
+        for n in steps:
+            if n.parent_id is not None and n.observation_text:
+                out.append((n, _with_suffix(turns[n.parent_id], -1,
+                                            FEEDBACK + n.observation_text)))
+        return out
+    spec = kind[len(CONTRAST):]
+    cache = summarisers if summarisers is not None else {}
+    if spec not in cache:
+        cache[spec] = make_summariser(spec)
+    ref = reference(tree, cache[spec])
+    if ref is None:
+        return out
+    for n in steps:
+        if n.parent_id is not None:
+            out.append((n, _with_suffix(turns[n.parent_id], 0, "\n\n" + ref)))
+    return out
+
+
 def score_trees(trees: Sequence[Tree], policy: Policy, kind: ScoreKind, *,
                 policy_ref: str | None = None, run_id: str | None = None,
                 gold: Mapping[str, str] | None = None) -> pa.Table:
     """``policy_scores`` rows of ``kind`` for every scorable node of ``trees`` (one forward
     pass per node; module docstring). ``gold`` overrides the gold answer per tree id."""
+    check_kind(kind)
     version = str(policy.policy_version)
     pairs: list[tuple[Transcript, str]] = []
     keys: list[tuple[str, int]] = []
+    summarisers: dict[str, Summariser] = {}
     for tree in trees:
         turns = transcripts(tree)
         by_id = {n.node_id: n for n in tree.nodes}
@@ -116,12 +186,16 @@ def score_trees(trees: Sequence[Tree], policy: Policy, kind: ScoreKind, *,
                 if not is_answer_tail(tree, n):
                     pairs.append((turns[n.node_id], y))
                     keys.append((tree.tree_id, n.node_id))
-        else:
+        elif kind == ACTION:
             for n in tree.nodes:
                 parent = by_id.get(n.parent_id) if n.parent_id is not None else None
                 if parent is not None and parent.parent_id is not None:  # depth >= 2
                     pairs.append((turns[parent.node_id], n.action_text or ""))
                     keys.append((tree.tree_id, n.node_id))
+        else:
+            for n, context in teacher_contexts(tree, kind, turns, summarisers):
+                pairs.append((context, n.action_text or ""))
+                keys.append((tree.tree_id, n.node_id))
     logprobs = policy.score([t for t, _ in pairs], [a for _, a in pairs]) if pairs else []
     values = []
     for (tree_id, node_id), lp in zip(keys, logprobs, strict=True):
@@ -195,11 +269,17 @@ def scores_by_node(scores: pa.Table, kind: ScoreKind, version: str
     return out
 
 
-def stored_scores(store: Store, tree_ids: Sequence[str], kind: ScoreKind, version: str
+def stored_scores(store: Store, tree_ids: Sequence[str], kind: ScoreKind, version: str | None
                   ) -> pa.Table:
-    """The stored ``policy_scores`` rows of ``tree_ids`` for (kind, version)."""
+    """The stored ``policy_scores`` rows of ``tree_ids`` for (kind, version); version None:
+    each tree's rows scored by its own ``policy_version``."""
     con = connect(store)
     con.register("_score_trees", pa.table({"tree_id": pa.array(list(tree_ids), pa.string())}))
+    if version is None:
+        return con.sql("SELECT s.* FROM policy_scores s JOIN trees t USING (tree_id) "
+                       "WHERE s.kind = $k AND s.policy_version = t.policy_version "
+                       "AND s.tree_id IN (SELECT tree_id FROM _score_trees)",
+                       params={"k": kind}).to_arrow_table()
     return con.sql("SELECT * FROM policy_scores WHERE kind = $k AND policy_version = $v "
                    "AND tree_id IN (SELECT tree_id FROM _score_trees)",
                    params={"k": kind, "v": version}).to_arrow_table()
@@ -233,6 +313,28 @@ def score_extras(nodes: pa.Table, scores: pa.Table, kind: ScoreKind, version: st
     return {RATIO: ratio, STATE: state}
 
 
-__all__ = ["ACTION", "GOLD", "ScoreError", "ScoreKind", "ensure_scores",
-           "gold_answer", "score_extras", "score_trees", "scores_by_node", "stored_scores",
+def token_score_lists(trees: pa.Table, nodes: pa.Table, scores: pa.Table, kind: ScoreKind,
+                      version: str | None) -> np.ndarray:
+    """(N,) object array, rows following ``nodes``: each node's ``token_logprobs`` of
+    ``kind`` (float64 array) or None where unscored. ``version`` None reads each tree's
+    scores of its own ``policy_version`` (the ``trees`` rows), as the trainer writes them."""
+    own = dict(zip(trees.column("tree_id").to_pylist(),
+                   trees.column("policy_version").to_pylist(), strict=True))
+    found: dict[tuple[str, int], np.ndarray] = {}
+    cols = [scores.column(c).to_pylist() for c in ("tree_id", "node_id", "kind",
+                                                   "policy_version", "token_logprobs")]
+    for tree_id, node_id, k, v, lp in zip(*cols, strict=True):
+        want = own.get(tree_id) if version is None else version
+        if k == kind and v is not None and v == want:
+            found[(tree_id, int(node_id))] = np.asarray(lp or [], np.float64)
+    out = np.empty(nodes.num_rows, dtype=object)
+    for i, (t, n) in enumerate(zip(nodes.column("tree_id").to_pylist(),
+                                   nodes.column("node_id").to_pylist(), strict=True)):
+        out[i] = found.get((t, int(n)))
+    return out
+
+
+__all__ = ["ACTION", "CONTRAST", "GOLD", "HINDSIGHT", "PLAIN", "ScoreError", "ScoreKind",
+           "check_kind", "ensure_scores", "gold_answer", "score_extras", "score_trees",
+           "scores_by_node", "stored_scores", "teacher_contexts", "token_score_lists",
            "transcripts"]

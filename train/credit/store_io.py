@@ -30,7 +30,10 @@ trace and dsc read policy scores of stored text (``train.credit.scores``):
 ``--param ref=SPEC`` (trace, T2) / ``--param target=SPEC`` (dsc, D3) loads SPEC,
 scores the trees that lack scores of its version into ``policy_scores`` (computed
 once per policy version), records the version in the params and credits from the
-stored scores.
+stored scores. factor and sgcd read per-token scores (F3, Q3; ``TOKEN_SCORED``) the
+same way with ``--param teacher=SPEC``; without it, each tree's scores of its own
+``policy_version`` (as the trainer writes them) are read, and a tree without them is
+refused.
 """
 
 from __future__ import annotations
@@ -50,16 +53,28 @@ from rollout_store.schema import CREDITS, NODE_INPUT
 from rollout_store.store import Store, now_utc
 from rollout_store.tree import Tree, TreeBatch
 from train.credit import ESTIMATORS
-from train.credit.base import Credit, Estimator, Params, TreeArrays, from_tables
+from train.credit.base import (
+    Credit,
+    Estimator,
+    Params,
+    TreeArrays,
+    from_tables,
+    node_lists_to_tokens,
+)
+from train.credit.factor import HINDSIGHT_LOGPROB, STUDENT_LOGPROB
 from train.credit.scores import (
     ACTION,
     GOLD,
+    HINDSIGHT,
+    PLAIN,
     ScoreError,
     ScoreKind,
     ensure_scores,
     score_extras,
     stored_scores,
+    token_score_lists,
 )
+from train.credit.sgcd import CONTRAST_LOGPROB
 
 _NODE_COLUMNS = [*NODE_INPUT.names, "depth", "preorder", "subtree_size"]
 _TREE_COLUMNS = ["tree_id", "run_id", "sampler", "policy_version", "task_id",
@@ -222,6 +237,21 @@ def resolve_method(method: str, params: Mapping[str, str] | Params | None = None
 SCORED: dict[str, tuple[str, ScoreKind]] = {"trace": ("ref", GOLD), "dsc": ("target", ACTION)}
 
 
+# Methods whose inputs are per-token policy scores (F3, Q3): the params field naming the
+# scoring policy is ``teacher``; ``token_score_kinds`` gives {extras name: kind}.
+TOKEN_SCORED: tuple[str, ...] = ("factor", "sgcd")
+
+
+def token_score_kinds(method: str, p: Any) -> dict[str, ScoreKind]:
+    """{extras name: ``policy_scores`` kind} that ``method`` with params ``p`` reads
+    (empty when its teacher weight is off: factor ``eta=0``, sgcd ``kappa=0``)."""
+    if method == "factor" and p.eta > 0:
+        return {HINDSIGHT_LOGPROB: HINDSIGHT, STUDENT_LOGPROB: PLAIN}
+    if method == "sgcd" and p.kappa > 0:
+        return {CONTRAST_LOGPROB: p.score_kind, STUDENT_LOGPROB: PLAIN}
+    return {}
+
+
 def _score_source(method: str, p: Any) -> tuple[ScoreKind, str] | None:
     """(kind, scoring policy version) when ``p`` names a scoring policy, else None."""
     if method not in SCORED:
@@ -238,11 +268,27 @@ def _credit_tables(trees: pa.Table, nodes: pa.Table, estimator: Estimator[Any], 
     The one code path of ``compute_credits`` and ``credit_trees``; ``scores`` are the
     ``policy_scores`` rows of these trees for a scored method (trace, dsc).
     """
+    rows, _, _ = _credit_batch(trees, nodes, estimator, p, run_id, scores)
+    return rows
+
+
+def _credit_batch(trees: pa.Table, nodes: pa.Table, estimator: Estimator[Any], p: Any,
+                  run_id: str, scores: pa.Table | None = None
+                  ) -> tuple[pa.Table, TreeArrays, Credit]:
+    """``_credit_tables`` with the batch and the estimator's ``Credit`` it was built from."""
     extras = stored_extras(nodes)
     source = _score_source(estimator.name, p)
     if source is not None and scores is not None:
         extras.update(score_extras(nodes, scores, *source))
+    token_kinds = token_score_kinds(estimator.name, p)
+    if token_kinds and scores is not None:
+        _check_student_scores(trees, nodes, scores, estimator.name, p.teacher)
+        for name, kind in token_kinds.items():
+            extras[name] = token_score_lists(trees, nodes, scores, kind, p.teacher)
     batch = from_tables(trees, nodes, extras)
+    if token_kinds and scores is not None:  # per-node lists onto the agent tokens (T,)
+        batch = replace(batch, extras={**batch.extras, **{
+            name: node_lists_to_tokens(batch, batch.extras[name]) for name in token_kinds}})
     try:
         credit = estimator(batch, p)
     except KeyError as exc:
@@ -250,12 +296,35 @@ def _credit_tables(trees: pa.Table, nodes: pa.Table, estimator: Estimator[Any], 
         if estimator.name in SCORED:
             hint = (f"; pass --param {SCORED[estimator.name][0]}=SPEC to score them from the "
                     "store with that policy")
+        elif estimator.name in TOKEN_SCORED:
+            hint = "; pass --param teacher=SPEC to score them from the store with that policy"
         raise CreditError(f"{estimator.name} needs input {exc} that stored trees do not "
                           f"carry (see the estimator's docstring){hint}") from exc
     except ValueError as exc:
         raise CreditError(f"{estimator.name}: {exc}") from exc
-    return credit_rows(batch, credit, trees, estimator.name, p.to_json(), p.params_hash(),
-                       run_id)
+    return (credit_rows(batch, credit, trees, estimator.name, p.to_json(), p.params_hash(),
+                        run_id), batch, credit)
+
+
+def _check_student_scores(trees: pa.Table, nodes: pa.Table, scores: pa.Table, method: str,
+                          teacher: str | None) -> None:
+    """Refuse trees with steps but no ``plain`` scores of the teacher's (or, teacher None,
+    their own) policy version: their credit would silently lose its token allocation."""
+    own = dict(zip(trees.column("tree_id").to_pylist(),
+                   trees.column("policy_version").to_pylist(), strict=True))
+    scored = {t for t, k, v in zip(*(scores.column(c).to_pylist() for c in (
+        "tree_id", "kind", "policy_version")), strict=True)
+        if k == PLAIN and v == (own.get(t) if teacher is None else teacher)}
+    steps = pc.and_(pc.is_valid(nodes.column("parent_id")),
+                    pc.greater(pc.fill_null(pc.list_value_length(
+                        nodes.column("action_token_ids")), 0), 0))
+    need = set(nodes.filter(steps).column("tree_id").to_pylist())
+    missing = sorted(need - scored)
+    if missing:
+        whose = "their own policy versions" if teacher is None else f"policy {teacher!r}"
+        raise CreditError(f"{method}: {len(missing)} tree(s) have no stored '{PLAIN}' scores "
+                          f"of {whose} (e.g. {missing[0]!r}); pass --param teacher=SPEC to "
+                          "score them")
 
 
 def credit_trees(trees: Sequence[Tree], method: str,
@@ -274,9 +343,19 @@ def credit_trees(trees: Sequence[Tree], method: str,
     ones); the params' ``ref`` / ``target`` must then be that policy's version.
     Raises ``CreditError`` (unknown method or parameter, missing inputs).
     """
-    estimator, p = resolve_method(method, params)
     if not trees:
+        resolve_method(method, params)
         return CREDITS.empty_table()
+    return credit_trees_full(trees, method, params, run_id, scores)[0]
+
+
+def credit_trees_full(trees: Sequence[Tree], method: str,
+                      params: Mapping[str, str] | Params | None = None,
+                      run_id: str | None = None, scores: pa.Table | None = None
+                      ) -> tuple[pa.Table, TreeArrays, Credit]:
+    """``credit_trees`` with the batch and ``Credit`` the rows were made from (the trainer
+    reads per-token clip bounds there); ``trees`` must not be empty."""
+    estimator, p = resolve_method(method, params)
     batch = TreeBatch.from_trees(list(trees))
     try:
         structure = batch.validate()
@@ -286,8 +365,8 @@ def credit_trees(trees: Sequence[Tree], method: str,
     for name, values in (("depth", structure.depth), ("preorder", structure.preorder),
                          ("subtree_size", structure.subtree_size)):
         nodes = nodes.append_column(name, pa.array(values, pa.int32()))
-    return _credit_tables(batch.trees, nodes, estimator, p,
-                          run_id or f"credit-{method}-{p.params_hash()}", scores)
+    return _credit_batch(batch.trees, nodes, estimator, p,
+                         run_id or f"credit-{method}-{p.params_hash()}", scores)
 
 
 def compute_credits(store: Store, method: str, params: Mapping[str, str] | None = None,
@@ -308,6 +387,14 @@ def compute_credits(store: Store, method: str, params: Mapping[str, str] | None 
             raise CreditError(f"{method}: {exc}") from exc
         p = replace(p, **{field: version})
         source = (source[0], version)
+    token_kinds = token_score_kinds(method, p)
+    if token_kinds and p.teacher is not None:  # score what is missing under the teacher
+        try:
+            versions = {ensure_scores(store, kind, str(p.teacher), progress)[0]
+                        for kind in dict.fromkeys(token_kinds.values())}
+        except ScoreError as exc:
+            raise CreditError(f"{method}: {exc}") from exc
+        p = replace(p, teacher=versions.pop())
     params_hash = p.params_hash()
     run_id = run_id or f"credit-{method}-{params_hash}"
     report = CreditRunReport(method, params_hash)
@@ -322,6 +409,9 @@ def compute_credits(store: Store, method: str, params: Mapping[str, str] | None 
         for trees, nodes in _batches(store, method, params_hash, p.spans_trees(), max_nodes):
             ids = trees.column("tree_id").to_pylist()
             scores = None if source is None else stored_scores(store, ids, *source)
+            if token_kinds:
+                scores = pa.concat_tables([stored_scores(store, ids, kind, p.teacher)
+                                           for kind in dict.fromkeys(token_kinds.values())])
             rows = _credit_tables(trees, nodes, estimator, p, run_id, scores)
             digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16]
             store.append_credits(rows, key=f"credit:{method}:{params_hash}:{digest}")
