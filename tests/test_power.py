@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,37 @@ def test_bad_requests_are_named() -> None:
         study_power("table1", _table1(), effect=math.nan)
     with pytest.raises(ValueError, match="no power statement"):
         study_power("nope", {})
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from cli.main import app
+
+    with pytest.raises(SystemExit) as info:
+        app(args)
+    out = capsys.readouterr()
+    code = info.value.code
+    return (code if isinstance(code, int) else 1), out.out, out.err
+
+
+def _one_line_error(code: int, err: str, needle: str) -> None:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code != 0 and len(lines) == 1 and lines[0].startswith("error:"), err
+    assert needle in lines[0], err
+
+
+def test_rtrees_study_power_prints_without_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, assert_one_line_error = _run, _one_line_error
+    code, out, _ = run(["study", "table1", "--power", "--effect", "0.05",
+                        "--param", "heldout_tasks=200"], capsys)
+    assert code == 0
+    need = study_power("table1", _table1(heldout_tasks=200), effect=0.05)
+    assert out.splitlines() == need.lines()
+    assert not any(tmp_path.iterdir())
+    code, _, err = run(["study", "table1"], capsys)
+    assert_one_line_error(code, err, "--out is required")
+    code, _, err = run(["study", "table1", "--effect", "0.05", "--out", str(tmp_path)], capsys)
+    assert_one_line_error(code, err, "--power")
+    code, _, err = run(["study", "table1", "--power", "--effect", "-1"], capsys)
+    assert_one_line_error(code, err, "effect")
+    assert not any(tmp_path.iterdir())

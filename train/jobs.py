@@ -661,11 +661,29 @@ def study_config(name: str, params: Mapping[str, Any] | None = None, small: bool
     return spec.config_class(**values)
 
 
-def run_study(name: str, out: str | Path, params: Mapping[str, Any] | None = None,
-              small: bool = False) -> dict[str, Any]:
-    """``rtrees study NAME --out DIR``: settings (``study_config``), data, report; returns
-    the results (``results.json``), whose ``verdicts`` the CLI prints."""
+def study_power(name: str, params: Mapping[str, Any] | None = None, small: bool = False,
+                effect: float | None = None) -> list[str]:
+    """``rtrees study NAME --power [--effect X]``: what the study can detect at its
+    settings and (with ``effect``) the size that effect needs, without running anything
+    (docs/METHODS.md V3-V5, ``analysis.power``)."""
+    from analysis.power import study_power as power
+
     config = study_config(name, params, small)
+    return power(name, dataclasses.asdict(config), effect).lines()
+
+
+def run_study(name: str, out: str | Path, params: Mapping[str, Any] | None = None,
+              small: bool = False, log: Callable[[str], None] | None = None
+              ) -> dict[str, Any]:
+    """``rtrees study NAME --out DIR``: settings (``study_config``), the effect they can
+    detect (``study_power``, logged before anything runs), data, report; returns the
+    results (``results.json``), whose ``verdicts`` the CLI prints."""
+    config = study_config(name, params, small)
+    if log is not None:
+        from analysis.power import study_power as power
+
+        for line in power(name, dataclasses.asdict(config)).lines():
+            log(line)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     return STUDIES[name].run(out, config)
