@@ -118,6 +118,10 @@ def per_task_spearman(table: Mapping[str, np.ndarray], n_boot: int, seed: int
     return out
 
 
+RHO_DELTA = 0.02
+"""Equivalence margin (V1) of a difference of Spearman correlations [R]."""
+
+
 def l1_verdicts(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The L1 claim "|G| explains drift better than KL" (paper: the Spearman gain 0.839
     [0.830, 0.847]) judged on the per-task and the pooled gains over global and pairwise
@@ -131,12 +135,13 @@ def l1_verdicts(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
         out.append(verdict(
             f"L1: |G| explains |drift| better than {label} (per task)",
             f"mean over tasks of rho(|G|) - rho({label})", g["value"], g["ci95"], 0.0,
-            "above", text, paper).to_json())
+            "above", text, paper, delta=RHO_DELTA).to_json())
         pooled = summary["rho_gain_g_over"][name]
         out.append(verdict(
             f"L1: |G| explains |drift| better than {label} (pooled)",
             f"pooled rho(|G|) - rho({label})", pooled["value"],
-            pooled["ci95"] or [math.nan, math.nan], 0.0, "above", text, paper).to_json())
+            pooled["ci95"] or [math.nan, math.nan], 0.0, "above", text, paper,
+            delta=RHO_DELTA).to_json())
     return out
 
 
