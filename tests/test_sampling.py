@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ from train.sampling import (
     make_sampler,
 )
 from train.sampling.bel import BelConfig
+from train.sampling.engine import Request
 from train.sampling.collect import collect, commit_key, stored_tree_ids, tree_id_for
 
 _TOOL_OF = {text: tool for tool, text in ACTION_TEXTS.items()}
@@ -288,8 +289,8 @@ def test_budget_refuses_to_overspend() -> None:
     class Greedy(Sampler):
         name = "greedy"
 
-        def grow(self, builder: TreeBuilder) -> None:
-            builder.run([(0, builder.budget.n_total + 1, "x")])
+        def grow(self, builder: TreeBuilder) -> Iterator[Request]:
+            yield from builder.run([(0, builder.budget.n_total + 1, "x")])
 
     with pytest.raises(BudgetError):
         Greedy().sample_tree(make_env("workflow"), WF_POLICY, WF_TASKS[0], 4, seed=0)
@@ -297,8 +298,8 @@ def test_budget_refuses_to_overspend() -> None:
     class Lazy(Sampler):
         name = "lazy"
 
-        def grow(self, builder: TreeBuilder) -> None:
-            builder.run([(0, 1, "x")])
+        def grow(self, builder: TreeBuilder) -> Iterator[Request]:
+            yield from builder.run([(0, 1, "x")])
 
     with pytest.raises(BudgetError, match="unspent"):
         Lazy().sample_tree(make_env("workflow"), WF_POLICY, WF_TASKS[0], 4, seed=0)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,10 +49,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from train.policies.base import STOP_STRINGS, Continuation, SampleConfig, Transcript
+from train.policies.base import (
+    STOP_STRINGS,
+    Continuation,
+    Rows,
+    SampleConfig,
+    Transcript,
+    stream_uniforms,
+)
 
 ObservationRole = Literal["user", "tool"]
 _RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+_MASK64 = (1 << 64) - 1
 
 
 def transcript_messages(transcript: Transcript, observation_role: ObservationRole = "user",
@@ -154,6 +163,22 @@ def quiet_progress() -> Iterator[None]:
     finally:
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+def _row_seed(base: int, index: int) -> int:
+    """The stream seed of transcript ``index`` of a ``sample`` call seeded ``base``."""
+    digest = hashlib.sha256(f"{base}\x1f{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: np.ndarray) -> torch.Tensor:
+    """One token per row by inversion: the first index whose cumulative mass exceeds
+    u * total. Shapes (R, V), (R,) -> (R,) long. Rows are independent (a row's draw
+    depends on its probabilities and its own u only)."""
+    cdf = probs.double().cumsum(-1)  # (R, V)
+    target = torch.from_numpy(uniforms).to(cdf.device) * cdf[:, -1]
+    index = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -271,26 +296,41 @@ class HFPolicy:
 
     def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
                ) -> list[list[Continuation]]:
-        """``config.n`` continuations of each transcript, sharing each prefix's KV cache."""
-        prompts = [self.prompt_ids(t) for t in transcripts]
-        generator = torch.Generator(device=self.device)
-        if config.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(config.seed)
+        """``config.n`` continuations of each transcript, sharing each prefix's KV cache
+        (``sample_rows`` with transcript i seeded ``mix(config.seed, i)``)."""
+        base = config.seed if config.seed is not None else secrets.randbits(63)
+        return self.sample_rows([Rows(t, config.n, _row_seed(base, i))
+                                 for i, t in enumerate(transcripts)], config)
+
+    def sample_rows(self, rows: Sequence[Rows], config: SampleConfig
+                    ) -> list[list[Continuation]]:
+        """``rows[i].n`` continuations of each request in as few batches as ``max_batch``
+        allows (transcripts of any lengths, left-padded together); each request's prefix
+        is prefilled once and its KV cache expanded to its ``n`` branches, and branch k of
+        request i draws from the stream ``rows[i].seed + k`` only (``stream_uniforms``)."""
+        prompts = [self.prompt_ids(r.transcript) for r in rows]
         results: list[list[Continuation]] = [[] for _ in prompts]
-        for chunk in self._chunks(prompts, config.n):
-            for i, conts in zip(chunk, self._sample_chunk([prompts[i] for i in chunk],
-                                                          config, generator), strict=True):
+        for chunk in self._chunks(prompts, [r.n for r in rows]):
+            got = self._sample_chunk([prompts[i] for i in chunk], [rows[i].n for i in chunk],
+                                     [rows[i].seed for i in chunk], config)
+            for i, conts in zip(chunk, got, strict=True):
                 results[i] = conts
         return results
 
-    def _chunks(self, prompts: list[list[int]], n: int) -> Iterator[list[int]]:
-        """Indices of ``prompts`` sorted by length, cut into chunks of <= max_batch rows."""
+    def _chunks(self, prompts: list[list[int]], ns: Sequence[int]) -> Iterator[list[int]]:
+        """Indices of ``prompts`` sorted by length, cut into chunks of <= max_batch rows
+        (branches; a request with more branches than that is a chunk of its own)."""
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        per_chunk = max(1, self.max_batch // n)
-        for start in range(0, len(order), per_chunk):
-            yield order[start:start + per_chunk]
+        chunk: list[int] = []
+        rows = 0
+        for i in order:
+            if chunk and rows + ns[i] > self.max_batch:
+                yield chunk
+                chunk, rows = [], 0
+            chunk.append(i)
+            rows += ns[i]
+        if chunk:
+            yield chunk
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor]:
@@ -306,9 +346,8 @@ class HFPolicy:
         return ids.to(self.device), mask.to(self.device), positions.to(self.device)
 
     @torch.inference_mode()
-    def _sample_chunk(self, prompts: list[list[int]], config: SampleConfig,
-                      generator: torch.Generator) -> list[list[Continuation]]:
-        n = config.n
+    def _sample_chunk(self, prompts: list[list[int]], ns: list[int], seeds: list[int],
+                      config: SampleConfig) -> list[list[Continuation]]:
         if any(not p for p in prompts):
             raise ValueError("a transcript rendered to zero tokens")
         ids, mask, positions = self._left_pad(prompts)
@@ -322,12 +361,22 @@ class HFPolicy:
                          logits_to_keep=1)
         logits = out.logits[:, -1, :].float()  # (m, V)
         next_pos = mask.sum(-1)  # (m,) position of each row's next token
-        if n > 1:  # one prefix computation, expanded to the n branches
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-            mask = mask.repeat_interleave(n, dim=0)
-            next_pos = next_pos.repeat_interleave(n, dim=0)
-        n_rows = len(prompts) * n
+        if any(n > 1 for n in ns):  # one prefix computation, expanded to the n branches
+            if len(set(ns)) == 1:
+                cache.batch_repeat_interleave(ns[0])
+                expand = torch.arange(len(ns), device=self.device).repeat_interleave(ns[0])
+            else:
+                expand = torch.repeat_interleave(
+                    torch.arange(len(ns), device=self.device),
+                    torch.tensor(ns, device=self.device))
+                cache.batch_select_indices(expand)
+            logits, mask, next_pos = logits[expand], mask[expand], next_pos[expand]
+        owner = [t for t, n in enumerate(ns) for _ in range(n)]  # branch -> its request
+        branch = [k for n in ns for k in range(n)]
+        n_rows = len(owner)
+        stream = np.array([(seeds[t] + k) & _MASK64 for t, k in zip(owner, branch,
+                                                                     strict=True)],
+                          dtype=np.uint64)
         rows = list(range(n_rows))  # active row j -> branch index rows[j]
         tokens: list[list[int]] = [[] for _ in range(n_rows)]
         logprobs: list[list[float]] = [[] for _ in range(n_rows)]
@@ -343,7 +392,7 @@ class HFPolicy:
                      if config.temperature != 1.0 else logp.exp())
             if config.top_p < 1.0:
                 probs = _top_p_filter(probs, config.top_p)
-            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (R,)
+            chosen = _inverse_cdf(probs, stream_uniforms(stream[rows], step))  # (R,)
             chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1)
             keep: list[int] = []
             for j, (b, tok, lp, ent) in enumerate(zip(rows, chosen.tolist(), chosen_lp.tolist(),
@@ -372,20 +421,17 @@ class HFPolicy:
             next_pos = next_pos + 1
             logits = out.logits[:, -1, :].float()
         meta = {"temperature": config.temperature, "top_p": config.top_p}
-        results: list[list[Continuation]] = []
-        for t, prompt in enumerate(prompts):
-            conts = []
-            for k in range(n):
-                b = t * n + k
-                ids_b = tokens[b]
-                text_ids = ids_b[:-1] if ids_b and ids_b[-1] in self.eos_ids else ids_b
-                conts.append(Continuation(
-                    text=self.tokenizer.decode(text_ids, skip_special_tokens=False,
-                                               clean_up_tokenization_spaces=False),
-                    token_ids=ids_b, logprobs=logprobs[b], entropies=entropies[b],
-                    finished=finished[b], prefill_tokens=len(prompt) if k == 0 else 0,
-                    meta=dict(meta)))
-            results.append(conts)
+        results: list[list[Continuation]] = [[] for _ in prompts]
+        for b in range(n_rows):
+            t, k = owner[b], branch[b]
+            ids_b = tokens[b]
+            text_ids = ids_b[:-1] if ids_b and ids_b[-1] in self.eos_ids else ids_b
+            results[t].append(Continuation(
+                text=self.tokenizer.decode(text_ids, skip_special_tokens=False,
+                                           clean_up_tokenization_spaces=False),
+                token_ids=ids_b, logprobs=logprobs[b], entropies=entropies[b],
+                finished=finished[b], prefill_tokens=len(prompts[t]) if k == 0 else 0,
+                meta=dict(meta)))
         return results
 
     # ----- scoring --------------------------------------------------------------------
