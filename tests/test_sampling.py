@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,8 @@ from train.sampling import (
     make_sampler,
 )
 from train.sampling.bel import BelConfig
-from train.sampling.engine import Request
 from train.sampling.collect import collect, commit_key, stored_tree_ids, tree_id_for
+from train.sampling.engine import Request
 
 _TOOL_OF = {text: tool for tool, text in ACTION_TEXTS.items()}
 
@@ -289,7 +289,7 @@ def test_budget_refuses_to_overspend() -> None:
     class Greedy(Sampler):
         name = "greedy"
 
-        def grow(self, builder: TreeBuilder) -> Iterator[Request]:
+        def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
             yield from builder.run([(0, builder.budget.n_total + 1, "x")])
 
     with pytest.raises(BudgetError):
@@ -298,7 +298,7 @@ def test_budget_refuses_to_overspend() -> None:
     class Lazy(Sampler):
         name = "lazy"
 
-        def grow(self, builder: TreeBuilder) -> Iterator[Request]:
+        def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
             yield from builder.run([(0, 1, "x")])
 
     with pytest.raises(BudgetError, match="unspent"):

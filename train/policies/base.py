@@ -16,7 +16,7 @@ stream ``stream_uniforms(seed + k, ...)`` and from nothing else: its tokens depe
 transcript, its seed and the weights, never on which other rows shared the call or on
 the batch size (up to the float reductions of batched matmuls). The rollout engine
 (``train.sampling.engine``) gives each row a seed keyed by (tree seed, node, draw). A
-backend without a ``sample_rows`` method is called once per request
+backend without a ``sample_rows`` method is called once per branch
 (``sample_rows(policy, rows, config)``), which is batch-independent too.
 """
 
@@ -109,15 +109,16 @@ def sample_rows(policy: Policy, rows: Sequence[Rows], config: SampleConfig
                 ) -> list[list[Continuation]]:
     """``rows[i].n`` continuations of each request (``config.n`` and ``config.seed`` are
     ignored): one ``policy.sample_rows`` call when the backend has one, else one
-    ``policy.sample`` call per request, seeded with the request's seed."""
+    ``policy.sample`` call per branch, branch k seeded ``seed + k`` (batch-independent
+    too, but without batching or a shared prefix)."""
     if not rows:
         return []
     method = getattr(policy, "sample_rows", None)
     if callable(method):
         out: list[list[Continuation]] = method(rows, config)
-    else:
-        out = [policy.sample([r.transcript], replace(config, n=r.n, seed=r.seed))[0]
-               for r in rows]
+    else:  # branch by branch, so a request split in parts draws what the whole would
+        out = [[policy.sample([r.transcript], replace(config, n=1, seed=r.seed + k))[0][0]
+                for k in range(r.n)] for r in rows]
     if len(out) != len(rows) or any(len(o) != r.n for o, r in zip(out, rows, strict=True)):
         raise RuntimeError(f"policy returned {[len(o) for o in out]} continuations for "
                            f"requests of n={[r.n for r in rows]}")

@@ -48,6 +48,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from rollout_store.tree import Tree
@@ -123,7 +124,7 @@ class Engine:
 
     def __init__(self, policy: Policy, *, max_rows: int = DEFAULT_MAX_ROWS,
                  max_programs: int = DEFAULT_MAX_PROGRAMS, tool_threads: int | None = None,
-                 tool_wait: float = 0.005) -> None:
+                 tool_wait: float = 0.05) -> None:
         if max_rows < 1 or max_programs < 1:
             raise ValueError(f"max_rows and max_programs must be >= 1, got {max_rows}, "
                              f"{max_programs}")
@@ -245,7 +246,7 @@ class Engine:
             s.begin_wave()
         try:
             trees: list[Tree] = self.run(
-                [lambda job=job: tree_program(job, self.policy) for job in jobs], on_tree)
+                [partial(tree_program, job, self.policy) for job in jobs], on_tree)
         finally:
             for s in samplers:
                 s.end_wave()
@@ -282,7 +283,7 @@ def tree_program(job: TreeJob, policy: Policy) -> Generator[Request, Any, Tree]:
     from train.sampling.base import BudgetError, TreeBuilder
 
     owned = not isinstance(job.env, Environment)
-    env: Environment = yield Work(job.env if owned else lambda: job.env)  # type: ignore[arg-type,return-value]
+    env: Environment = yield Work(job.env if owned else lambda: job.env)  # type: ignore[arg-type]
     try:
         def build() -> TreeBuilder:
             return TreeBuilder(env, policy, job.task, job.n_total, sampler=job.sampler.name,
