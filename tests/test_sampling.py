@@ -623,17 +623,23 @@ def test_collect_is_idempotent_and_resumes(tmp_path: Path) -> None:
 
 
 def test_crash_mid_collection_keeps_committed_trees(tmp_path: Path) -> None:
+    # the engine advances the trees of a wave together (4 here): crash in a later wave
+    counting = Recording(WF_POLICY)
+    collect(Store(tmp_path / "count", create=True), "workflow", counting, "group", WF_TASKS,
+            4, seed=0, run_id="x", commit_trees=2, progress=False, wave=4)
+    limit = int(0.6 * len(counting.seen))
+
     class Crashing(Recording):
         def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
                    ) -> list[list[Continuation]]:
-            if len(self.seen) > 150:
+            if len(self.seen) > limit:
                 raise KeyboardInterrupt
             return super().sample(transcripts, config)
 
     store = Store(tmp_path / "s", create=True)
     with pytest.raises(KeyboardInterrupt):
         collect(store, "workflow", Crashing(WF_POLICY), "group", WF_TASKS, 4, seed=0,
-                run_id="x", commit_trees=2, progress=False)
+                run_id="x", commit_trees=2, progress=False, wave=4)
     kept = stored_tree_ids(store, "x")
     assert kept and len(kept) % 2 == 0 and len(kept) < len(WF_TASKS)
     report = collect(store, "workflow", WF_POLICY, "group", WF_TASKS, 4, seed=0, run_id="x",
