@@ -51,6 +51,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,7 @@ from train.config import (
     write_config,
 )
 from train.credit.scores import GOLD, score_extras, score_trees
-from train.envs import ENVIRONMENTS, Environment, Task, env_class, make_env
+from train.envs import ENVIRONMENTS, Task, env_class, make_env
 from train.loss import (
     aggregate,
     behaviour_weight,
@@ -91,10 +92,11 @@ from train.loss import (
     token_loss,
     token_weights,
 )
-from train.policies.base import SampleConfig, Turn
 from train.policies.hf import HFPolicy, quiet_progress, state_dict_version
 from train.sampling import SAMPLERS, CaliperSampler, CaliperState, Sampler, make_sampler
 from train.sampling.base import mix_seed
+from train.sampling.engine import Engine, TreeJob
+from train.sampling.evaluation import run_episodes
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.pt"
@@ -312,30 +314,13 @@ def credit_for(trees: Sequence[Tree], config: TrainConfig, scores: pa.Table | No
 
 def evaluate(policy: HFPolicy, env_name: str, tasks: Sequence[Task], greedy: bool,
              max_new_tokens: int, seed: int) -> float:
-    """Success rate of one rollout per task, all tasks stepped in lockstep (one batched
-    ``sample`` call per step); greedy = top_p 1e-9 (HFPolicy keeps the top token)."""
+    """Success rate of one rollout per task through the rollout engine (the one
+    evaluation, ``train.sampling.evaluation.run_episodes``); greedy = top_p 1e-9
+    (HFPolicy keeps the top token)."""
     if not tasks:
         return float("nan")
-    envs: list[Environment] = [make_env(env_name) for _ in tasks]
-    turns: list[list[Turn]] = [[("prompt", e.reset(t))] for e, t in zip(envs, tasks, strict=True)]
-    active = list(range(len(tasks)))
-    success = [0.0] * len(tasks)
-    for step in range(max(t.max_steps for t in tasks)):
-        if not active:
-            break
-        config = SampleConfig(n=1, max_new_tokens=max_new_tokens,
-                              top_p=1e-9 if greedy else 1.0, seed=mix_seed(seed, "eval", step))
-        conts = policy.sample([turns[i] for i in active], config)
-        still = []
-        for i, [cont] in zip(active, conts, strict=True):
-            result = envs[i].step(cont.text)
-            turns[i] += [("action", cont.text), ("observation", result.observation)]
-            if result.done:
-                success[i] = float(result.reward_parts.get("reward", 0.0) >= 1.0)
-            elif step + 1 < tasks[i].max_steps:
-                still.append(i)
-        active = still
-    return float(np.mean(success))
+    return run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens,
+                        greedy=greedy).success_rate
 
 
 # ------------------------------------------------------------------------------ loop
@@ -433,11 +418,12 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
         picks = rng.choice(len(train_tasks), size=min(config.tasks_per_step, len(train_tasks)),
                            replace=False)
         model.eval()
-        mine = [sampler.sample_tree(env, current, train_tasks[i], config.n_total,
-                                    seed=mix_seed(config.seed, "tree", it, j),
-                                    tree_id=f"{run_id}/it{it:06d}/{j:03d}",
-                                    run_id=run_id)
-                for j, i in enumerate(picks) if world.owns(j)]  # DDP: tree j on rank j mod W
+        # one wavefront: every tree of the iteration advanced together by the engine
+        mine = Engine(current).sample_trees([
+            TreeJob(sampler, partial(make_env, config.env), train_tasks[i], config.n_total,
+                    seed=mix_seed(config.seed, "tree", it, j),
+                    tree_id=f"{run_id}/it{it:06d}/{j:03d}", run_id=run_id)
+            for j, i in enumerate(picks) if world.owns(j)])  # DDP: tree j on rank j mod W
         trees = dp.gather_shards(world, mine, len(picks))  # DDP: every tree on every rank
         t1 = time.perf_counter()
         # 3. commit with policy_version / policy_ref of these weights (DDP: rank 0 commits

@@ -17,10 +17,19 @@ Sampling (``HFPolicy.sample``), one agent step per transcript:
   3. for ``n > 1`` the cache and the last logits are expanded to the ``n`` branches
      (``DynamicCache.batch_repeat_interleave``): branch 0 reports the prompt's
      ``prefill_tokens``, branches 1..n-1 report 0, and no branch recomputes its prefix;
-  4. decoding runs one token per forward for every unfinished row; a row finishes when
+  4. each branch draws its tokens by inversion from its own counter-based stream
+     (``Rows.seed + k``, ``train.policies.base.stream_uniforms``), so a row's tokens do
+     not depend on the other rows of the batch (``sample_rows`` takes requests with
+     different ``n``; ``sample`` seeds transcript i from ``config.seed`` and i);
+  5. decoding runs one token per forward for every unfinished row; a row finishes when
      its text so far contains a stop string (``</tool_call>``, ``</answer>``) or it
      emits an end-of-sequence token, and finished rows are dropped from the cache
      (``batch_select_indices``).
+
+Threads. On CPU the constructor sets torch's threads (``configure_threads``):
+``$RTREES_THREADS``, else ``$OMP_NUM_THREADS`` as torch read it, else one thread for a
+model under ``SMALL_MODEL_PARAMS`` (the tiny model: several threads only spin) and the
+usable CPUs (``os.sched_getaffinity``) otherwise.
 
 Per-token values. ``logprobs[i]`` and ``entropies[i]`` are those of the model's
 untempered next-token distribution softmax(z), the policy that ``score`` evaluates,
@@ -37,6 +46,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -165,6 +175,40 @@ def quiet_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+SMALL_MODEL_PARAMS = 20_000_000
+"""Below this many parameters a CPU forward is too small to split over threads."""
+THREADS_ENV = "RTREES_THREADS"
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (``os.sched_getaffinity``: a container's or a
+    ``taskset``'s share, not the machine's count)."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def auto_threads(n_params: int, cpus: int | None = None) -> int:
+    """Torch threads for a model of ``n_params`` on CPU: 1 for a small model (its
+    matmuls are too small to split: extra threads only spin, and on a shared machine
+    they burn several times the CPU for the same work), else every usable CPU."""
+    cpus = usable_cpus() if cpus is None else cpus
+    return 1 if n_params < SMALL_MODEL_PARAMS else max(1, cpus)
+
+
+def configure_threads(model: torch.nn.Module) -> int:
+    """Set torch's intra-op threads for ``model`` on CPU and return them: ``$RTREES_THREADS``
+    when set, else ``$OMP_NUM_THREADS`` when set (left as torch read it), else
+    ``auto_threads``; never more than the usable CPUs."""
+    if os.environ.get(THREADS_ENV):
+        threads = int(os.environ[THREADS_ENV])
+    elif os.environ.get("OMP_NUM_THREADS"):
+        return int(torch.get_num_threads())
+    else:
+        threads = auto_threads(sum(p.numel() for p in model.parameters()))
+    threads = max(1, min(threads, usable_cpus()))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def _row_seed(base: int, index: int) -> int:
     """The stream seed of transcript ``index`` of a ``sample`` call seeded ``base``."""
     digest = hashlib.sha256(f"{base}\x1f{index}".encode()).digest()
@@ -214,6 +258,8 @@ class HFPolicy:
         self._version = version
         self._token_texts: list[str] | None = None
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            configure_threads(model)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                           else tokenizer.eos_token_id if tokenizer.eos_token_id is not None
                           else 0)

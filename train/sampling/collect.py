@@ -256,7 +256,8 @@ def _init_worker(env: str, policy: str | PolicyFactory, sampler: Sampler, thread
         # Each worker's share of the cores, as Ray gives an actor (OMP_NUM_THREADS=num_cpus):
         # torch's default of one thread per core in every worker oversubscribes the
         # machine (measured: 2 workers x 2 threads on 2 busy cores, 0.5x one process).
-        sys.modules["torch"].set_num_threads(threads)
+        torch = sys.modules["torch"]  # the policy chose its threads (hf.configure_threads)
+        torch.set_num_threads(max(1, min(threads, torch.get_num_threads())))
 
 
 def _worker_chunk(tasks: list[Task], n_total: int, seed: int, run_id: str) -> list[Tree]:
@@ -346,18 +347,18 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
             # bucket counts carry over from wave to wave)
             per_wave = max(1, wave // commit_trees)
             for w0 in range(0, len(chunks), per_wave):
-                wave = chunks[w0:w0 + per_wave]
-                flat = [task for chunk in wave for task in chunk]
-                owner = [c for c, chunk in enumerate(wave) for _ in chunk]
-                got: list[dict[int, Tree]] = [{} for _ in wave]
+                group = chunks[w0:w0 + per_wave]
+                flat = [task for chunk in group for task in chunk]
+                owner = [c for c, chunk in enumerate(group) for _ in chunk]
+                got: list[dict[int, Tree]] = [{} for _ in group]
 
-                def on_tree(i: int, tree: Tree, wave: list[list[Task]] = wave,
+                def on_tree(i: int, tree: Tree, group: list[list[Task]] = group,
                             owner: list[int] = owner, got: list[dict[int, Tree]] = got
                             ) -> None:
                     c = owner[i]
                     got[c][i] = tree
                     advance(1)
-                    if len(got[c]) == len(wave[c]):
+                    if len(got[c]) == len(group[c]):
                         commit([got[c][j] for j in sorted(got[c])])
 
                 sample_trees(env, pol, samp, flat, n_total, seed, run_id, on_tree)
