@@ -1,4 +1,4 @@
-"""The rollout engine every sampler shares: one task and a budget ``n_total`` in, one ``Tree`` out.
+"""The tree builder every sampler shares: one task and a budget ``n_total`` in, one ``Tree`` out.
 
 Node model (DESIGN.md section 3):
 
@@ -37,10 +37,14 @@ from v's snapshot, calls the environment's optional ``reseed(key)`` hook (a
 fresh outcome stream per rollout, so sibling rollouts of a stochastic world
 differ; deterministic tools have no such hook and need none) and continues the
 transcript of v's path, which the policy receives as a prefix and never
-regenerates. Rollouts run in lockstep: each round asks the policy for the next
-step of every live rollout at once (one ``sample`` call per distinct ``n``), so
-a batched backend sees the whole frontier; the environment is restored from the
-branch's last snapshot before each step (skipped when it is already there).
+regenerates. Rollouts run in lockstep: each round asks for the next step of
+every live rollout of the tree at once (one ``Decode`` of the rollout engine,
+``train.sampling.engine``, which batches it with the rounds of every other tree in
+flight); each row's random stream is keyed by (seed, node, draw), so a tree does
+not depend on its batch; the environment is restored from the branch's last
+snapshot before each step (skipped when it is already there). ``TreeBuilder.run``
+and ``Sampler.grow`` are generators (programs of the engine): a sampler writes
+``leaves = yield from builder.run(starts)``.
 
 The continuation primitive. Every piece of code that continues an episode from a
 node (``TreeBuilder``, the Mean@k reference job ``train.sampling.references``, the
@@ -50,8 +54,7 @@ the environment's ``reseed(key)`` hook (one key per rollout, from ``mix_seed``, 
 one seeding scheme), ``step`` takes one action and extends the transcript, and the
 step limit is the one rule of ``Continuing.at_limit``: a rollout is cut (truncated)
 when it is not done and its depth (the node's depth plus the steps taken) reached
-``max_steps``. ``sample_round`` is the lockstep policy call (one ``sample`` per distinct
-``n``); ``load_starts`` reads the ``NodeStart`` of stored nodes (``step_limit``).
+``max_steps``. ``load_starts`` reads the ``NodeStart`` of stored nodes (``step_limit``).
 """
 
 from __future__ import annotations
@@ -231,24 +234,6 @@ class Continuing:
         self.turns += [("action", action), ("observation", result.observation)]
         self.last = result
         return result
-
-
-def sample_round(policy: Policy, requests: Sequence[tuple[int, Sequence[Turn]]],
-                 config_for: Callable[[int], SampleConfig]) -> list[list[Continuation]]:
-    """One lockstep round: ``n`` continuations of each ``(n, transcript)`` request, with one
-    ``policy.sample`` call per distinct ``n`` (ascending; ``config_for(n)`` gives its
-    ``SampleConfig``), so a batched backend sees the whole frontier. Rows in request
-    order."""
-    out: list[list[Continuation]] = [[] for _ in requests]
-    for n in sorted({n for n, _ in requests}):
-        rows = [i for i, (m, _) in enumerate(requests) if m == n]
-        got = policy.sample([requests[i][1] for i in rows], config_for(n))
-        if len(got) != len(rows) or any(len(o) != n for o in got):
-            raise RuntimeError(f"policy returned {[len(o) for o in got]} continuations "
-                               f"for {len(rows)} transcripts with n={n}")
-        for i, o in zip(rows, got, strict=True):
-            out[i] = o
-    return out
 
 
 @dataclass(frozen=True)
@@ -621,4 +606,4 @@ class Sampler(ABC):
 __all__ = ["DEFAULT_MAX_STEPS", "SAMPLER_NAMES", "Budget", "BudgetError", "ContinuationError",
            "Continuing", "NodeStart", "OnStep", "Sampler", "SamplerConfig", "SamplerName", "Start",
            "TreeBuilder", "action_segments", "head_entropy", "load_starts", "mix_seed",
-           "reseed_env", "sample_round", "step_limit", "token_char_starts"]
+           "reseed_env", "step_limit", "token_char_starts"]
