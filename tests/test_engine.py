@@ -213,3 +213,29 @@ def test_programs_get_their_answers_in_their_own_order() -> None:
 
     with pytest.raises(ZeroDivisionError):
         Engine(UniformWorkflowPolicy()).run([lambda: program(0), failing])
+
+
+def test_engine_closes_the_environments_it_made_even_on_failure(calc_policy: Any) -> None:
+    closed: list[int] = []
+
+    class Closing(SlowEnv):
+        def close(self) -> None:
+            closed.append(1)
+
+    active, lock = [0, 0], threading.Lock()
+    samp = make_sampler("group", max_new_tokens=24)
+    jobs = [TreeJob(samp, lambda: Closing(0.0, active, lock), task, 2, seed=i, tree_id=f"c/{i}")
+            for i, task in enumerate(CALC_TASKS)]
+    Engine(calc_policy).sample_trees(jobs)
+    assert len(closed) == len(CALC_TASKS)
+
+    class Broken:
+        policy_version, policy_ref = "broken", None
+
+        def sample(self, transcripts: Any, config: Any) -> Any:
+            raise RuntimeError("policy died")
+
+    closed.clear()
+    with pytest.raises(RuntimeError, match="policy died"):
+        Engine(Broken()).sample_trees(jobs)  # type: ignore[arg-type]
+    assert len(closed) == len(CALC_TASKS)

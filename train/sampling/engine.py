@@ -194,6 +194,7 @@ class Engine:
             except BaseException:
                 for fut in futures:
                     fut.cancel()
+                cf.wait(list(futures))  # work already running ends before its env closes
                 for prog in live.values():
                     prog.close()
                 raise
