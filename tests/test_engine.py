@@ -239,3 +239,45 @@ def test_engine_closes_the_environments_it_made_even_on_failure(calc_policy: Any
     with pytest.raises(RuntimeError, match="policy died"):
         Engine(Broken()).sample_trees(jobs)  # type: ignore[arg-type]
     assert len(closed) == len(CALC_TASKS)
+
+
+def test_the_prefix_cache_changes_no_token_and_saves_prefill() -> None:
+    """The HF backend's cross-call prefix cache: the same trees as a full prefill every
+    step (logprobs within LOGPROB_TOL), fewer prefix tokens computed, and emptied when
+    the weights change."""
+    import torch
+
+    from train.policies.base import Continuation
+
+    seen: dict[str, list[int]] = {"off": [], "on": []}
+
+    def trees(mib: float, tag: str) -> list[Tree]:
+        policy = load_tiny_policy("calc", prefix_cache_mib=mib)
+        original = policy.sample_rows
+
+        def spy(rows: Any, config: Any) -> list[list[Continuation]]:
+            got = original(rows, config)
+            seen[tag] += [c.prefill_tokens for conts in got for c in conts]
+            return got
+
+        policy.sample_rows = spy  # type: ignore[method-assign]
+        jobs = [TreeJob(make_sampler("bel", max_new_tokens=32), lambda: make_env("calc"),
+                        task, 8, seed=i, tree_id=f"p/{i}") for i, task in enumerate(CALC_TASKS)]
+        return Engine(policy).sample_trees(jobs)
+
+    off, on = trees(0, "off"), trees(64, "on")
+    for a, b in zip(off, on, strict=True):
+        diff, worst = differences(a, b)
+        assert diff == [] and worst < LOGPROB_TOL
+    assert sum(seen["on"]) < 0.6 * sum(seen["off"])
+    policy = load_tiny_policy("calc")
+    t: list[Turn] = [("prompt", make_env("calc").reset(CALC_TASKS[0]))]
+    n = len(policy.prompt_ids(t))
+    policy.sample_rows([Rows(t, 2, 5)], SampleConfig(max_new_tokens=16))
+    assert policy.prefix_cache is not None
+    before = policy.prefix_cache.tokens
+    assert before > 2 * n + 4
+    with torch.no_grad():
+        next(policy.model.parameters()).add_(0.0)  # an in-place update of the weights
+    policy.sample_rows([Rows(t, 1, 6)], SampleConfig(max_new_tokens=4))
+    assert policy.prefix_cache.tokens <= 2 * n + 4  # only what the second call stored

@@ -26,6 +26,16 @@ Sampling (``HFPolicy.sample``), one agent step per transcript:
      emits an end-of-sequence token, and finished rows are dropped from the cache
      (``batch_select_indices``).
 
+Prefix cache across calls. The keys/values every row computed (its prompt, and its
+prompt plus the step it generated) are kept in a ``PrefixCache`` (``prefix_cache_mib``,
+least recently used out; emptied whenever the weights change in place), and a later
+prompt is prefilled from its longest cached proper prefix: the next step of a rollout
+computes only its new observation (and the re-rendered action when its tokens differ),
+not the whole transcript. The row's cached part sits left of its new tokens, with
+padding between (masked) and positions continuing the cached ones. The tokens are the
+same as with a full prefill (logprobs equal up to float summation order, ~1e-6);
+``prefill_tokens`` counts what was computed. ``prefix_cache_mib=0`` turns it off.
+
 Threads. On CPU the constructor sets torch's threads (``configure_threads``):
 ``$RTREES_THREADS``, else ``$OMP_NUM_THREADS`` as torch read it, else one thread for a
 model under ``SMALL_MODEL_PARAMS`` (the tiny model: several threads only spin) and the
@@ -48,6 +58,7 @@ import hashlib
 import json
 import os
 import secrets
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -57,6 +68,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from train.policies.base import (
@@ -234,6 +246,79 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 
 
+_HASH_MOD = (1 << 61) - 1
+_HASH_MUL = 1_000_003
+
+
+def _prefix_hashes(ids: Sequence[int]) -> list[int]:
+    """h[L] = polynomial hash of ids[:L] (L = 0..len(ids))."""
+    out = [0]
+    h = 0
+    for t in ids:
+        h = (h * _HASH_MUL + t + 1) % _HASH_MOD
+        out.append(h)
+    return out
+
+
+class PrefixCache:
+    """Key/value tensors of token sequences computed before, reused as the prefix of later
+    prompts (the next step of a rollout continues the transcript its last step ended).
+
+    ``get(ids)`` returns the longest stored sequence that is a proper prefix of ``ids``
+    (at least one token is left to compute) with its per-layer (K, V), each (H, L, D);
+    least recently used entries go once they hold more than ``max_bytes``. ``stamp`` is
+    the weights' in-place version counters: any update of the weights empties the cache.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, int],
+                                   tuple[tuple[int, ...], list[Any], int]] = OrderedDict()
+        self._lengths: dict[int, int] = {}  # length -> entries of that length
+        self.tokens = self.bytes = 0
+        self.stamp: tuple[int, ...] | None = None
+
+    def check(self, stamp: tuple[int, ...]) -> None:
+        if stamp != self.stamp:
+            self._entries.clear()
+            self._lengths.clear()
+            self.tokens = self.bytes = 0
+            self.stamp = stamp
+
+    def get(self, ids: Sequence[int]) -> tuple[int, list[Any] | None]:
+        if not self._entries:
+            return 0, None
+        hashes = _prefix_hashes(ids)
+        for length in sorted((n for n in self._lengths if n < len(ids)), reverse=True):
+            key = (length, hashes[length])
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == tuple(ids[:length]):
+                self._entries.move_to_end(key)
+                return length, entry[1]
+        return 0, None
+
+    def put(self, ids: Sequence[int], layers: list[Any]) -> None:
+        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for k, v in layers)
+        if not ids or size > self.max_bytes:
+            return
+        key = (len(ids), _prefix_hashes(ids)[-1])
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        self._entries[key] = (tuple(ids), layers, size)
+        self._lengths[len(ids)] = self._lengths.get(len(ids), 0) + 1
+        self.tokens += len(ids)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            (length, _), (_, _, dropped) = self._entries.popitem(last=False)
+            self.tokens -= length
+            self.bytes -= dropped
+            self._lengths[length] -= 1
+            if not self._lengths[length]:
+                del self._lengths[length]
+
+
 class HFPolicy:
     """A transformers causal LM behind the ``Policy`` protocol (module docstring).
 
@@ -247,9 +332,12 @@ class HFPolicy:
     def __init__(self, model: Any, tokenizer: Any, *, ref: str | None = None,
                  version: str | None = None, observation_role: ObservationRole = "user",
                  system: str | None = None, tools: list[dict[str, Any]] | None = None,
-                 max_batch: int = 128, stop_strings: Sequence[str] = STOP_STRINGS) -> None:
+                 max_batch: int = 128, stop_strings: Sequence[str] = STOP_STRINGS,
+                 prefix_cache_mib: float = 256.0) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.prefix_cache = PrefixCache(int(prefix_cache_mib * 2**20)) \
+            if prefix_cache_mib > 0 else None
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer, observation_role, system, tools)
@@ -391,20 +479,81 @@ class HFPolicy:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         return ids.to(self.device), mask.to(self.device), positions.to(self.device)
 
+    def _weights_stamp(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.model.parameters())
+
+    def _prefill_inputs(self, prompts: list[list[int]], cache: DynamicCache
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """(ids, attention mask, position ids) of the tokens to prefill, with the longest
+        cached prefix of each prompt loaded into ``cache`` first, and the cached lengths.
+        Row b's layout is
+        ``[pad][cached c_b][pad][suffix s_b]`` (mask 0 on pads); positions continue the
+        cached ones, so the suffix sees exactly the context it would see recomputed."""
+        pc = self.prefix_cache
+        hits: list[tuple[int, list[Any] | None]] = [(0, None)] * len(prompts)
+        if pc is not None:
+            pc.check(self._weights_stamp())
+            hits = [pc.get(p) for p in prompts]
+        width = max(c for c, _ in hits)
+        if width == 0:
+            return (*self._left_pad(prompts), [0] * len(prompts))
+        suffixes = [p[c:] for p, (c, _) in zip(prompts, hits, strict=True)]
+        s_width = max(len(s) for s in suffixes)
+        m = len(prompts)
+        ids = torch.full((m, s_width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((m, width + s_width), dtype=torch.long)
+        positions = torch.zeros((m, s_width), dtype=torch.long)
+        for b, (suffix, (c, _)) in enumerate(zip(suffixes, hits, strict=True)):
+            ids[b, s_width - len(suffix):] = torch.tensor(suffix, dtype=torch.long)
+            mask[b, width - c:width] = 1
+            mask[b, width + s_width - len(suffix):] = 1
+            positions[b, s_width - len(suffix):] = torch.arange(c, c + len(suffix))
+        layers = len(next(kv for _, kv in hits if kv is not None))
+        for layer in range(layers):
+            ref_k, ref_v = next(kv for _, kv in hits if kv is not None)[layer]
+            keys = ref_k.new_zeros((m, ref_k.shape[0], width, ref_k.shape[2]))
+            values = ref_v.new_zeros((m, ref_v.shape[0], width, ref_v.shape[2]))
+            for b, (c, kv) in enumerate(hits):
+                if kv is not None:
+                    keys[b, :, width - c:] = kv[layer][0]
+                    values[b, :, width - c:] = kv[layer][1]
+            cache.update(keys, values, layer)
+        return (ids.to(self.device), mask.to(self.device), positions.to(self.device),
+                [c for c, _ in hits])
+
+    def _remember(self, seq: list[int], cache: DynamicCache, mask: torch.Tensor, row: int
+                  ) -> None:
+        """Store row ``row``'s keys/values of ``seq`` (its real positions, in order)."""
+        assert self.prefix_cache is not None
+        where = mask[row].nonzero().squeeze(1)
+        if len(where) < len(seq) or not seq:
+            return
+        where = where[:len(seq)]
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:  # sliding windows etc.: nothing to reuse
+                return
+            keys, values = getattr(layer, "keys"), getattr(layer, "values")  # noqa: B009
+            kv.append((keys[row][:, where], values[row][:, where]))
+        self.prefix_cache.put(seq, kv)
+
     @torch.inference_mode()
     def _sample_chunk(self, prompts: list[list[int]], ns: list[int], seeds: list[int],
                       config: SampleConfig) -> list[list[Continuation]]:
         if any(not p for p in prompts):
             raise ValueError("a transcript rendered to zero tokens")
-        ids, mask, positions = self._left_pad(prompts)
+        cache = DynamicCache(config=self.model.config)
+        ids, mask, positions, cached = self._prefill_inputs(prompts, cache)
         # Without padding the causal mask alone is right: passing no attention mask
         # lets attention skip building one at every step (a large part of a tiny
         # model's per-token cost).
         padded = bool((mask == 0).any())
-        cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask if padded else None,
                          position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=1)
+        if self.prefix_cache is not None:
+            for t, prompt in enumerate(prompts):
+                self._remember(prompt, cache, mask, t)
         logits = out.logits[:, -1, :].float()  # (m, V)
         next_pos = mask.sum(-1)  # (m,) position of each row's next token
         if any(n > 1 for n in ns):  # one prefix computation, expanded to the n branches
@@ -454,6 +603,11 @@ class HFPolicy:
                     finished[b] = True
                 else:
                     keep.append(j)
+            if self.prefix_cache is not None:  # what the rows leaving now computed
+                for j in ([j for j in range(len(rows)) if j not in set(keep)]
+                          if keep and step < config.max_new_tokens - 1 else range(len(rows))):
+                    b = rows[j]
+                    self._remember(prompts[owner[b]] + tokens[b][:-1], cache, mask, j)
             if not keep or step == config.max_new_tokens - 1:
                 break
             if len(keep) < len(rows):  # drop finished rows from the batch and the cache
@@ -476,7 +630,8 @@ class HFPolicy:
                 text=self.tokenizer.decode(text_ids, skip_special_tokens=False,
                                            clean_up_tokenization_spaces=False),
                 token_ids=ids_b, logprobs=logprobs[b], entropies=entropies[b],
-                finished=finished[b], prefill_tokens=len(prompts[t]) if k == 0 else 0,
+                finished=finished[b],
+                prefill_tokens=len(prompts[t]) - cached[t] if k == 0 else 0,
                 meta=dict(meta)))
         return results
 
