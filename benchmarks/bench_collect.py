@@ -28,9 +28,11 @@ are trees/min over ``one``'s; no target (on 2 cores the ceiling is 2x).
 
 ``--engine`` (issue 22) times, per sampler, the rollout engine (``collect.sample_trees``:
 every tree of the tasks advanced together, each decode step one policy call over every
-live row) against the tree-at-a-time path (``Sampler.sample_tree`` per task, one after
-another: each policy call decodes one tree's rows), sampling only (no store), side by
-side and alternating; it checks that both made the same trees. Targets (issue 22): at
+live row, with the HF backend's prefix cache) against the tree-at-a-time path as it ran
+before the engine (``Sampler.sample_tree`` per task, one after another, each policy call
+decoding one tree's rows, without the prefix cache; ``--baseline-cache`` gives it the
+cache, which measures the batching alone), sampling only (no store), side by side; it
+checks that both made the same trees. Targets (issue 22): at
 least 3x for ``group``, 2.5x for ``bel`` and ``caliper`` (64 tasks x n_total 16).
 ``--eval N`` times held-out evaluation of N calc tasks (one episode each) through the
 engine (``train.sampling.evaluation.run_episodes``) against the loop the trainer had
@@ -138,6 +140,18 @@ ENGINE_TARGETS = {"group": 3.0, "bel": 2.5, "caliper": 2.5}
 EVAL_TARGET = 4.0
 
 
+def today(policy: Any, keep_cache: bool) -> Any:
+    """The policy as the old path ran it: the HF backend without its cross-call prefix
+    cache (the same weights and rendering), unless ``keep_cache``."""
+    if keep_cache or getattr(policy, "prefix_cache", None) is None:
+        return policy
+    import copy
+
+    old = copy.copy(policy)
+    old.prefix_cache = None
+    return old
+
+
 def compare_engine(args: argparse.Namespace) -> None:
     """trees/min of the engine over the tree-at-a-time path, per sampler (``--engine``)."""
     from train.envs import make_env
@@ -145,9 +159,11 @@ def compare_engine(args: argparse.Namespace) -> None:
     from train.sampling.collect import sample_trees, tree_id_for, tree_seed
 
     env, policy, what = load(args.env, args.policy, args.fallback, args.random_init)
+    baseline = today(policy, args.baseline_cache)
     tasks = env_class(env).generate_tasks(args.tasks, seed=0)
     print(f"engine vs tree at a time: {what}; {args.tasks} tasks x n_total {args.n_total}, "
-          f"max_new_tokens {args.max_new_tokens}, {args.repeat} repeats")
+          f"max_new_tokens {args.max_new_tokens}, {args.repeat} repeats; baseline prefix "
+          f"cache {'on' if args.baseline_cache else 'off (today)'}")
     rows = []
     for name in args.samplers:
         t_one, t_engine = Timings("tree at a time"), Timings("engine")
@@ -157,7 +173,7 @@ def compare_engine(args: argparse.Namespace) -> None:
             sampler = make_sampler(name, **params)
             start = time.perf_counter()
             one_env = make_env(env)
-            alone = [sampler.sample_tree(one_env, policy, task, args.n_total,
+            alone = [sampler.sample_tree(one_env, baseline, task, args.n_total,
                                          seed=tree_seed(rep, task.task_id),
                                          tree_id=tree_id_for("b", rep, task.task_id),
                                          run_id="b") for task in tasks]
@@ -227,7 +243,8 @@ def compare_eval(args: argparse.Namespace) -> None:
     rates: dict[str, list[float]] = {"old loop": [], "engine": []}
     for rep in range(args.repeat):
         start = time.perf_counter()
-        rates["old loop"].append(_old_evaluate(policy, env, tasks, rep, args.max_new_tokens))
+        rates["old loop"].append(_old_evaluate(today(policy, args.baseline_cache), env, tasks,
+                                               rep, args.max_new_tokens))
         old.seconds.append(time.perf_counter() - start)
         start = time.perf_counter()
         rates["engine"].append(run_episodes(policy, env, tasks, seed=rep,
@@ -260,6 +277,9 @@ def main() -> None:
     ap.add_argument("--commit-trees", type=int, default=2)
     ap.add_argument("--engine", action="store_true",
                     help="The engine vs tree at a time, per sampler (module docstring).")
+    ap.add_argument("--baseline-cache", action="store_true",
+                    help="Give the baselines the HF prefix cache too (the engine's batching "
+                         "alone); by default they run without it, as before the engine.")
     ap.add_argument("--eval", type=int, default=0,
                     help="Time held-out evaluation of this many calc tasks instead.")
     args = ap.parse_args()
