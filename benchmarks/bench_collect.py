@@ -26,6 +26,22 @@ actors' start is inside each timing). Workers need the policy as a spec, so this
 takes ``--policy`` on ``--env`` (``tabular`` on workflow with ``--fallback``). Ratios
 are trees/min over ``one``'s; no target (on 2 cores the ceiling is 2x).
 
+``--engine`` (issue 22) times, per sampler, the rollout engine (``collect.sample_trees``:
+every tree of the tasks advanced together, each decode step one policy call over every
+live row, with the HF backend's prefix cache) against the tree-at-a-time path as it ran
+before the engine (``Sampler.sample_tree`` per task, one after another, each policy call
+decoding one tree's rows, without the prefix cache; ``--baseline-cache`` gives it the
+cache, which measures the batching alone), sampling only (no store), side by side; it
+checks that both made the same trees. Targets (issue 22): at
+least 3x for ``group``, 2.5x for ``bel`` and ``caliper`` (64 tasks x n_total 16).
+``--eval N`` times held-out evaluation of N calc tasks (one episode each) through the
+engine (``train.sampling.evaluation.run_episodes``) against the loop the trainer had
+before it (``_old_evaluate``, kept here only as the baseline: lockstep, one ``sample``
+call per step over every live task, environments stepped one after another). Target:
+at least 4x (200 tasks).
+
+    .venv/bin/python benchmarks/bench_collect.py --engine --tasks 64 --n-total 16 --repeat 1
+    .venv/bin/python benchmarks/bench_collect.py --eval 200 --repeat 3
     .venv/bin/python benchmarks/bench_collect.py [--tasks 16 --n-total 16 --repeat 3]
         [--env calc --policy tiny] [--random-init --max-new-tokens 32] [--fallback]
     .venv/bin/python benchmarks/bench_collect.py --executors one processes ray --workers 2
@@ -120,6 +136,128 @@ def compare_executors(args: argparse.Namespace) -> None:
                  f"x {base.name} (min)", f"x {base.name} (median)"], rows)
 
 
+ENGINE_TARGETS = {"group": 3.0, "bel": 2.5, "caliper": 2.5}
+EVAL_TARGET = 4.0
+
+
+def today(policy: Any, keep_cache: bool) -> Any:
+    """The policy as the old path ran it: the HF backend without its cross-call prefix
+    cache (the same weights and rendering), unless ``keep_cache``."""
+    if keep_cache or getattr(policy, "prefix_cache", None) is None:
+        return policy
+    import copy
+
+    old = copy.copy(policy)
+    old.prefix_cache = None
+    return old
+
+
+def compare_engine(args: argparse.Namespace) -> None:
+    """trees/min of the engine over the tree-at-a-time path, per sampler (``--engine``)."""
+    from train.envs import make_env
+    from train.sampling import make_sampler
+    from train.sampling.collect import sample_trees, tree_id_for, tree_seed
+
+    env, policy, what = load(args.env, args.policy, args.fallback, args.random_init)
+    baseline = today(policy, args.baseline_cache)
+    tasks = env_class(env).generate_tasks(args.tasks, seed=0)
+    print(f"engine vs tree at a time: {what}; {args.tasks} tasks x n_total {args.n_total}, "
+          f"max_new_tokens {args.max_new_tokens}, {args.repeat} repeats; baseline prefix "
+          f"cache {'on' if args.baseline_cache else 'off (today)'}")
+    rows = []
+    for name in args.samplers:
+        t_one, t_engine = Timings("tree at a time"), Timings("engine")
+        same = True
+        for rep in range(args.repeat):
+            params = {"max_new_tokens": args.max_new_tokens}
+            sampler = make_sampler(name, **params)
+            start = time.perf_counter()
+            one_env = make_env(env)
+            alone = [sampler.sample_tree(one_env, baseline, task, args.n_total,
+                                         seed=tree_seed(rep, task.task_id),
+                                         tree_id=tree_id_for("b", rep, task.task_id),
+                                         run_id="b") for task in tasks]
+            one_env.close()
+            t_one.seconds.append(time.perf_counter() - start)
+            sampler = make_sampler(name, **params)
+            start = time.perf_counter()
+            together = sample_trees(env, policy, sampler, tasks, args.n_total, rep, "b")
+            t_engine.seconds.append(time.perf_counter() - start)
+            if name != "caliper":  # caliper's bucket counts carry over differently
+                same &= all([n.action_token_ids for n in a.nodes] ==
+                            [n.action_token_ids for n in b.nodes]
+                            for a, b in zip(alone, together, strict=True))
+        ratio = t_one.min / t_engine.min
+        rows.append([name, f"{60 * args.tasks / t_one.min:.1f}",
+                     f"{60 * args.tasks / t_engine.min:.1f}", f"{ratio:.2f}",
+                     f"{t_one.median / t_engine.median:.2f}",
+                     "yes" if same else ("-" if name == "caliper" else "NO")])
+    print_table(["sampler", "trees/min one at a time", "trees/min engine", "x (min)",
+                 "x (median)", "same trees"], rows)
+    for row in rows:
+        target = ENGINE_TARGETS.get(row[0], 2.5)
+        verdict(f"collect {row[0]} engine / tree at a time", float(row[3]),
+                float(row[3]) >= target, f">= {target}")
+
+
+def _old_evaluate(policy: Any, env_name: str, tasks: list[Task], seed: int,
+                  max_new_tokens: int) -> float:
+    """The held-out loop before the engine (trainer ``evaluate``), the baseline only."""
+    from train.envs import make_env
+    from train.policies.base import SampleConfig
+    from train.sampling.base import mix_seed
+
+    envs = [make_env(env_name) for _ in tasks]
+    turns: list[list[Any]] = [[("prompt", e.reset(t))] for e, t in zip(envs, tasks, strict=True)]
+    active = list(range(len(tasks)))
+    success = [0.0] * len(tasks)
+    for step in range(max(t.max_steps for t in tasks)):
+        if not active:
+            break
+        config = SampleConfig(n=1, max_new_tokens=max_new_tokens,
+                              seed=mix_seed(seed, "eval", step))
+        conts = policy.sample([turns[i] for i in active], config)
+        still = []
+        for i, [cont] in zip(active, conts, strict=True):
+            result = envs[i].step(cont.text)
+            turns[i] += [("action", cont.text), ("observation", result.observation)]
+            if result.done:
+                success[i] = float(result.reward_parts.get("reward", 0.0) >= 1.0)
+            elif step + 1 < tasks[i].max_steps:
+                still.append(i)
+        active = still
+    for e in envs:
+        e.close()
+    return sum(success) / len(success)
+
+
+def compare_eval(args: argparse.Namespace) -> None:
+    """Held-out evaluation through the engine vs the old loop (``--eval N``)."""
+    from train.sampling.evaluation import run_episodes
+
+    env, policy, what = load("calc", args.policy, args.fallback, args.random_init)
+    tasks = env_class(env).generate_tasks(args.eval, seed=1)
+    print(f"held-out evaluation: {what}; {args.eval} tasks, max_new_tokens "
+          f"{args.max_new_tokens}, {args.repeat} repeats")
+    old, new = Timings("old loop"), Timings("engine")
+    rates: dict[str, list[float]] = {"old loop": [], "engine": []}
+    for rep in range(args.repeat):
+        start = time.perf_counter()
+        rates["old loop"].append(_old_evaluate(today(policy, args.baseline_cache), env, tasks,
+                                               rep, args.max_new_tokens))
+        old.seconds.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        rates["engine"].append(run_episodes(policy, env, tasks, seed=rep,
+                                            max_new_tokens=args.max_new_tokens).success_rate)
+        new.seconds.append(time.perf_counter() - start)
+    print_table(["", "min s", "median s", "success (mean)"],
+                [[t.name, f"{t.min:.2f}", f"{t.median:.2f}",
+                  f"{statistics.mean(rates[t.name]):.3f}"] for t in (old, new)])
+    ratio = old.min / new.min
+    verdict(f"held-out evaluation of {args.eval} tasks, engine / old loop", ratio,
+            ratio >= EVAL_TARGET, f">= {EVAL_TARGET}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="calc")
@@ -137,7 +275,20 @@ def main() -> None:
                     help="Compare executors instead of samplers (module docstring).")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--commit-trees", type=int, default=2)
+    ap.add_argument("--engine", action="store_true",
+                    help="The engine vs tree at a time, per sampler (module docstring).")
+    ap.add_argument("--baseline-cache", action="store_true",
+                    help="Give the baselines the HF prefix cache too (the engine's batching "
+                         "alone); by default they run without it, as before the engine.")
+    ap.add_argument("--eval", type=int, default=0,
+                    help="Time held-out evaluation of this many calc tasks instead.")
     args = ap.parse_args()
+    if args.engine:
+        compare_engine(args)
+        return
+    if args.eval:
+        compare_eval(args)
+        return
     if args.executors:
         compare_executors(args)
         return

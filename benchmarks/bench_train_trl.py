@@ -21,11 +21,12 @@ id of the model's generation config (TRL stops at, and keeps, eos ids). ``--fixe
 turns stopping off on both sides, so every completion is exactly ``max_new_tokens``.
 
 Our side (``train.trainer``'s own functions, in the order of one ``train`` iteration;
-``OURS_PHASES``): *sample*: ``GroupSampler.sample_tree`` per task, one task after another
-as the trainer does (a group of ``--group`` rollouts from the root: one ``HFPolicy.sample``
-call of ``group`` rows sharing the prompt's KV cache); *credit*: ``credit_for`` (the
-registry path of ``rtrees credit``, grpo); *batches*: ``build_sequences``, ``make_rows``
-(layout ``tree``: each prompt forwarded once per group), ``micro_batches``; *check*: the
+``OURS_PHASES``): *sample*: every task's ``GroupSampler`` tree in one rollout-engine call
+as the trainer does (``Engine.sample_trees``: each decode step one ``HFPolicy.sample_rows``
+call over every tree's live rows, each group sharing its prompt's KV cache); *credit*:
+``credit_for`` (the registry path of ``rtrees credit``, grpo); *batches*:
+``build_sequences``, ``make_rows`` (layout ``tree``: each prompt forwarded once per
+group), ``micro_batches``; *check*: the
 no-grad forward comparing recomputed and sampling logprobs (the trainer's default
 ``check_logprobs``); *train*: forward, ``token_loss`` (G2-G3, dual clip), ``aggregate``
 (token-mean), backward, grad clip, AdamW step; *store*: ``append_trees``,
@@ -69,6 +70,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,7 @@ from train.policies.hf import HFPolicy, state_dict_version
 from train.policies.tiny import find_checkpoint
 from train.sampling import make_sampler
 from train.sampling.base import mix_seed
+from train.sampling.engine import Engine, TreeJob
 from train.trainer import _commit_metrics, _state, credit_for, save_checkpoint
 
 CORE = ("sample", "credit", "batches", "check", "train")
@@ -156,10 +159,11 @@ class Ours:
         sample = Sample()
         clock = Clock(sample)
         model.eval()
-        trees = [self.sampler.sample_tree(self.env, self.policy, task, cfg.n_total,
-                                          seed=mix_seed(cfg.seed, "tree", it, j),
-                                          tree_id=f"{run_id}/it{it:06d}/{j:03d}", run_id=run_id)
-                 for j, task in enumerate(self.tasks)]
+        trees = Engine(self.policy).sample_trees([  # one wavefront, as the trainer does
+            TreeJob(self.sampler, partial(make_env, "calc"), task, cfg.n_total,
+                    seed=mix_seed(cfg.seed, "tree", it, j),
+                    tree_id=f"{run_id}/it{it:06d}/{j:03d}", run_id=run_id)
+            for j, task in enumerate(self.tasks)])
         clock.lap("sample")
         self.store.append_trees(trees, key=f"{run_id}:trees:{it}")
         clock.lap("store")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ from train.sampling import (
 )
 from train.sampling.bel import BelConfig
 from train.sampling.collect import collect, commit_key, stored_tree_ids, tree_id_for
+from train.sampling.engine import Request
 
 _TOOL_OF = {text: tool for tool, text in ACTION_TEXTS.items()}
 
@@ -288,8 +289,8 @@ def test_budget_refuses_to_overspend() -> None:
     class Greedy(Sampler):
         name = "greedy"
 
-        def grow(self, builder: TreeBuilder) -> None:
-            builder.run([(0, builder.budget.n_total + 1, "x")])
+        def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
+            yield from builder.run([(0, builder.budget.n_total + 1, "x")])
 
     with pytest.raises(BudgetError):
         Greedy().sample_tree(make_env("workflow"), WF_POLICY, WF_TASKS[0], 4, seed=0)
@@ -297,8 +298,8 @@ def test_budget_refuses_to_overspend() -> None:
     class Lazy(Sampler):
         name = "lazy"
 
-        def grow(self, builder: TreeBuilder) -> None:
-            builder.run([(0, 1, "x")])
+        def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
+            yield from builder.run([(0, 1, "x")])
 
     with pytest.raises(BudgetError, match="unspent"):
         Lazy().sample_tree(make_env("workflow"), WF_POLICY, WF_TASKS[0], 4, seed=0)
@@ -622,17 +623,23 @@ def test_collect_is_idempotent_and_resumes(tmp_path: Path) -> None:
 
 
 def test_crash_mid_collection_keeps_committed_trees(tmp_path: Path) -> None:
+    # the engine advances the trees of a wave together (4 here): crash in a later wave
+    counting = Recording(WF_POLICY)
+    collect(Store(tmp_path / "count", create=True), "workflow", counting, "group", WF_TASKS,
+            4, seed=0, run_id="x", commit_trees=2, progress=False, wave=4)
+    limit = int(0.6 * len(counting.seen))
+
     class Crashing(Recording):
         def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
                    ) -> list[list[Continuation]]:
-            if len(self.seen) > 150:
+            if len(self.seen) > limit:
                 raise KeyboardInterrupt
             return super().sample(transcripts, config)
 
     store = Store(tmp_path / "s", create=True)
     with pytest.raises(KeyboardInterrupt):
         collect(store, "workflow", Crashing(WF_POLICY), "group", WF_TASKS, 4, seed=0,
-                run_id="x", commit_trees=2, progress=False)
+                run_id="x", commit_trees=2, progress=False, wave=4)
     kept = stored_tree_ids(store, "x")
     assert kept and len(kept) % 2 == 0 and len(kept) < len(WF_TASKS)
     report = collect(store, "workflow", WF_POLICY, "group", WF_TASKS, 4, seed=0, run_id="x",

@@ -65,6 +65,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ from train.config import (
 )
 from train.credit.scores import GOLD, score_trees
 from train.credit.store_io import resolve_method, token_score_kinds
-from train.envs import ENVIRONMENTS, Environment, Task, env_class, make_env
+from train.envs import ENVIRONMENTS, Task, env_class, make_env
 from train.loss import (
     aggregate,
     behaviour_weight,
@@ -111,7 +112,6 @@ from train.loss import (
     token_loss,
     token_weights,
 )
-from train.policies.base import SampleConfig, Turn
 from train.policies.hf import HFPolicy, check_finite, quiet_progress, state_dict_version
 from train.rundir import (
     META_FILE,
@@ -123,6 +123,8 @@ from train.rundir import (
 )
 from train.sampling import SAMPLERS, CaliperSampler, CaliperState, Sampler, make_sampler
 from train.sampling.base import mix_seed
+from train.sampling.engine import Engine, TreeJob
+from train.sampling.evaluation import run_episodes
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"  # structure and scalars (train.rundir.save_state)
@@ -433,30 +435,13 @@ def credit_for(trees: Sequence[Tree], config: TrainConfig, scores: pa.Table | No
 
 def evaluate(policy: HFPolicy, env_name: str, tasks: Sequence[Task], greedy: bool,
              max_new_tokens: int, seed: int) -> float:
-    """Success rate of one rollout per task, all tasks stepped in lockstep (one batched
-    ``sample`` call per step); greedy = top_p 1e-9 (HFPolicy keeps the top token)."""
+    """Success rate of one rollout per task through the rollout engine (the one
+    evaluation, ``train.sampling.evaluation.run_episodes``); greedy = top_p 1e-9
+    (HFPolicy keeps the top token)."""
     if not tasks:
         return float("nan")
-    envs: list[Environment] = [make_env(env_name) for _ in tasks]
-    turns: list[list[Turn]] = [[("prompt", e.reset(t))] for e, t in zip(envs, tasks, strict=True)]
-    active = list(range(len(tasks)))
-    success = [0.0] * len(tasks)
-    for step in range(max(t.max_steps for t in tasks)):
-        if not active:
-            break
-        config = SampleConfig(n=1, max_new_tokens=max_new_tokens,
-                              top_p=1e-9 if greedy else 1.0, seed=mix_seed(seed, "eval", step))
-        conts = policy.sample([turns[i] for i in active], config)
-        still = []
-        for i, [cont] in zip(active, conts, strict=True):
-            result = envs[i].step(cont.text)
-            turns[i] += [("action", cont.text), ("observation", result.observation)]
-            if result.done:
-                success[i] = float(result.reward_parts.get("reward", 0.0) >= 1.0)
-            elif step + 1 < tasks[i].max_steps:
-                still.append(i)
-        active = still
-    return float(np.mean(success))
+    return run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens,
+                        greedy=greedy).success_rate
 
 
 # ------------------------------------------------------------- the run directory
@@ -730,14 +715,15 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         picks = rng.choice(len(train_tasks), size=min(config.tasks_per_step, len(train_tasks)),
                            replace=False)
         model.eval()
-        mine = [sampler.sample_tree(env, current, train_tasks[i], config.n_total,
-                                    seed=mix_seed(config.seed, "tree", it, j),
-                                    tree_id=f"{run_id}/it{it:06d}/{j:03d}",
-                                    run_id=run_id)
-                for j, i in enumerate(picks) if world.owns(j)]  # DDP: tree j on rank j mod W
+        # one wavefront: every tree of the iteration advanced together by the engine
+        mine = Engine(current).sample_trees([
+            TreeJob(sampler, partial(make_env, config.env), train_tasks[i], config.n_total,
+                    seed=mix_seed(config.seed, "tree", it, j),
+                    tree_id=f"{run_id}/it{it:06d}/{j:03d}", run_id=run_id)
+            for j, i in enumerate(picks) if world.owns(j)])  # DDP: tree j on rank j mod W
         if config.dynamic_sampling != "off":  # Q1: groups with both outcomes (one rank)
             mine, ds = _dynamic_sampling(mine, [int(i) for i in picks], train_tasks, sampler,
-                                         env, current, config, it)
+                                         current, config, it)
             metrics.update(ds)
         n_trees = len(picks) if config.dynamic_sampling == "off" else len(mine)
         trees = dp.gather_shards(world, mine, n_trees)  # DDP: every tree on every rank
@@ -977,14 +963,16 @@ def _mixed(tree: Tree) -> bool:
 
 
 def _dynamic_sampling(trees: list[Tree], picks: Sequence[int], tasks: Sequence[Task],
-                      sampler: Sampler, env: Environment, policy: HFPolicy,
-                      config: TrainConfig, it: int) -> tuple[list[Tree], dict[str, float]]:
+                      sampler: Sampler, policy: HFPolicy, config: TrainConfig, it: int
+                      ) -> tuple[list[Tree], dict[str, float]]:
     """Q1 (DAPO's dynamic sampling): each tree without both outcomes is resampled with new
     seeds (``resample``: up to ``dynamic_rounds`` more trees, the last one kept) or dropped
-    (``drop``). Returns the kept trees (iteration order) and the extra-budget metrics; the
-    discarded trees are not committed but their rollouts and tool steps are counted."""
+    (``drop``). Each round resamples every tree still without both outcomes in one engine
+    wavefront; tree j's round-r seed is keyed by (it, j, r), so its content does not depend
+    on which others were resampled with it. Returns the kept trees (iteration order) and
+    the extra-budget metrics; the discarded trees are not committed but their rollouts and
+    tool steps are counted."""
     run_id = config.resolved_run_id
-    kept: list[Tree] = []
     extra = {"ds_dropped_trees": 0.0, "ds_extra_trees": 0.0, "ds_extra_rollouts": 0.0,
              "ds_extra_tool_steps": 0.0}
 
@@ -992,25 +980,32 @@ def _dynamic_sampling(trees: list[Tree], picks: Sequence[int], tasks: Sequence[T
         extra["ds_extra_rollouts"] += sign * sum(n.reward is not None for n in tree.leaves())
         extra["ds_extra_tool_steps"] += sign * sum(n.tool_calls or 0 for n in tree.nodes)
 
-    for j, (i, tree) in enumerate(zip(picks, trees, strict=True)):
-        rounds = config.dynamic_rounds if config.dynamic_sampling == "resample" else 0
-        for r in range(1, rounds + 1):
-            if _mixed(tree):
-                break
-            discard(tree)
+    current = list(trees)
+    rounds = config.dynamic_rounds if config.dynamic_sampling == "resample" else 0
+    for r in range(1, rounds + 1):
+        redo = [j for j, tree in enumerate(current) if not _mixed(tree)]
+        if not redo:
+            break
+        for j in redo:
+            discard(current[j])
             extra["ds_extra_trees"] += 1.0
-            tree = sampler.sample_tree(env, policy, tasks[i], config.n_total,
-                                       seed=mix_seed(config.seed, "tree", it, j, "ds", r),
-                                       tree_id=f"{run_id}/it{it:06d}/{j:03d}-ds{r}",
-                                       run_id=run_id)
+        fresh = Engine(policy).sample_trees([
+            TreeJob(sampler, partial(make_env, config.env), tasks[picks[j]], config.n_total,
+                    seed=mix_seed(config.seed, "tree", it, j, "ds", r),
+                    tree_id=f"{run_id}/it{it:06d}/{j:03d}-ds{r}", run_id=run_id)
+            for j in redo])
+        for j, tree in zip(redo, fresh, strict=True):
+            current[j] = tree
+    kept: list[Tree] = []
+    for tree in current:
         if _mixed(tree):
             kept.append(tree)
         else:
             discard(tree)
             extra["ds_dropped_trees"] += 1.0
     if not kept:  # never train on nothing: keep the last tree sampled [R]
-        kept.append(tree)
-        discard(tree, -1.0)
+        kept.append(current[-1])
+        discard(current[-1], -1.0)
         extra["ds_dropped_trees"] -= 1.0
     return kept, extra
 

@@ -9,12 +9,21 @@ stops after a closing ``</tool_call>`` or ``</answer>`` (or at
 the transcript's prefix once and shares it across the ``n`` branches (KV-cache
 expansion for tiny/hf, prefix caching for vLLM): a branch never regenerates
 its prefix.
+
+Rows and random streams (issue 22). ``sample_rows`` takes ``Rows(transcript, n, seed)``
+requests whose ``n`` may differ, and the ``k``-th branch of a request draws from the
+stream ``stream_uniforms(seed + k, ...)`` and from nothing else: its tokens depend on its
+transcript, its seed and the weights, never on which other rows shared the call or on
+the batch size (up to the float reductions of batched matmuls). The rollout engine
+(``train.sampling.engine``) gives each row a seed keyed by (tree seed, node, draw). A
+backend without a ``sample_rows`` method is called once per branch
+(``sample_rows(policy, rows, config)``), which is batch-independent too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -66,6 +75,54 @@ class SampleConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """``n`` continuations of one transcript; branch ``k`` draws from the stream ``seed + k``."""
+
+    transcript: Transcript
+    n: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def stream_uniforms(seeds: np.ndarray, step: int) -> np.ndarray:
+    """The ``step``-th draw of each row's stream: u in [0, 1), float64, shape of ``seeds``.
+
+    A counter-based generator (SplitMix64 of ``seed + (step + 1) * golden``), so a row's
+    draws depend on its seed and the token index only, whatever rows share the batch."""
+    z = seeds.astype(np.uint64) + np.uint64(((step + 1) * 0x9E3779B97F4A7C15) & _MASK64)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def sample_rows(policy: Policy, rows: Sequence[Rows], config: SampleConfig
+                ) -> list[list[Continuation]]:
+    """``rows[i].n`` continuations of each request (``config.n`` and ``config.seed`` are
+    ignored): one ``policy.sample_rows`` call when the backend has one, else one
+    ``policy.sample`` call per branch, branch k seeded ``seed + k`` (batch-independent
+    too, but without batching or a shared prefix)."""
+    if not rows:
+        return []
+    method = getattr(policy, "sample_rows", None)
+    if callable(method):
+        out: list[list[Continuation]] = method(rows, config)
+    else:  # branch by branch, so a request split in parts draws what the whole would
+        out = [[policy.sample([r.transcript], replace(config, n=1, seed=r.seed + k))[0][0]
+                for k in range(r.n)] for r in rows]
+    if len(out) != len(rows) or any(len(o) != r.n for o, r in zip(out, rows, strict=True)):
+        raise RuntimeError(f"policy returned {[len(o) for o in out]} continuations for "
+                           f"requests of n={[r.n for r in rows]}")
+    return out
 
 
 @runtime_checkable

@@ -17,10 +17,29 @@ Sampling (``HFPolicy.sample``), one agent step per transcript:
   3. for ``n > 1`` the cache and the last logits are expanded to the ``n`` branches
      (``DynamicCache.batch_repeat_interleave``): branch 0 reports the prompt's
      ``prefill_tokens``, branches 1..n-1 report 0, and no branch recomputes its prefix;
-  4. decoding runs one token per forward for every unfinished row; a row finishes when
+  4. each branch draws its tokens by inversion from its own counter-based stream
+     (``Rows.seed + k``, ``train.policies.base.stream_uniforms``), so a row's tokens do
+     not depend on the other rows of the batch (``sample_rows`` takes requests with
+     different ``n``; ``sample`` seeds transcript i from ``config.seed`` and i);
+  5. decoding runs one token per forward for every unfinished row; a row finishes when
      its text so far contains a stop string (``</tool_call>``, ``</answer>``) or it
      emits an end-of-sequence token, and finished rows are dropped from the cache
      (``batch_select_indices``).
+
+Prefix cache across calls. The keys/values every row computed (its prompt, and its
+prompt plus the step it generated) are kept in a ``PrefixCache`` (``prefix_cache_mib``,
+least recently used out; emptied whenever the weights change in place), and a later
+prompt is prefilled from its longest cached proper prefix: the next step of a rollout
+computes only its new observation (and the re-rendered action when its tokens differ),
+not the whole transcript. The row's cached part sits left of its new tokens, with
+padding between (masked) and positions continuing the cached ones. The tokens are the
+same as with a full prefill (logprobs equal up to float summation order, ~1e-6);
+``prefill_tokens`` counts what was computed. ``prefix_cache_mib=0`` turns it off.
+
+Threads. On CPU the constructor sets torch's threads (``configure_threads``):
+``$RTREES_THREADS``, else ``$OMP_NUM_THREADS`` as torch read it, else one thread for a
+model under ``SMALL_MODEL_PARAMS`` (the tiny model: several threads only spin) and the
+usable CPUs (``os.sched_getaffinity``) otherwise.
 
 Per-token values. ``logprobs[i]`` and ``entropies[i]`` are those of the model's
 untempered next-token distribution softmax(z), the policy that ``score`` evaluates,
@@ -36,6 +55,9 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
+import secrets
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,13 +68,22 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.utils import logging as hf_logging
 
-from train.policies.base import STOP_STRINGS, Continuation, SampleConfig, Transcript
+from train.policies.base import (
+    STOP_STRINGS,
+    Continuation,
+    Rows,
+    SampleConfig,
+    Transcript,
+    stream_uniforms,
+)
 from train.rundir import DIGESTS_KEY, META_FILE, CheckpointError, read_meta, verify_checkpoint
 
 ObservationRole = Literal["user", "tool"]
 _RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+_MASK64 = (1 << 64) - 1
 
 
 def transcript_messages(transcript: Transcript, observation_role: ObservationRole = "user",
@@ -195,6 +226,56 @@ def quiet_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+SMALL_MODEL_PARAMS = 20_000_000
+"""Below this many parameters a CPU forward is too small to split over threads."""
+THREADS_ENV = "RTREES_THREADS"
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (``os.sched_getaffinity``: a container's or a
+    ``taskset``'s share, not the machine's count)."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def auto_threads(n_params: int, cpus: int | None = None) -> int:
+    """Torch threads for a model of ``n_params`` on CPU: 1 for a small model (its
+    matmuls are too small to split: extra threads only spin, and on a shared machine
+    they burn several times the CPU for the same work), else every usable CPU."""
+    cpus = usable_cpus() if cpus is None else cpus
+    return 1 if n_params < SMALL_MODEL_PARAMS else max(1, cpus)
+
+
+def configure_threads(model: torch.nn.Module) -> int:
+    """Set torch's intra-op threads for ``model`` on CPU and return them: ``$RTREES_THREADS``
+    when set, else ``$OMP_NUM_THREADS`` when set (left as torch read it), else
+    ``auto_threads``; never more than the usable CPUs."""
+    if os.environ.get(THREADS_ENV):
+        threads = int(os.environ[THREADS_ENV])
+    elif os.environ.get("OMP_NUM_THREADS"):
+        return int(torch.get_num_threads())
+    else:
+        threads = auto_threads(sum(p.numel() for p in model.parameters()))
+    threads = max(1, min(threads, usable_cpus()))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _row_seed(base: int, index: int) -> int:
+    """The stream seed of transcript ``index`` of a ``sample`` call seeded ``base``."""
+    digest = hashlib.sha256(f"{base}\x1f{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: np.ndarray) -> torch.Tensor:
+    """One token per row by inversion: the first index whose cumulative mass exceeds
+    u * total. Shapes (R, V), (R,) -> (R,) long. Rows are independent (a row's draw
+    depends on its probabilities and its own u only)."""
+    cdf = probs.double().cumsum(-1)  # (R, V)
+    target = torch.from_numpy(uniforms).to(cdf.device) * cdf[:, -1]
+    index = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)
+
+
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero the tail outside the nucleus: keep the smallest set of most likely tokens
     whose mass reaches ``top_p`` (the most likely token always stays). Shapes (B, V)."""
@@ -202,6 +283,79 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ranked above
     sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)  # rank 0 has before = 0: kept
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+_HASH_MOD = (1 << 61) - 1
+_HASH_MUL = 1_000_003
+
+
+def _prefix_hashes(ids: Sequence[int]) -> list[int]:
+    """h[L] = polynomial hash of ids[:L] (L = 0..len(ids))."""
+    out = [0]
+    h = 0
+    for t in ids:
+        h = (h * _HASH_MUL + t + 1) % _HASH_MOD
+        out.append(h)
+    return out
+
+
+class PrefixCache:
+    """Key/value tensors of token sequences computed before, reused as the prefix of later
+    prompts (the next step of a rollout continues the transcript its last step ended).
+
+    ``get(ids)`` returns the longest stored sequence that is a proper prefix of ``ids``
+    (at least one token is left to compute) with its per-layer (K, V), each (H, L, D);
+    least recently used entries go once they hold more than ``max_bytes``. ``stamp`` is
+    the weights' in-place version counters: any update of the weights empties the cache.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, int],
+                                   tuple[tuple[int, ...], list[Any], int]] = OrderedDict()
+        self._lengths: dict[int, int] = {}  # length -> entries of that length
+        self.tokens = self.bytes = 0
+        self.stamp: tuple[int, ...] | None = None
+
+    def check(self, stamp: tuple[int, ...]) -> None:
+        if stamp != self.stamp:
+            self._entries.clear()
+            self._lengths.clear()
+            self.tokens = self.bytes = 0
+            self.stamp = stamp
+
+    def get(self, ids: Sequence[int]) -> tuple[int, list[Any] | None]:
+        if not self._entries:
+            return 0, None
+        hashes = _prefix_hashes(ids)
+        for length in sorted((n for n in self._lengths if n < len(ids)), reverse=True):
+            key = (length, hashes[length])
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == tuple(ids[:length]):
+                self._entries.move_to_end(key)
+                return length, entry[1]
+        return 0, None
+
+    def put(self, ids: Sequence[int], layers: list[Any]) -> None:
+        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+                   for k, v in layers)
+        if not ids or size > self.max_bytes:
+            return
+        key = (len(ids), _prefix_hashes(ids)[-1])
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        self._entries[key] = (tuple(ids), layers, size)
+        self._lengths[len(ids)] = self._lengths.get(len(ids), 0) + 1
+        self.tokens += len(ids)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            (length, _), (_, _, dropped) = self._entries.popitem(last=False)
+            self.tokens -= length
+            self.bytes -= dropped
+            self._lengths[length] -= 1
+            if not self._lengths[length]:
+                del self._lengths[length]
 
 
 class HFPolicy:
@@ -217,9 +371,12 @@ class HFPolicy:
     def __init__(self, model: Any, tokenizer: Any, *, ref: str | None = None,
                  version: str | None = None, observation_role: ObservationRole = "user",
                  system: str | None = None, tools: list[dict[str, Any]] | None = None,
-                 max_batch: int = 128, stop_strings: Sequence[str] = STOP_STRINGS) -> None:
+                 max_batch: int = 128, stop_strings: Sequence[str] = STOP_STRINGS,
+                 prefix_cache_mib: float = 256.0) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.prefix_cache = PrefixCache(int(prefix_cache_mib * 2**20)) \
+            if prefix_cache_mib > 0 else None
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.renderer = ChatRenderer(tokenizer, observation_role, system, tools)
@@ -228,6 +385,8 @@ class HFPolicy:
         self._version = version
         self._token_texts: list[str] | None = None
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            configure_threads(model)
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                           else tokenizer.eos_token_id if tokenizer.eos_token_id is not None
                           else 0)
@@ -335,26 +494,41 @@ class HFPolicy:
 
     def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
                ) -> list[list[Continuation]]:
-        """``config.n`` continuations of each transcript, sharing each prefix's KV cache."""
-        prompts = [self.prompt_ids(t) for t in transcripts]
-        generator = torch.Generator(device=self.device)
-        if config.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(config.seed)
+        """``config.n`` continuations of each transcript, sharing each prefix's KV cache
+        (``sample_rows`` with transcript i seeded ``mix(config.seed, i)``)."""
+        base = config.seed if config.seed is not None else secrets.randbits(63)
+        return self.sample_rows([Rows(t, config.n, _row_seed(base, i))
+                                 for i, t in enumerate(transcripts)], config)
+
+    def sample_rows(self, rows: Sequence[Rows], config: SampleConfig
+                    ) -> list[list[Continuation]]:
+        """``rows[i].n`` continuations of each request in as few batches as ``max_batch``
+        allows (transcripts of any lengths, left-padded together); each request's prefix
+        is prefilled once and its KV cache expanded to its ``n`` branches, and branch k of
+        request i draws from the stream ``rows[i].seed + k`` only (``stream_uniforms``)."""
+        prompts = [self.prompt_ids(r.transcript) for r in rows]
         results: list[list[Continuation]] = [[] for _ in prompts]
-        for chunk in self._chunks(prompts, config.n):
-            for i, conts in zip(chunk, self._sample_chunk([prompts[i] for i in chunk],
-                                                          config, generator), strict=True):
+        for chunk in self._chunks(prompts, [r.n for r in rows]):
+            got = self._sample_chunk([prompts[i] for i in chunk], [rows[i].n for i in chunk],
+                                     [rows[i].seed for i in chunk], config)
+            for i, conts in zip(chunk, got, strict=True):
                 results[i] = conts
         return results
 
-    def _chunks(self, prompts: list[list[int]], n: int) -> Iterator[list[int]]:
-        """Indices of ``prompts`` sorted by length, cut into chunks of <= max_batch rows."""
+    def _chunks(self, prompts: list[list[int]], ns: Sequence[int]) -> Iterator[list[int]]:
+        """Indices of ``prompts`` sorted by length, cut into chunks of <= max_batch rows
+        (branches; a request with more branches than that is a chunk of its own)."""
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        per_chunk = max(1, self.max_batch // n)
-        for start in range(0, len(order), per_chunk):
-            yield order[start:start + per_chunk]
+        chunk: list[int] = []
+        rows = 0
+        for i in order:
+            if chunk and rows + ns[i] > self.max_batch:
+                yield chunk
+                chunk, rows = [], 0
+            chunk.append(i)
+            rows += ns[i]
+        if chunk:
+            yield chunk
 
     def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor,
                                                           torch.Tensor]:
@@ -369,29 +543,99 @@ class HFPolicy:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         return ids.to(self.device), mask.to(self.device), positions.to(self.device)
 
+    def _weights_stamp(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.model.parameters())
+
+    def _prefill_inputs(self, prompts: list[list[int]], cache: DynamicCache
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """(ids, attention mask, position ids) of the tokens to prefill, with the longest
+        cached prefix of each prompt loaded into ``cache`` first, and the cached lengths.
+        Row b's layout is
+        ``[pad][cached c_b][pad][suffix s_b]`` (mask 0 on pads); positions continue the
+        cached ones, so the suffix sees exactly the context it would see recomputed."""
+        pc = self.prefix_cache
+        hits: list[tuple[int, list[Any] | None]] = [(0, None)] * len(prompts)
+        if pc is not None:
+            pc.check(self._weights_stamp())
+            hits = [pc.get(p) for p in prompts]
+        width = max(c for c, _ in hits)
+        if width == 0:
+            return (*self._left_pad(prompts), [0] * len(prompts))
+        suffixes = [p[c:] for p, (c, _) in zip(prompts, hits, strict=True)]
+        s_width = max(len(s) for s in suffixes)
+        m = len(prompts)
+        ids = torch.full((m, s_width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((m, width + s_width), dtype=torch.long)
+        positions = torch.zeros((m, s_width), dtype=torch.long)
+        for b, (suffix, (c, _)) in enumerate(zip(suffixes, hits, strict=True)):
+            ids[b, s_width - len(suffix):] = torch.tensor(suffix, dtype=torch.long)
+            mask[b, width - c:width] = 1
+            mask[b, width + s_width - len(suffix):] = 1
+            positions[b, s_width - len(suffix):] = torch.arange(c, c + len(suffix))
+        layers = len(next(kv for _, kv in hits if kv is not None))
+        for layer in range(layers):
+            ref_k, ref_v = next(kv for _, kv in hits if kv is not None)[layer]
+            keys = ref_k.new_zeros((m, ref_k.shape[0], width, ref_k.shape[2]))
+            values = ref_v.new_zeros((m, ref_v.shape[0], width, ref_v.shape[2]))
+            for b, (c, kv) in enumerate(hits):
+                if kv is not None:
+                    keys[b, :, width - c:] = kv[layer][0]
+                    values[b, :, width - c:] = kv[layer][1]
+            cache.update(keys, values, layer)
+        return (ids.to(self.device), mask.to(self.device), positions.to(self.device),
+                [c for c, _ in hits])
+
+    def _remember(self, seq: list[int], cache: DynamicCache, mask: torch.Tensor, row: int
+                  ) -> None:
+        """Store row ``row``'s keys/values of ``seq`` (its real positions, in order)."""
+        assert self.prefix_cache is not None
+        where = mask[row].nonzero().squeeze(1)
+        if len(where) < len(seq) or not seq:
+            return
+        where = where[:len(seq)]
+        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:  # sliding windows etc.: nothing to reuse
+                return
+            keys, values = getattr(layer, "keys"), getattr(layer, "values")  # noqa: B009
+            kv.append((keys[row][:, where], values[row][:, where]))
+        self.prefix_cache.put(seq, kv)
+
     @torch.inference_mode()
-    def _sample_chunk(self, prompts: list[list[int]], config: SampleConfig,
-                      generator: torch.Generator) -> list[list[Continuation]]:
-        n = config.n
+    def _sample_chunk(self, prompts: list[list[int]], ns: list[int], seeds: list[int],
+                      config: SampleConfig) -> list[list[Continuation]]:
         if any(not p for p in prompts):
             raise ValueError("a transcript rendered to zero tokens")
-        ids, mask, positions = self._left_pad(prompts)
+        cache = DynamicCache(config=self.model.config)
+        ids, mask, positions, cached = self._prefill_inputs(prompts, cache)
         # Without padding the causal mask alone is right: passing no attention mask
         # lets attention skip building one at every step (a large part of a tiny
         # model's per-token cost).
         padded = bool((mask == 0).any())
-        cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask if padded else None,
                          position_ids=positions, cache=cache, use_cache=True,
                          logits_to_keep=1)
+        if self.prefix_cache is not None:
+            for t, prompt in enumerate(prompts):
+                self._remember(prompt, cache, mask, t)
         logits = out.logits[:, -1, :].float()  # (m, V)
         next_pos = mask.sum(-1)  # (m,) position of each row's next token
-        if n > 1:  # one prefix computation, expanded to the n branches
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-            mask = mask.repeat_interleave(n, dim=0)
-            next_pos = next_pos.repeat_interleave(n, dim=0)
-        n_rows = len(prompts) * n
+        if any(n > 1 for n in ns):  # one prefix computation, expanded to the n branches
+            if len(set(ns)) == 1:
+                cache.batch_repeat_interleave(ns[0])
+                expand = torch.arange(len(ns), device=self.device).repeat_interleave(ns[0])
+            else:
+                expand = torch.repeat_interleave(
+                    torch.arange(len(ns), device=self.device),
+                    torch.tensor(ns, device=self.device))
+                cache.batch_select_indices(expand)
+            logits, mask, next_pos = logits[expand], mask[expand], next_pos[expand]
+        owner = [t for t, n in enumerate(ns) for _ in range(n)]  # branch -> its request
+        branch = [k for n in ns for k in range(n)]
+        n_rows = len(owner)
+        stream = np.array([(seeds[t] + k) & _MASK64 for t, k in zip(owner, branch,
+                                                                     strict=True)],
+                          dtype=np.uint64)
         rows = list(range(n_rows))  # active row j -> branch index rows[j]
         tokens: list[list[int]] = [[] for _ in range(n_rows)]
         logprobs: list[list[float]] = [[] for _ in range(n_rows)]
@@ -407,7 +651,7 @@ class HFPolicy:
                      if config.temperature != 1.0 else logp.exp())
             if config.top_p < 1.0:
                 probs = _top_p_filter(probs, config.top_p)
-            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (R,)
+            chosen = _inverse_cdf(probs, stream_uniforms(stream[rows], step))  # (R,)
             chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1)
             keep: list[int] = []
             for j, (b, tok, lp, ent) in enumerate(zip(rows, chosen.tolist(), chosen_lp.tolist(),
@@ -423,6 +667,11 @@ class HFPolicy:
                     finished[b] = True
                 else:
                     keep.append(j)
+            if self.prefix_cache is not None:  # what the rows leaving now computed
+                for j in ([j for j in range(len(rows)) if j not in set(keep)]
+                          if keep and step < config.max_new_tokens - 1 else range(len(rows))):
+                    b = rows[j]
+                    self._remember(prompts[owner[b]] + tokens[b][:-1], cache, mask, j)
             if not keep or step == config.max_new_tokens - 1:
                 break
             if len(keep) < len(rows):  # drop finished rows from the batch and the cache
@@ -436,20 +685,18 @@ class HFPolicy:
             next_pos = next_pos + 1
             logits = out.logits[:, -1, :].float()
         meta = {"temperature": config.temperature, "top_p": config.top_p}
-        results: list[list[Continuation]] = []
-        for t, prompt in enumerate(prompts):
-            conts = []
-            for k in range(n):
-                b = t * n + k
-                ids_b = tokens[b]
-                text_ids = ids_b[:-1] if ids_b and ids_b[-1] in self.eos_ids else ids_b
-                conts.append(Continuation(
-                    text=self.tokenizer.decode(text_ids, skip_special_tokens=False,
-                                               clean_up_tokenization_spaces=False),
-                    token_ids=ids_b, logprobs=logprobs[b], entropies=entropies[b],
-                    finished=finished[b], prefill_tokens=len(prompt) if k == 0 else 0,
-                    meta=dict(meta)))
-            results.append(conts)
+        results: list[list[Continuation]] = [[] for _ in prompts]
+        for b in range(n_rows):
+            t, k = owner[b], branch[b]
+            ids_b = tokens[b]
+            text_ids = ids_b[:-1] if ids_b and ids_b[-1] in self.eos_ids else ids_b
+            results[t].append(Continuation(
+                text=self.tokenizer.decode(text_ids, skip_special_tokens=False,
+                                           clean_up_tokenization_spaces=False),
+                token_ids=ids_b, logprobs=logprobs[b], entropies=entropies[b],
+                finished=finished[b],
+                prefill_tokens=len(prompts[t]) - cached[t] if k == 0 else 0,
+                meta=dict(meta)))
         return results
 
     # ----- scoring --------------------------------------------------------------------

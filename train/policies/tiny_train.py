@@ -68,12 +68,12 @@ from typing import Any, Literal, cast
 
 import torch
 
-from train.envs import Task, make_env
+from train.envs import Task
 from train.envs.calc import CalcEnv
 from train.envs.sgls import SglsEnv
 from train.envs.workflow import WorkflowEnv
 from train.policies import PolicyUnavailableError
-from train.policies.base import Policy, SampleConfig, Transcript, Turn
+from train.policies.base import Policy, Transcript, Turn
 from train.policies.hf import HFPolicy, weights_version
 from train.policies.tiny import (
     COMMITTED_DIR,
@@ -391,43 +391,25 @@ class SuccessReport:
 
 def rollout_rewards(policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
                     max_new_tokens: int = 48, temperature: float = 1.0) -> list[float]:
-    """One sampled episode per task (all episodes advance together, one batched
-    ``policy.sample`` call per step); returns each episode's final reward."""
-    envs = [make_env(env_name) for _ in tasks]
-    transcripts: list[list[Turn]] = [[("prompt", env.reset(task))]
-                                     for env, task in zip(envs, tasks, strict=True)]
-    rewards = [0.0] * len(tasks)
-    active = list(range(len(tasks)))
-    step = 0
-    try:
-        while active:
-            conts = policy.sample([transcripts[i] for i in active],
-                                  SampleConfig(n=1, max_new_tokens=max_new_tokens,
-                                               temperature=temperature, seed=seed + step))
-            still = []
-            for i, (cont,) in zip(active, conts, strict=True):
-                result = envs[i].step(cont.text)
-                transcripts[i] += [("action", cont.text), ("observation", result.observation)]
-                if result.done:
-                    rewards[i] = result.reward_parts["reward"]
-                else:
-                    still.append(i)
-            active = still
-            step += 1
-    finally:
-        for env in envs:
-            env.close()
-    return rewards
+    """One sampled episode per task through the rollout engine (the house's one
+    evaluation, ``train.sampling.evaluation.run_episodes``: all episodes batched, the
+    task's step limit, environments closed); returns each episode's final reward."""
+    from train.sampling.evaluation import run_episodes
+
+    return run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens,
+                        temperature=temperature).rewards
 
 
 def success_report(policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
                    max_new_tokens: int = 48) -> SuccessReport:
     """Sampled (temperature 1) success rate per difficulty / horizon."""
-    rewards = rollout_rewards(policy, env_name, tasks, seed, max_new_tokens)
+    from train.sampling.evaluation import run_episodes
+
+    episodes = run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens)
     groups: dict[int | str, tuple[int, int]] = {}
-    for task, reward in zip(tasks, rewards, strict=True):
+    for task, success in zip(tasks, episodes.successes, strict=True):
         wins, total = groups.get(task_group(task), (0, 0))
-        groups[task_group(task)] = (wins + (reward == 1.0), total + 1)
+        groups[task_group(task)] = (wins + success, total + 1)
     return SuccessReport(groups, GROUP_NAMES[env_name])
 
 

@@ -19,6 +19,8 @@ same tokens.
   prefix was computed by an earlier call (the parent node of a tree) hits the cache.
   ``prefill_tokens`` of branch 0 is the prompt length minus the request's
   ``num_cached_tokens``; the other branches report 0.
+* Batches: ``sample_rows`` sends the rollout engine's whole wavefront (every tree's
+  requests, with their own ``n`` and row seeds) in one ``generate`` call.
 * Stops: ``stop=["</tool_call>", "</answer>"]`` with ``include_stop_str_in_output``;
   ``text`` is re-decoded from ``token_ids`` (vLLM cuts its text at the stop string,
   which may end inside the last token), as in the HF backend.
@@ -38,6 +40,7 @@ same tokens.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from train.policies import INSTALL_HINT, PolicyUnavailableError
-from train.policies.base import STOP_STRINGS, Continuation, SampleConfig, Transcript
+from train.policies.base import STOP_STRINGS, Continuation, Rows, SampleConfig, Transcript
 from train.policies.hf import ChatRenderer, ObservationRole, weights_version
 from train.rundir import DIGESTS_KEY, read_meta, verify_checkpoint
 
@@ -117,15 +120,24 @@ class VLLMPolicy:
 
     def sample(self, transcripts: Sequence[Transcript], config: SampleConfig
                ) -> list[list[Continuation]]:
-        prompts = [self.renderer.prompt_ids(t) for t in transcripts]
+        """``config.n`` continuations of each transcript (``sample_rows``; transcript i is
+        seeded ``config.seed + i * n``, so every branch of the call has its own stream)."""
+        base = config.seed if config.seed is not None else secrets.randbits(62)
+        return self.sample_rows([Rows(t, config.n, base + i * config.n)
+                                 for i, t in enumerate(transcripts)], config)
+
+    def sample_rows(self, rows: Sequence[Rows], config: SampleConfig
+                    ) -> list[list[Continuation]]:
+        """Every request in ONE ``generate`` call (the engine's whole wavefront; the prefix
+        cache shares what the requests have in common). A request is one vLLM request
+        with ``n`` = its branches and ``seed`` = its seed: vLLM seeds child k with
+        seed + k, the stream convention of ``train.policies.base.Rows``."""
+        prompts = [self.renderer.prompt_ids(r.transcript) for r in rows]
         params = [self._sampling_params(
-            n=config.n, temperature=config.temperature, top_p=config.top_p,
+            n=r.n, temperature=config.temperature, top_p=config.top_p,
             max_tokens=config.max_new_tokens, stop=list(STOP_STRINGS),
-            include_stop_str_in_output=True, logprobs=self.entropy_topk,
-            # vLLM seeds the n child requests of a request with seed + k: spacing the
-            # transcripts' seeds by n gives every branch of the call its own stream
-            seed=None if config.seed is None else config.seed + i * config.n)
-            for i in range(len(prompts))]
+            include_stop_str_in_output=True, logprobs=self.entropy_topk, seed=r.seed)
+            for r in rows]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False)
         meta = {"temperature": config.temperature, "top_p": config.top_p,

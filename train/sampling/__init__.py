@@ -2,8 +2,9 @@
 
 ``make_sampler(name, **params)`` builds one by name (``SAMPLERS``); each
 sampler's budget rules are in its module docstring, the shared rollout engine,
-node model and the one continuation primitive (``Continuing``, ``sample_round``,
-``mix_seed``) in ``train.sampling.base``, the collection job in
+node model and the one continuation primitive (``Continuing``, ``mix_seed``) in
+``train.sampling.base``, the engine that batches every tree at once in
+``train.sampling.engine``, the collection job in
 ``train.sampling.collect``, the Mean@k references in ``train.sampling.references``
 and the DSC refresh protocol in ``train.sampling.refresh``.
 
@@ -33,7 +34,6 @@ from train.sampling.base import (
     action_segments,
     head_entropy,
     mix_seed,
-    sample_round,
 )
 from train.sampling.bel import BelConfig, BelSampler, entropy_gap
 from train.sampling.caliper import CaliperConfig, CaliperSampler, CaliperState, caliper_extras
@@ -93,5 +93,4 @@ __all__ = [
     "head_entropy",
     "make_sampler",
     "mix_seed",
-    "sample_round",
 ]

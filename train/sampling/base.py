@@ -1,4 +1,4 @@
-"""The rollout engine every sampler shares: one task and a budget ``n_total`` in, one ``Tree`` out.
+"""The tree builder every sampler shares: one task and a budget ``n_total`` in, one ``Tree`` out.
 
 Node model (README, "Store schema"):
 
@@ -37,10 +37,14 @@ from v's snapshot, calls the environment's optional ``reseed(key)`` hook (a
 fresh outcome stream per rollout, so sibling rollouts of a stochastic world
 differ; deterministic tools have no such hook and need none) and continues the
 transcript of v's path, which the policy receives as a prefix and never
-regenerates. Rollouts run in lockstep: each round asks the policy for the next
-step of every live rollout at once (one ``sample`` call per distinct ``n``), so
-a batched backend sees the whole frontier; the environment is restored from the
-branch's last snapshot before each step (skipped when it is already there).
+regenerates. Rollouts run in lockstep: each round asks for the next step of
+every live rollout of the tree at once (one ``Decode`` of the rollout engine,
+``train.sampling.engine``, which batches it with the rounds of every other tree in
+flight); each row's random stream is keyed by (seed, node, draw), so a tree does
+not depend on its batch; the environment is restored from the branch's last
+snapshot before each step (skipped when it is already there). ``TreeBuilder.run``
+and ``Sampler.grow`` are generators (programs of the engine): a sampler writes
+``leaves = yield from builder.run(starts)``.
 
 The continuation primitive. Every piece of code that continues an episode from a
 node (``TreeBuilder``, the Mean@k reference job ``train.sampling.references``, the
@@ -50,8 +54,7 @@ the environment's ``reseed(key)`` hook (one key per rollout, from ``mix_seed``, 
 one seeding scheme), ``step`` takes one action and extends the transcript, and the
 step limit is the one rule of ``Continuing.at_limit``: a rollout is cut (truncated)
 when it is not done and its depth (the node's depth plus the steps taken) reached
-``max_steps``. ``sample_round`` is the lockstep policy call (one ``sample`` per distinct
-``n``); ``load_starts`` reads the ``NodeStart`` of stored nodes (``step_limit``).
+``max_steps``. ``load_starts`` reads the ``NodeStart`` of stored nodes (``step_limit``).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -68,7 +71,8 @@ import numpy as np
 from rollout_store.snapshots import decompress
 from rollout_store.tree import Node, Tree
 from train.envs.base import Environment, StepResult, Task, parse_action
-from train.policies.base import Continuation, Policy, SampleConfig, Turn
+from train.policies.base import Continuation, Policy, Rows, SampleConfig, Turn
+from train.sampling.engine import Decode, Request, Work
 from train.sampling.segments import action_segments, head_entropy, token_char_starts
 
 if TYPE_CHECKING:
@@ -79,6 +83,7 @@ SamplerName = Literal["group", "random", "entropy", "bel", "caliper"]
 SAMPLER_NAMES: tuple[SamplerName, ...] = ("group", "random", "entropy", "bel", "caliper")
 
 _MASK63 = (1 << 63) - 1
+_MASK62 = (1 << 62) - 1
 
 
 def mix_seed(*parts: int | str) -> int:
@@ -231,24 +236,6 @@ class Continuing:
         return result
 
 
-def sample_round(policy: Policy, requests: Sequence[tuple[int, Sequence[Turn]]],
-                 config_for: Callable[[int], SampleConfig]) -> list[list[Continuation]]:
-    """One lockstep round: ``n`` continuations of each ``(n, transcript)`` request, with one
-    ``policy.sample`` call per distinct ``n`` (ascending; ``config_for(n)`` gives its
-    ``SampleConfig``), so a batched backend sees the whole frontier. Rows in request
-    order."""
-    out: list[list[Continuation]] = [[] for _ in requests]
-    for n in sorted({n for n, _ in requests}):
-        rows = [i for i, (m, _) in enumerate(requests) if m == n]
-        got = policy.sample([requests[i][1] for i in rows], config_for(n))
-        if len(got) != len(rows) or any(len(o) != n for o in got):
-            raise RuntimeError(f"policy returned {[len(o) for o in got]} continuations "
-                               f"for {len(rows)} transcripts with n={n}")
-        for i, o in zip(rows, got, strict=True):
-            out[i] = o
-    return out
-
-
 @dataclass(frozen=True)
 class NodeStart:
     """A stored node to continue from: its transcript, environment snapshot (None for a
@@ -372,6 +359,7 @@ class TreeBuilder:
         self._turns: dict[int, tuple[Turn, ...]] = {}
         self.snapshots: dict[str, bytes] = {}
         self._n_rollouts = 0
+        self._draws: dict[int, int] = {}  # node -> rows drawn from it so far
         prompt = env.reset(task)
         self._env_at: int | None = 0
         root = Node(node_id=0, parent_id=None, kind="prompt", observation_text=prompt)
@@ -426,15 +414,19 @@ class TreeBuilder:
 
     # ----- growing the tree -----------------------------------------------------------------
 
-    def run(self, starts: Sequence[Start], on_step: OnStep | None = None) -> list[list[int]]:
-        """Run ``n`` rollouts from each ``(node_id, n, phase)`` start to their leaves.
+    def run(self, starts: Sequence[Start], on_step: OnStep | None = None
+            ) -> Generator[Request, Any, list[list[int]]]:
+        """Run ``n`` rollouts from each ``(node_id, n, phase)`` start to their leaves (a
+        program step of ``train.sampling.engine``: ``leaves = yield from builder.run(...)``).
 
         The budget is charged up front (``BudgetError`` when it does not allow it).
-        ``on_step(node)`` is called for every new step node and may return more
-        starts, charged at once (so the next call sees the budget left) and run
-        from the next lockstep round on (entropy branching). Returns the leaf
-        ids of each start, in ``starts`` order, then the extra starts in the
-        order they were returned.
+        Each lockstep round yields one ``Decode`` (new starts sample n branches, live
+        ones 1; row seeds keyed by (seed, node, draw)) and one ``Work`` that takes the
+        round's steps in the environment. ``on_step(node)`` is called for every new
+        step node and may return more starts, charged at once (so the next call sees
+        the budget left) and run from the next lockstep round on (entropy branching).
+        Returns the leaf ids of each start, in ``starts`` order, then the extra starts
+        in the order they were returned.
         """
         pending: list[tuple[int, int, str, int]] = []
         leaves: list[list[int]] = []
@@ -453,25 +445,32 @@ class TreeBuilder:
         add(starts)
         active: list[_Branch] = []
         while pending or active:
-            # one policy call per distinct n: new starts sample n branches, live ones 1
             owners: list[_Branch | tuple[int, str, int]] = [
                 *((node_id, phase, idx) for node_id, _, phase, idx in pending), *active]
-            requests = [(n, self._turns[node_id]) for node_id, n, _, _ in pending]
-            requests += [(1, self._turns[br.node]) for br in active]
+            rows = [Rows(self._turns[node_id], n, self._row_seed(node_id, n))
+                    for node_id, n, _, _ in pending]
+            rows += [Rows(self._turns[br.node], 1, self._row_seed(br.node, 1)) for br in active]
             pending = []
-            conts = sample_round(self.policy, requests, self._sample_config)
-            active = []
-            for owner, cont_list in zip(owners, conts, strict=True):
-                for cont in cont_list:
-                    br = owner if isinstance(owner, _Branch) else self._begin(*owner)
-                    child = self._step(br, cont)
-                    if child.reward is not None:
-                        leaves[br.start].append(child.node_id)
-                    else:
-                        br.node = child.node_id
-                        active.append(br)
-                    if on_step is not None:
-                        add(on_step(child))  # charged now: later hooks see the budget left
+            self.policy_calls += len({r.n for r in rows})  # the calls of a lone tree
+            conts = yield Decode(rows, self._sample_config)
+
+            def apply(owners: list[_Branch | tuple[int, str, int]] = owners,
+                      conts: list[list[Continuation]] = conts) -> list[_Branch]:
+                live: list[_Branch] = []
+                for owner, cont_list in zip(owners, conts, strict=True):
+                    for cont in cont_list:
+                        br = owner if isinstance(owner, _Branch) else self._begin(*owner)
+                        child = self._step(br, cont)
+                        if child.reward is not None:
+                            leaves[br.start].append(child.node_id)
+                        else:
+                            br.node = child.node_id
+                            live.append(br)
+                        if on_step is not None:
+                            add(on_step(child))  # charged now: later hooks see the budget left
+                return live
+
+            active = yield Work(apply)
         return leaves
 
     def finish(self) -> Tree:
@@ -503,12 +502,18 @@ class TreeBuilder:
         self._env_at = node_id
         return _Branch(start, node_id, phase, rollout)
 
-    def _sample_config(self, n: int) -> SampleConfig:
-        self.policy_calls += 1
+    @property
+    def _sample_config(self) -> SampleConfig:
         c = self.config
-        return SampleConfig(n=n, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                            top_p=c.top_p,
-                            seed=mix_seed(self._run_seed, "call", self.policy_calls))
+        return SampleConfig(n=1, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                            top_p=c.top_p)
+
+    def _row_seed(self, node_id: int, n: int) -> int:
+        """The stream seed of the next ``n`` draws from ``node_id``: keyed by (run seed,
+        node, draw index), so it depends on the tree alone (branch k: seed + k)."""
+        draw = self._draws.get(node_id, 0)
+        self._draws[node_id] = draw + n
+        return mix_seed(self._run_seed, "row", node_id, draw) & _MASK62
 
     def _encode(self, text: str) -> list[int]:
         """The observation's token ids when the policy can encode text (``encode``), else []."""
@@ -573,22 +578,26 @@ class Sampler(ABC):
                             f"got {type(self.config).__name__}")
 
     @abstractmethod
-    def grow(self, builder: TreeBuilder) -> None:
-        """Spend ``builder.budget`` on rollouts (and set ``critical_node_id`` / ``meta``)."""
+    def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
+        """Spend ``builder.budget`` on rollouts (``yield from builder.run(...)``) and set
+        ``critical_node_id`` / ``meta``: a program of ``train.sampling.engine``."""
+
+    def begin_wave(self) -> None:  # noqa: B027 - optional hook
+        """Called before the engine runs a set of this sampler's trees together."""
+
+    def end_wave(self) -> None:  # noqa: B027 - optional hook
+        """Called after it (``caliper`` adds the wave's bucket counts here)."""
 
     def sample_tree(self, env: Environment, policy: Policy, task: Task, n_total: int, *,
                     seed: int, tree_id: str | None = None, run_id: str = "default",
                     phase_seeds: Mapping[str, int] | None = None) -> Tree:
         """One tree of ``task`` with exactly ``n_total`` rollouts (``phase_seeds``: see
-        ``TreeBuilder``)."""
-        builder = TreeBuilder(env, policy, task, n_total, sampler=self.name, config=self.config,
-                              seed=seed, tree_id=tree_id or f"{run_id}/{task.task_id}",
-                              run_id=run_id, phase_seeds=phase_seeds)
-        self.grow(builder)
-        if builder.budget.remaining:
-            raise BudgetError(f"{self.name} left {builder.budget.remaining} of {n_total} "
-                              "rollouts unspent")
-        return builder.finish()
+        ``TreeBuilder``): a one-tree ``Engine.sample_trees`` call."""
+        from train.sampling.engine import Engine, TreeJob
+
+        job = TreeJob(self, env, task, n_total, seed, tree_id or f"{run_id}/{task.task_id}",
+                      run_id, phase_seeds)
+        return Engine(policy).sample_trees([job])[0]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"
@@ -597,4 +606,4 @@ class Sampler(ABC):
 __all__ = ["DEFAULT_MAX_STEPS", "SAMPLER_NAMES", "Budget", "BudgetError", "ContinuationError",
            "Continuing", "NodeStart", "OnStep", "Sampler", "SamplerConfig", "SamplerName", "Start",
            "TreeBuilder", "action_segments", "head_entropy", "load_starts", "mix_seed",
-           "reseed_env", "sample_round", "step_limit", "token_char_starts"]
+           "reseed_env", "step_limit", "token_char_starts"]

@@ -37,7 +37,7 @@ the final L and R, and whether the search converged (L = R).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,6 +45,7 @@ import numpy as np
 
 from rollout_store.tree import Node
 from train.sampling.base import Sampler, SamplerConfig, TreeBuilder, head_entropy
+from train.sampling.engine import Request
 
 EXPLORE_PHASE = "explore"
 PROBE_PHASE = "probe"
@@ -114,11 +115,12 @@ class BelSampler(Sampler):
     name: ClassVar[str] = "bel"
     config_class: ClassVar[type[SamplerConfig]] = BelConfig
 
-    def grow(self, builder: TreeBuilder) -> None:
+    def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
         c = self.config
         assert isinstance(c, BelConfig)
         budget = builder.budget
-        leaves = builder.run([(0, c.initial_rollouts(budget.n_total), EXPLORE_PHASE)])[0]
+        leaves = (yield from builder.run(
+            [(0, c.initial_rollouts(budget.n_total), EXPLORE_PHASE)]))[0]
         failed = [leaf for leaf in leaves if not builder.succeeded(leaf)]
         info: dict[str, Any] = {"n_failed": len(failed)}
         builder.meta["bel"] = info
@@ -134,7 +136,7 @@ class BelSampler(Sampler):
                 m = (lo + hi) // 2
                 x_m = c.suffix_count(head_entropy(path[m], c.entropy_tokens), h_root)
                 x = min(x_m, budget.remaining)
-                suffixes = builder.run([(path[m - 1].node_id, x, PROBE_PHASE)])[0]
+                suffixes = (yield from builder.run([(path[m - 1].node_id, x, PROBE_PHASE)]))[0]
                 recovered = any(builder.succeeded(leaf) for leaf in suffixes)
                 probes.append({"anchor_step": m, "anchor_node": path[m - 1].node_id,
                                "x": x, "recovered": recovered})
@@ -147,4 +149,4 @@ class BelSampler(Sampler):
                          "t_crit": lo, "lo": lo, "hi": hi, "probes": probes,
                          "converged": lo == hi})
         if budget.remaining:
-            builder.run([(0, budget.remaining, FILL_PHASE)])
+            yield from builder.run([(0, budget.remaining, FILL_PHASE)])

@@ -44,7 +44,7 @@ tree records the phase-1 size, the extra full rollouts and every position used.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -52,6 +52,7 @@ import numpy as np
 
 from rollout_store.tree import Tree
 from train.sampling.base import Sampler, SamplerConfig, TreeBuilder
+from train.sampling.engine import Request
 
 EXPLORE_PHASE = "explore"
 LOCAL_PHASE = "local"
@@ -91,7 +92,10 @@ class CaliperState:
     """Per-bucket success/failure counts of local resamples, kept across tasks (C1).
 
     A collector keeps one per worker (the ``CaliperSampler`` it holds). The
-    counts are a prior for later tasks; ``to_dict``/``from_dict`` save them.
+    counts are a prior for later tasks; ``to_dict``/``from_dict`` save them. Trees
+    sampled together by the engine (one ``Engine.sample_trees`` call: a collect wave, a
+    trainer iteration) each read the counts as of the call's start plus their own
+    resamples; every tree's counts are added to the state as it goes.
     """
 
     counts: dict[str, list[int]] = field(default_factory=dict)  # bucket -> [succ, fail]
@@ -139,13 +143,23 @@ class CaliperSampler(Sampler):
                  state: CaliperState | None = None) -> None:
         super().__init__(config)
         self.state = state if state is not None else CaliperState()
+        self._prior: CaliperState | None = None
 
-    def grow(self, builder: TreeBuilder) -> None:
+    def begin_wave(self) -> None:
+        """Trees sampled together read the counts as of now (plus their own), so a tree
+        does not depend on which trees shared its wave or how far they got."""
+        self._prior = CaliperState.from_dict(self.state.to_dict())
+
+    def end_wave(self) -> None:
+        self._prior = None
+
+    def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
         c = self.config
         assert isinstance(c, CaliperConfig)
         budget = builder.budget
         n_e = min(budget.n_total, max(1, math.ceil(c.alpha * budget.n_total)))
-        full = list(builder.run([(0, n_e, EXPLORE_PHASE)])[0])
+        state = CaliperState.from_dict((self._prior or self.state).to_dict())  # this tree's
+        full = list((yield from builder.run([(0, n_e, EXPLORE_PHASE)]))[0])
         used: set[int] = set()  # parents already resampled from: one group per node
         log: list[dict[str, Any]] = []
         n_extra = 0
@@ -156,15 +170,16 @@ class CaliperSampler(Sampler):
             v_full = mixed_probability(p_hat, k) / max(full_cost, 1.0)
             best: tuple[float, _Position] | None = None
             for pos in self._positions(builder, full, used):
-                s, u = self.state.posterior(pos.bucket)
+                s, u = state.posterior(pos.bucket)
                 value = (mixed_probability(s, k) + c.kappa * u) / max(pos.cost, 1.0)
                 if best is None or value > best[0]:  # strict: ties keep the earlier position
                     best = (value, pos)
             if best is not None and best[0] > v_full:
                 value, pos = best
                 used.add(pos.parent_id)
-                leaves = builder.run([(pos.parent_id, k, LOCAL_PHASE)])[0]
+                leaves = (yield from builder.run([(pos.parent_id, k, LOCAL_PHASE)]))[0]
                 succ = sum(builder.succeeded(leaf) for leaf in leaves)
+                state.update(pos.bucket, succ, len(leaves) - succ)
                 self.state.update(pos.bucket, succ, len(leaves) - succ)
                 y0 = builder.node(pos.node_id)
                 y0.meta = {**(y0.meta or {}), Y0_META: True, BUCKET_META: pos.bucket}
@@ -176,7 +191,7 @@ class CaliperSampler(Sampler):
                             "bucket": pos.bucket, "k": k, "successes": succ, "value": value,
                             "v_full": v_full})
             else:
-                full.extend(builder.run([(0, k, EXPLORE_PHASE)])[0])
+                full.extend((yield from builder.run([(0, k, EXPLORE_PHASE)]))[0])
                 n_extra += k
         builder.meta["caliper"] = {"n_explore_initial": n_e, "n_explore_extra": n_extra,
                                    "positions": log}

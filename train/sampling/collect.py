@@ -24,8 +24,13 @@
   concurrent appends) under the same ``commit_key``; a chunk whose actor died is rerun
   on a fresh actor, which first skips the trees its dead predecessor committed.
 
-Every executor runs ``_sample_chunk``; a chunk is the same ``commit_trees`` tasks, and
-so the same commit key, whichever executor runs it.
+Every executor runs the rollout engine (``train.sampling.engine``) over its tasks: one
+process over waves of about ``wave`` trees (whole chunks, each committed
+as soon as its trees are done), a worker process or Ray actor over its chunk
+(``_sample_chunk``); every tree of a wave gets its own environment (``env`` as a
+registry name; an ``Environment`` object is shared, so its trees run one at a time). A
+chunk is the same ``commit_trees`` tasks, and so the same commit key, whichever executor
+runs it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import pyarrow.compute as pc
@@ -49,6 +55,7 @@ from train.envs import Environment, Task, make_env
 from train.policies.base import Policy
 from train.sampling import Sampler, make_sampler
 from train.sampling.base import mix_seed
+from train.sampling.engine import DEFAULT_MAX_PROGRAMS, Engine, TreeJob
 
 PolicyFactory = Callable[[str], Policy]  # env name -> policy
 PolicySpec = str | Policy | PolicyFactory
@@ -164,18 +171,36 @@ def resolve_sampler(sampler: str | Sampler, params: dict[str, Any] | None = None
     return sampler
 
 
-def _sample_chunk(env: Environment, policy: Policy, sampler: Sampler, tasks: Sequence[Task],
-                  n_total: int, seed: int, run_id: str,
-                  on_tree: Callable[[], None] | None = None) -> list[Tree]:
-    trees = []
-    for task in tasks:
-        trees.append(sampler.sample_tree(env, policy, task, n_total,
-                                         seed=tree_seed(seed, task.task_id),
-                                         tree_id=tree_id_for(run_id, seed, task.task_id),
-                                         run_id=run_id))
-        if on_tree is not None:
-            on_tree()
-    return trees
+def env_source(env: EnvSpec) -> Environment | Callable[[], Environment]:
+    """What a ``TreeJob`` gets: a factory for a registry name (each tree its own
+    environment, so the engine runs them together), the object itself otherwise."""
+    return partial(make_env, env) if isinstance(env, str) else env
+
+
+def sample_trees(env: EnvSpec, policy: Policy, sampler: Sampler, tasks: Sequence[Task],
+                 n_total: int, seed: int, run_id: str,
+                 on_tree: Callable[[int, Tree], None] | None = None) -> list[Tree]:
+    """The trees of ``tasks`` (ids ``tree_id_for``, seeds ``tree_seed``), all advanced
+    together by one ``Engine.sample_trees`` call; ``on_tree(i, tree)`` as each ends. An
+    ``Environment`` object (not a name) is shared, so its trees run one at a time."""
+    source = env_source(env)
+    engine = Engine(policy, max_programs=1 if isinstance(source, Environment)
+                    else DEFAULT_MAX_PROGRAMS)
+    jobs = [TreeJob(sampler, source, task, n_total, tree_seed(seed, task.task_id),
+                    tree_id_for(run_id, seed, task.task_id), run_id) for task in tasks]
+    if isinstance(source, Environment):  # one shared object: one tree at a time
+        trees = []
+        for i, job in enumerate(jobs):
+            trees.append(engine.sample_trees([job])[0])
+            if on_tree is not None:
+                on_tree(i, trees[-1])
+        return trees
+    return engine.sample_trees(jobs, on_tree)
+
+
+def _sample_chunk(env: EnvSpec, policy: Policy, sampler: Sampler, tasks: Sequence[Task],
+                  n_total: int, seed: int, run_id: str) -> list[Tree]:
+    return sample_trees(env, policy, sampler, tasks, n_total, seed, run_id)
 
 
 def commit_chunk(store: Store, trees: Sequence[Tree], run_id: str, seed: int) -> ChunkResult:
@@ -185,7 +210,7 @@ def commit_chunk(store: Store, trees: Sequence[Tree], run_id: str, seed: int) ->
     return ChunkResult.of(trees, already_stored=landed.already_committed)
 
 
-def sample_and_commit_chunk(store: Store, env: Environment, policy: Policy, sampler: Sampler,
+def sample_and_commit_chunk(store: Store, env: EnvSpec, policy: Policy, sampler: Sampler,
                             tasks: Sequence[Task], n_total: int, seed: int, run_id: str, *,
                             rerun: bool = False) -> ChunkResult:
     """``_sample_chunk`` then ``commit_chunk``: the unit of work of a Ray actor.
@@ -223,14 +248,16 @@ _WORKER: dict[str, Any] = {}
 
 def _init_worker(env: str, policy: str | PolicyFactory, sampler: Sampler, threads: int
                  ) -> None:
-    _WORKER["env"] = make_env(env)
+    make_env(env).close()  # a bad name fails here, once
+    _WORKER["env"] = env
     _WORKER["policy"] = resolve_policy(policy, env)
     _WORKER["sampler"] = sampler
     if "torch" in sys.modules:
         # Each worker's share of the cores, as Ray gives an actor (OMP_NUM_THREADS=num_cpus):
         # torch's default of one thread per core in every worker oversubscribes the
         # machine (measured: 2 workers x 2 threads on 2 busy cores, 0.5x one process).
-        sys.modules["torch"].set_num_threads(threads)
+        torch = sys.modules["torch"]  # the policy chose its threads (hf.configure_threads)
+        torch.set_num_threads(max(1, min(threads, torch.get_num_threads())))
 
 
 def _worker_chunk(tasks: list[Task], n_total: int, seed: int, run_id: str) -> list[Tree]:
@@ -267,14 +294,15 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
             tasks: Sequence[Task], n_total: int, seed: int, run_id: str, *, workers: int = 1,
             commit_trees: int = 16, progress: bool = True,
             sampler_params: dict[str, Any] | None = None,
-            ray: str | None = None) -> CollectReport:
+            ray: str | None = None, wave: int = DEFAULT_MAX_PROGRAMS) -> CollectReport:
     """Sample one tree per task with ``sampler`` and commit them (see the module docstring).
 
     ``env``: an ``Environment`` or a registry name; ``policy``: a ``Policy``, a
     ``load_policy`` spec string, or a factory ``env_name -> Policy``;
     ``sampler``: a ``Sampler`` or a name (with ``sampler_params``); ``ray``: None (this
     machine), or where ``workers`` Ray actors run: ``auto``, ``local`` or a cluster
-    address (``ray_collect.connect``).
+    address (``ray_collect.connect``); ``wave``: trees one process samples together
+    (rounded down to whole chunks, at least one; an interrupt loses the wave in flight).
     """
     if n_total < 1:
         raise ValueError(f"n_total must be >= 1, got {n_total}")
@@ -282,6 +310,8 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
         raise ValueError(f"commit_trees must be >= 1, got {commit_trees}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if wave < 1:
+        raise ValueError(f"wave must be >= 1, got {wave}")
     ids = [t.task_id for t in tasks]
     if len(set(ids)) != len(ids):
         raise ValueError("task ids must be unique: they name the trees")
@@ -310,12 +340,28 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
 
     with progress_bar(progress, len(todo), f"collect {samp.name}") as advance:
         if workers == 1 or len(chunks) <= 1:
-            env_obj = make_env(env) if isinstance(env, str) else env
-            env_name = env if isinstance(env, str) else env_obj.name
+            env_name = env if isinstance(env, str) else env.name
             pol = resolve_policy(policy, env_name)
-            for chunk in chunks:
-                commit(_sample_chunk(env_obj, pol, samp, chunk, n_total, seed, run_id,
-                                     on_tree=lambda: advance(1)))
+            # waves of whole chunks, about ``wave`` trees each: the engine keeps them in
+            # flight and each chunk is committed as soon as its trees are done (caliper's
+            # bucket counts carry over from wave to wave)
+            per_wave = max(1, wave // commit_trees)
+            for w0 in range(0, len(chunks), per_wave):
+                group = chunks[w0:w0 + per_wave]
+                flat = [task for chunk in group for task in chunk]
+                owner = [c for c, chunk in enumerate(group) for _ in chunk]
+                got: list[dict[int, Tree]] = [{} for _ in group]
+
+                def on_tree(i: int, tree: Tree, group: list[list[Task]] = group,
+                            owner: list[int] = owner, got: list[dict[int, Tree]] = got
+                            ) -> None:
+                    c = owner[i]
+                    got[c][i] = tree
+                    advance(1)
+                    if len(got[c]) == len(group[c]):
+                        commit([got[c][j] for j in sorted(got[c])])
+
+                sample_trees(env, pol, samp, flat, n_total, seed, run_id, on_tree)
         else:
             env_name, pol_spec = worker_specs(env, policy, "workers > 1")
             ctx = multiprocessing.get_context("spawn")

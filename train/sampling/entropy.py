@@ -25,12 +25,13 @@ model uncertain, and the rollout branches there. Our reading [R]:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from rollout_store.tree import Node
 from train.sampling.base import Sampler, SamplerConfig, Start, TreeBuilder, head_entropy
+from train.sampling.engine import Request
 
 EXPLORE_PHASE = "explore"
 BRANCH_PHASE = "branch"
@@ -66,7 +67,7 @@ class EntropySampler(Sampler):
     name: ClassVar[str] = "entropy"
     config_class: ClassVar[type[SamplerConfig]] = EntropyConfig
 
-    def grow(self, builder: TreeBuilder) -> None:
+    def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
         c = self.config
         assert isinstance(c, EntropyConfig)
         budget = builder.budget
@@ -87,7 +88,7 @@ class EntropySampler(Sampler):
             triggers.append({"node": node.node_id, "delta_h": delta})
             return [(parent, min(c.branch_width, budget.remaining), BRANCH_PHASE)]
 
-        builder.run([(0, n0, EXPLORE_PHASE)], on_step=on_step)
+        yield from builder.run([(0, n0, EXPLORE_PHASE)], on_step=on_step)
         if budget.remaining:
-            builder.run([(0, budget.remaining, FILL_PHASE)])
+            yield from builder.run([(0, budget.remaining, FILL_PHASE)])
         builder.meta["entropy"] = {"branches": triggers}

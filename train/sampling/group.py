@@ -6,9 +6,11 @@ of them share the prompt's prefix computation and run in lockstep.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Generator
+from typing import Any, ClassVar
 
 from train.sampling.base import Sampler, SamplerConfig, TreeBuilder
+from train.sampling.engine import Request
 
 GROUP_PHASE = "group"
 
@@ -19,5 +21,5 @@ class GroupSampler(Sampler):
     name: ClassVar[str] = "group"
     config_class: ClassVar[type[SamplerConfig]] = SamplerConfig
 
-    def grow(self, builder: TreeBuilder) -> None:
-        builder.run([(0, builder.budget.n_total, GROUP_PHASE)])
+    def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
+        yield from builder.run([(0, builder.budget.n_total, GROUP_PHASE)])

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from train.sampling.base import Sampler, SamplerConfig, Start, TreeBuilder
+from train.sampling.engine import Request
 
 EXPLORE_PHASE = "explore"
 EXPAND_PHASE = "expand"
@@ -50,12 +52,12 @@ class RandomBranchSampler(Sampler):
     name: ClassVar[str] = "random"
     config_class: ClassVar[type[SamplerConfig]] = RandomBranchConfig
 
-    def grow(self, builder: TreeBuilder) -> None:
+    def grow(self, builder: TreeBuilder) -> Generator[Request, Any, None]:
         c = self.config
         assert isinstance(c, RandomBranchConfig)
         budget = builder.budget
         n0 = min(budget.n_total, c.n_initial or max(1, math.ceil(budget.n_total / 4)))
-        builder.run([(0, n0, EXPLORE_PHASE)])
+        yield from builder.run([(0, n0, EXPLORE_PHASE)])
         per_round = c.expand_per_round or n0
         while budget.remaining:
             inner = [n.node_id for n in builder.nodes
@@ -64,4 +66,4 @@ class RandomBranchSampler(Sampler):
             draws = builder.rng.integers(0, len(pool), size=min(per_round, budget.remaining))
             counts = Counter(pool[int(i)] for i in draws)
             starts: list[Start] = [(nid, k, EXPAND_PHASE) for nid, k in sorted(counts.items())]
-            builder.run(starts)
+            yield from builder.run(starts)

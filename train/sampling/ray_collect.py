@@ -115,7 +115,8 @@ class CollectWorker:
         self._error: Exception | None = None
         try:
             self.store = Store(store_path)
-            self.env = make_env(env)
+            make_env(env).close()  # a bad name fails here; each tree makes its own
+            self.env = env
             self.policy = resolve_policy(policy, env)
             self.sampler = sampler
         except Exception as exc:

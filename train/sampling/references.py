@@ -19,13 +19,15 @@ One reference, for a child c of a stored tree:
   never replay the outcome streams a sampler used for the tree's own branches;
 * the policy continues the transcript of the root-to-c path: the root's
   observation is the prompt, then each node's ``action_text`` and
-  ``observation_text`` (``train.policies.base`` turns); the first step of all k
-  rollouts is one ``sample`` call with ``n = k`` (a shared prefix), later steps
-  one round over every live rollout of the chunk (lockstep) in which rollouts
-  with equal transcripts share one request with ``n`` = their count
-  (``next_actions``: the same i.i.d. draws, the prefix encoded once; about half
-  the later rounds' prompt tokens on calc); each round's seed is salted with
-  ``n``, so its requests draw independent streams;
+  ``observation_text`` (``train.policies.base`` turns). Each child is a program
+  of the rollout engine (``reference_program``, ``train.sampling.engine``), so the
+  decode steps of every child in flight are batched together: the first step of
+  its k rollouts is one request with ``n = k`` (a shared prefix), later steps one
+  round over its live rollouts in which rollouts with equal transcripts share one
+  request with ``n`` = their count (the same i.i.d. draws, the prefix encoded
+  once; about half the later rounds' prompt tokens on calc); every request's rows
+  draw from streams keyed by (seed, child, round, rollout), so a reference does
+  not depend on which children shared its batches;
 * a rollout ends when the environment says ``done`` or when the tree's step
   limit is reached (``base.step_limit``: ``max_steps`` (config), else
   ``trees.env_config.max_steps``, else ``horizon`` in the task config, else
@@ -54,8 +56,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,7 +68,7 @@ from rollout_store.reader import connect
 from rollout_store.schema import MC_REFERENCES
 from rollout_store.store import Store, now_utc
 from train.envs import Environment, make_env
-from train.policies.base import Policy, SampleConfig, Turn
+from train.policies.base import Policy, Rows, SampleConfig, Turn
 from train.sampling.base import (
     DEFAULT_MAX_STEPS,
     ContinuationError,
@@ -73,14 +76,17 @@ from train.sampling.base import (
     NodeStart,
     load_starts,
     mix_seed,
-    sample_round,
 )
 from train.sampling.collect import PolicySpec, progress_bar, resolve_policy
+from train.sampling.engine import Decode, Engine, Request, Work
 
 if TYPE_CHECKING:
     import duckdb
 
 Start = NodeStart  # the name this module used before the primitive moved to base.py
+
+
+_MASK62 = (1 << 62) - 1
 
 
 class ReferenceJobError(ContinuationError):
@@ -210,10 +216,11 @@ def run_references(policy: Policy, env_factory: Callable[[], Environment],
                    on_chunk: Callable[[int], None] | None = None) -> list[int]:
     """Successes out of ``config.k`` rollouts from each start (see the module docstring).
 
-    Works with any ``Policy`` and any environment with exact ``restore``;
-    environments come from ``env_factory`` and are reused across chunks (at most
-    ``max_parallel`` of them, or k when k is larger). ``on_chunk(n)`` is called after
-    each chunk of ``n`` starts.
+    Works with any ``Policy`` and any environment with exact ``restore``; every start
+    is a ``reference_program``, and the engine keeps max(1, ``max_parallel`` // k) of
+    them in flight (k environments each, from ``env_factory``), with at most
+    ``max_parallel`` rows per policy call. ``on_chunk(n)`` is called as ``n`` starts
+    are done.
     """
     counters = counters or _Counters()
     k, thr = config.k, config.success_threshold
@@ -228,90 +235,74 @@ def run_references(policy: Policy, env_factory: Callable[[], Environment],
             todo.append(i)
     if len(todo) < len(starts) and on_chunk is not None:
         on_chunk(len(starts) - len(todo))
-    pool: list[Environment] = []
-    per_chunk = max(1, config.max_parallel // k)
-    try:
-        for c0 in range(0, len(todo), per_chunk):
-            chunk = [starts[i] for i in todo[c0:c0 + per_chunk]]
-            wins = _run_chunk(policy, env_factory, pool, chunk, config, counters)
-            for i, w in zip(todo[c0:c0 + per_chunk], wins, strict=True):
-                successes[i] = w
-            if on_chunk is not None:
-                on_chunk(len(chunk))
-    finally:
-        for env in pool:
-            env.close()
+    engine = Engine(policy, max_rows=config.max_parallel,
+                    max_programs=max(1, config.max_parallel // k))
+
+    def done(j: int, wins: int) -> None:
+        successes[todo[j]] = wins
+        if on_chunk is not None:
+            on_chunk(1)
+
+    engine.run([partial(reference_program, starts[i], env_factory, config, counters)
+                for i in todo], on_done=done)
     return successes
 
 
-def _run_chunk(policy: Policy, env_factory: Callable[[], Environment], pool: list[Environment],
-               chunk: Sequence[NodeStart], config: ReferenceConfig,
-               counters: _Counters) -> list[int]:
-    """k lockstep rollouts from each start of ``chunk`` (the continuation primitive; the
-    first round one ``n = k`` call, then ``n = 1`` over the live rollouts); successes per
-    start."""
-    anchor = f"{chunk[0].tree_id}/{chunk[0].node_id}"
-    step = 0
+def reference_program(start: NodeStart, env_factory: Callable[[], Environment],
+                      config: ReferenceConfig, counters: _Counters
+                      ) -> Generator[Request, Any, int]:
+    """The k rollouts from one start (a program of ``train.sampling.engine``): the first
+    step one request with n = k (a shared prefix), then one round over the live rollouts
+    in which rollouts with equal transcripts share one request with n = their count (the
+    same i.i.d. draws, the prefix encoded once). Each rollout has its own environment
+    (made in the engine's pool, closed at the end). Row seeds are keyed by (job seed,
+    start, round, first rollout of the request); returns the successes."""
+    k = config.k
+    anchor = f"{start.tree_id}/{start.node_id}"
+    sample = SampleConfig(max_new_tokens=config.max_new_tokens,
+                          temperature=config.temperature, top_p=config.top_p)
+    envs: list[Environment] = []
+    try:
+        def begin() -> list[Continuing]:
+            for _ in range(k):
+                envs.append(env_factory())
+            return [start.begin(env, mix_seed(config.seed, "mc-reference", i))
+                    for i, env in enumerate(envs)]
 
-    def config_for(n: int) -> SampleConfig:
-        counters.policy_calls += 1
-        # n in the seed: one round's calls (one per distinct n) draw independent streams
-        return SampleConfig(n=n, max_new_tokens=config.max_new_tokens,
-                            temperature=config.temperature, top_p=config.top_p,
-                            seed=mix_seed(config.seed, "mc-reference", anchor, step, n))
+        runs: list[Continuing] = yield Work(begin)
+        counters.rollouts += k
+        live = list(range(k))
+        wins = 0
+        step = 0
+        while live:
+            groups: dict[tuple[Turn, ...], list[int]] = {}
+            for r in live:
+                groups.setdefault(tuple(runs[r].turns), []).append(r)
+            counters.policy_calls += 1
+            got = yield Decode([Rows(key, len(rows), mix_seed(
+                config.seed, "mc-reference", anchor, step, rows[0]) & _MASK62)
+                for key, rows in groups.items()], sample)
+            actions = {r: c.text for rows, conts in zip(groups.values(), got, strict=True)
+                       for r, c in zip(rows, conts, strict=True)}
 
-    firsts = sample_round(policy, [(config.k, s.transcript) for s in chunk], config_for)
-    owner: list[int] = []
-    active: list[Continuing] = []
-    actions: list[str] = []
-    for j, (start, conts) in enumerate(zip(chunk, firsts, strict=True)):
-        for i, cont in enumerate(conts):
-            if len(pool) <= len(active):
-                pool.append(env_factory())
-            active.append(start.begin(pool[len(active)], mix_seed(config.seed, "mc-reference",
-                                                                  i)))
-            owner.append(j)
-            actions.append(cont.text)
-    counters.rollouts += len(active)
-    wins = [0] * len(chunk)
-    while active:
-        live, live_owner = [], []
-        for r, j, action in zip(active, owner, actions, strict=True):
-            r.step(action)
-            counters.env_steps += 1
-            if r.done:
-                wins[j] += int(r.reward >= config.success_threshold)
-            elif not r.at_limit:  # else: cut at the step limit, a failure
-                live.append(r)
-                live_owner.append(j)
-        active, owner = live, live_owner
-        step += 1
-        if active:
-            actions = next_actions(policy, [r.turns for r in active], config_for)
-    return wins
+            def step_all(live: list[int] = live, actions: dict[int, str] = actions) -> None:
+                for r in live:
+                    runs[r].step(actions[r])
 
-
-def next_actions(policy: Policy, transcripts: Sequence[Sequence[Turn]],
-                 config_for: Callable[[int], SampleConfig]) -> list[str]:
-    """One next action for each live rollout, sampled once per distinct transcript.
-
-    Rollouts whose transcripts are equal (the same child, the same sampled actions and
-    tool outputs so far) share one request with n = their count: n continuations of one
-    prefix are n i.i.d. draws of the policy's next action, exactly the distribution of n
-    separate n = 1 requests, and the prefix is encoded once instead of n times (the
-    prefill is most of a later round's cost: ~100 prompt tokens per rollout against ~10
-    generated). Returns the actions in the order of ``transcripts``.
-    """
-    groups: dict[tuple[Turn, ...], list[int]] = {}
-    for i, turns in enumerate(transcripts):
-        groups.setdefault(tuple(turns), []).append(i)
-    got = sample_round(policy, [(len(rows), list(key)) for key, rows in groups.items()],
-                       config_for)
-    actions = [""] * len(transcripts)
-    for rows, conts in zip(groups.values(), got, strict=True):
-        for i, cont in zip(rows, conts, strict=True):
-            actions[i] = cont.text
-    return actions
+            yield Work(step_all)
+            counters.env_steps += len(live)
+            still = []
+            for r in live:
+                if runs[r].done:
+                    wins += int(runs[r].reward >= config.success_threshold)
+                elif not runs[r].at_limit:  # else: cut at the step limit, a failure
+                    still.append(r)
+            live = still
+            step += 1
+        return wins
+    finally:
+        for env in envs:
+            env.close()
 
 
 # ----- the job -----------------------------------------------------------------------------

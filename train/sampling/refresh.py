@@ -30,15 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
 from rollout_store.tree import Segment
 from train.envs.base import Environment, parse_action
-from train.policies.base import Policy, SampleConfig, Turn
-from train.sampling.base import Continuing, SamplerConfig, mix_seed, sample_round
+from train.policies.base import Policy, Rows, SampleConfig, Turn, sample_rows
+from train.sampling.base import Continuing, SamplerConfig, mix_seed
 from train.sampling.segments import action_segments, token_char_starts
 
 
@@ -227,8 +226,9 @@ class PolicyRefresh:
 
     Key of the k-th draw of a route: ``mix_seed(seed, "refresh", *key_parts[route], k)``
     (default key parts ``(route,)``), the policy's j-th call within it ``mix_seed(key,
-    "call", j)``. ``budget`` chooses the unit of ``Drawn.steps``; ``records`` keeps one
-    ``StepRecord`` per step (for committing the draws as trees).
+    "call", j)`` (the stream seed of its one row, ``sample_rows``). ``budget`` chooses
+    the unit of ``Drawn.steps``; ``records`` keeps one ``StepRecord`` per step (for
+    committing the draws as trees).
     """
 
     def __init__(self, env: Environment, policy: Policy, transcript: Sequence[Turn],
@@ -272,9 +272,9 @@ class PolicyRefresh:
             if run.over:
                 break
             calls += 1
-            seed = mix_seed(key, "call", calls)
-            cont = sample_round(self.policy, [(1, run.turns)],
-                                partial(self._config, seed=seed))[0][0]
+            seed = mix_seed(key, "call", calls) & ((1 << 62) - 1)
+            cont = sample_rows(self.policy, [Rows(tuple(run.turns), 1, seed)],
+                               self._config(1, seed))[0][0]
             segs = (tuple(action_segments(cont.text, token_char_starts(self.policy, cont)))
                     if self.records else ())
             action = (cont.text, tuple(cont.token_ids), tuple(cont.logprobs),

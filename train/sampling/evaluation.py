@@ -1,0 +1,76 @@
+"""Held-out evaluation through the rollout engine: one episode per task, all together (issue 22).
+
+The one evaluation of the house (the trainer's held-out metrics, ``rtrees policy init``'s
+success report): each task gets one episode from ``reset``, continued by the
+continuation primitive (``train.sampling.base.Continuing``) under the one step limit,
+``Task.max_steps`` (an episode cut there ends with reward 0), and the one success rule,
+final reward >= ``success_threshold``. Every episode is a program of
+``train.sampling.engine``, so each decode step is one batched policy call over every
+live episode, environment steps run in the engine's pool, and each environment is
+closed when its episode ends. Episode i's row draws from the stream keyed by
+``(seed, "eval", i, step)``, so an episode does not depend on the other tasks or on the
+batch; ``greedy`` keeps the top token (``top_p`` 1e-9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from train.envs import Environment, Task, make_env
+from train.policies.base import Policy, Rows, SampleConfig
+from train.sampling.base import Continuing, mix_seed
+from train.sampling.engine import DEFAULT_MAX_ROWS, Decode, Engine, Request, Work
+
+GREEDY_TOP_P = 1e-9
+_MASK62 = (1 << 62) - 1
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """Per task: final reward (0 when cut by the step limit), success, steps taken."""
+
+    rewards: list[float]
+    successes: list[bool]
+    steps: list[int]
+
+    @property
+    def success_rate(self) -> float:
+        return sum(self.successes) / len(self.successes) if self.successes else float("nan")
+
+
+def episode_program(env: Callable[[], Environment], task: Task, index: int, seed: int,
+                    config: SampleConfig) -> Generator[Request, Any, tuple[float, int]]:
+    """One episode of ``task`` from ``reset``: (final reward, steps)."""
+    live: Environment = yield Work(env)
+    try:
+        prompt: str = yield Work(lambda: live.reset(task))
+        run = Continuing(live, [("prompt", prompt)], 0, task.max_steps)
+        while not run.over:
+            seed_row = mix_seed(seed, "eval", index, run.steps) & _MASK62
+            conts = yield Decode([Rows(tuple(run.turns), 1, seed_row)], config)
+            yield Work(partial(run.step, conts[0][0].text))
+        return (run.reward if run.done else 0.0), run.steps
+    finally:
+        live.close()
+
+
+def run_episodes(policy: Policy, env: str | Callable[[], Environment], tasks: Sequence[Task],
+                 *, seed: int, max_new_tokens: int = 48, temperature: float = 1.0,
+                 greedy: bool = False, success_threshold: float = 1.0,
+                 max_rows: int = DEFAULT_MAX_ROWS) -> Episodes:
+    """One episode per task through the engine (module docstring)."""
+    factory = partial(make_env, env) if isinstance(env, str) else env
+    config = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=GREEDY_TOP_P if greedy else 1.0)
+    engine = Engine(policy, max_rows=max_rows, max_programs=max(1, min(len(tasks), 256)))
+    got: list[tuple[float, int]] = engine.run(
+        [partial(episode_program, factory, task, i, seed, config)
+         for i, task in enumerate(tasks)])
+    rewards = [float(r) for r, _ in got]
+    return Episodes(rewards, [r >= success_threshold for r in rewards], [s for _, s in got])
+
+
+__all__ = ["GREEDY_TOP_P", "Episodes", "episode_program", "run_episodes"]
