@@ -141,12 +141,14 @@ def test_dynamic_sampling_resamples_or_drops_and_counts_the_budget(tmp_path: Pat
 
     flat, mixed = with_rewards([0.0, 0.0], "flat"), with_rewards([1.0, 0.0], "mixed")
     assert not _mixed(flat) and _mixed(mixed)
-    kept, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, env, policy, cfg, 0)
+    kept, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, policy, cfg, 0)
     assert 1 <= ds["ds_extra_trees"] <= 2  # the flat tree was resampled
-    assert ds["ds_extra_rollouts"] == 2 * ds["ds_extra_trees"]
+    # every discarded tree (each resampled one, and a last one still without both
+    # outcomes, dropped) counts its 2 rollouts against the budget
+    assert ds["ds_extra_rollouts"] == 2 * (ds["ds_extra_trees"] + ds["ds_dropped_trees"])
     assert len(kept) == 2 - ds["ds_dropped_trees"] and kept[-1].tree_id == "mixed"
     assert all(t.tree_id != "flat" for t in kept)
-    dropped, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, env, policy,
+    dropped, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, policy,
                                     replace(cfg, dynamic_sampling="drop"), 0)
     assert [t.tree_id for t in dropped] == ["mixed"]
     assert ds == {"ds_dropped_trees": 1.0, "ds_extra_trees": 0.0, "ds_extra_rollouts": 2.0,
