@@ -171,3 +171,30 @@ def test_toml_config_cli_overrides_and_one_line_errors(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "unknown sampler 'nope'" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_heldout_outcomes_are_stored_per_task_and_paired_across_runs(tmp_path: Path) -> None:
+    """Each evaluation commits one ``evaluations`` row per (mode, held-out task) whose mean
+    is the metric; two runs of other seeds evaluate the same tasks with the same stream
+    seeds, so their outcomes pair (docs/METHODS.md V2)."""
+    from rollout_store import Store, connect
+
+    rates = {}
+    for seed in (0, 1):
+        cfg = _cfg(tmp_path, f"eval{seed}", steps=1, heldout_tasks=6, eval_every=1, seed=seed,
+                   run_id=f"eval{seed}")
+        train(cfg)
+        con = connect(Store(cfg.store))
+        rows = con.execute("SELECT step, mode, task_index, task_id, eval_seed, success "
+                           "FROM evaluations ORDER BY step, mode, task_index").fetchall()
+        assert [(r[0], r[1]) for r in rows] == [(s, m) for s in (-1, 0)
+                                                 for m in ("greedy", "sampled")
+                                                 for _ in range(6)]
+        metrics = read_metrics(cfg.store, cfg.resolved_run_id)
+        for step in (-1, 0):
+            for mode in ("sampled", "greedy"):
+                got = [r[5] for r in rows if r[0] == step and r[1] == mode]
+                assert dict(metrics[f"heldout_{mode}"])[step] == pytest.approx(
+                    sum(got) / len(got))
+        rates[seed] = [(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+    assert rates[0] == rates[1]  # same tasks, same evaluation seeds: the pairing holds

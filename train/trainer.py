@@ -75,7 +75,7 @@ import pyarrow as pa
 import torch
 
 from rollout_store.reader import connect
-from rollout_store.schema import METRICS
+from rollout_store.schema import EVALUATIONS, METRICS
 from rollout_store.store import Store, now_utc, open_store
 from rollout_store.tree import Tree
 from train import distributed as dp
@@ -433,17 +433,6 @@ def credit_for(trees: Sequence[Tree], config: TrainConfig, scores: pa.Table | No
     return rows, out
 
 
-def evaluate(policy: HFPolicy, env_name: str, tasks: Sequence[Task], greedy: bool,
-             max_new_tokens: int, seed: int) -> float:
-    """Success rate of one rollout per task through the rollout engine (the one
-    evaluation, ``train.sampling.evaluation.run_episodes``); greedy = top_p 1e-9
-    (HFPolicy keeps the top token)."""
-    if not tasks:
-        return float("nan")
-    return run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens,
-                        greedy=greedy).success_rate
-
-
 # ------------------------------------------------------------- the run directory
 
 LOCK_FILE = "train.lock"
@@ -703,7 +692,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         current = policy.published(str(resumed.path), resumed.version)
 
     if start == 0 and config.eval_every and heldout and world.is_main:  # step -1
-        initial = _heldout(current, heldout, config, 0)
+        initial, rows = _heldout(current, heldout, config, 0)
+        _commit_heldout(store, run_id, -1, rows)
         _commit_metrics(store, run_id, -1, initial)
         report.heldout[0] = initial
     env = make_env(config.env)
@@ -927,7 +917,9 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         if config.eval_every and heldout and ((it + 1) % config.eval_every == 0 or
                                               it + 1 == config.steps):
             t5 = time.perf_counter()
-            metrics.update(_heldout(current, heldout, config, it + 1))
+            rates, rows = _heldout(current, heldout, config, it + 1)
+            _commit_heldout(store, run_id, it, rows)
+            metrics.update(rates)
             metrics["seconds_eval"] = time.perf_counter() - t5
             report.heldout[it + 1] = metrics
         _commit_metrics(store, run_id, it, metrics)
@@ -1020,14 +1012,40 @@ def _state(iteration: int, optimizer: torch.optim.Optimizer, scheduler: Any, sam
 
 
 def _heldout(policy: HFPolicy, heldout: Sequence[Task], config: TrainConfig, version: int
-             ) -> dict[str, float]:
+             ) -> tuple[dict[str, float], pa.Table]:
     """Held-out success after ``version`` iterations, sampled and greedy (metric step is
-    the iteration that produced the weights; -1 for the starting weights)."""
+    the iteration that produced the weights; -1 for the starting weights), and the
+    per-task outcomes as ``evaluations`` rows (V2 pairs arms by task). The sampling seed
+    depends only on ``version``, and episode i's stream on (seed, i, step), so every run
+    of an env evaluates task i with the same stream at the same step."""
     seed = mix_seed(config.heldout_seed, "eval", version)
-    return {"heldout_sampled": evaluate(policy, config.env, heldout, False,
-                                        config.max_new_tokens, seed),
-            "heldout_greedy": evaluate(policy, config.env, heldout, True,
-                                       config.max_new_tokens, seed)}
+    metrics: dict[str, float] = {}
+    parts = []
+    now = now_utc()
+    n = len(heldout)
+    for mode, greedy in (("sampled", False), ("greedy", True)):
+        ep = run_episodes(policy, config.env, heldout, seed=seed,
+                          max_new_tokens=config.max_new_tokens, greedy=greedy)
+        metrics[f"heldout_{mode}"] = ep.success_rate if n else float("nan")
+        parts.append(pa.table({
+            "run_id": pa.array([config.resolved_run_id] * n, pa.string()),
+            "step": pa.array([version - 1] * n, pa.int64()),
+            "mode": pa.array([mode] * n, pa.string()),
+            "task_index": pa.array(range(n), pa.int32()),
+            "task_id": pa.array([t.task_id for t in heldout], pa.string()),
+            "eval_seed": pa.array([seed] * n, pa.int64()),
+            "reward": pa.array(ep.rewards, pa.float64()),
+            "success": pa.array(ep.successes, pa.bool_()),
+            "steps": pa.array(ep.steps, pa.int32()),
+            "created_at": pa.array([now] * n, EVALUATIONS.field("created_at").type),
+        }, schema=EVALUATIONS))
+    return metrics, pa.concat_tables(parts)
+
+
+def _commit_heldout(store: Store, run_id: str, step: int, rows: pa.Table) -> None:
+    """Commit one evaluation's per-task rows (idempotent per step: an exact resume that
+    repeats the evaluation writes the same rows under the same key)."""
+    store.append_evaluations(rows, key=f"{run_id}:evaluations:{step}")
 
 
 def _minibatch_parts(n_trees: int, config: TrainConfig, it: int) -> list[list[int]]:
@@ -1070,5 +1088,5 @@ def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, f
 
 
 __all__ = ["Resumed", "RunIdTakenError", "RunInUseError", "TrainError", "TrainReport",
-           "check_config", "checkpoints", "credit_for", "evaluate", "latest_checkpoint",
+           "check_config", "checkpoints", "credit_for", "latest_checkpoint",
            "load_checkpoint", "read_metrics", "resume_checkpoint", "task_splits", "train"]
