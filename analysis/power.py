@@ -10,8 +10,9 @@ is pure arithmetic on stated assumptions, printed with them:
 * the task-resampled studies (``dsc-l1``, ``elpo-fig3``, ``dsc-table2``, ``elpo-fig1``):
   a normal approximation over tasks, MDE = (z_0.975 + z_0.8) * sd / sqrt(n) at their 95%
   intervals, with the per-task sd of each claim's statistic taken from the last measured
-  run of that study (benchmarks/README.md, "Seed-paper studies"): the half-width of its
-  95% interval times sqrt(n) / 1.96 [R: a pilot estimate; a new env or policy changes it].
+  run of that study (benchmarks/README.md, the rows of the round of issues 9-16): the
+  half-width of its 95% interval times sqrt(n) / 1.96 [R: a pilot estimate; a new env or
+  policy changes it].
 """
 
 from __future__ import annotations
