@@ -122,7 +122,8 @@ def _cases(store: str, regular_file: str) -> list[tuple[list[str], str]]:
         (["train", "--config", "/nonexistent.toml"], "/nonexistent.toml"),
         (["train", "--set", "nofield=1", "--out", store + "-t"], "nofield"),
         (["train", "--set", "novalue", "--out", store + "-t"], "expected KEY=VALUE"),
-        (["study", "nope"], "--out"),
+        (["study", "nope"], "unknown study"),
+        (["study", "table1"], "--out is required"),
         # unknown command / option
         (["nope"], "nope"),
         (["store", "info", *s, "--bogus"], "--bogus"),
