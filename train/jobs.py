@@ -666,9 +666,13 @@ def study_power(name: str, params: Mapping[str, Any] | None = None, small: bool 
     """``rtrees study NAME --power [--effect X]``: what the study can detect at its
     settings and (with ``effect``) the size that effect needs, without running anything
     (docs/METHODS.md V3-V5, ``analysis.power``)."""
+    return _power_lines(name, study_config(name, params, small), effect)
+
+
+def _power_lines(name: str, config: Any, effect: float | None = None) -> list[str]:
+    """``analysis.power.study_power`` of a built settings dataclass, as printed lines."""
     from analysis.power import study_power as power
 
-    config = study_config(name, params, small)
     return power(name, dataclasses.asdict(config), effect).lines()
 
 
@@ -680,9 +684,7 @@ def run_study(name: str, out: str | Path, params: Mapping[str, Any] | None = Non
     results (``results.json``), whose ``verdicts`` the CLI prints."""
     config = study_config(name, params, small)
     if log is not None:
-        from analysis.power import study_power as power
-
-        for line in power(name, dataclasses.asdict(config)).lines():
+        for line in _power_lines(name, config):
             log(line)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
