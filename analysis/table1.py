@@ -175,15 +175,12 @@ def _rate(x: Any) -> float:
 
 
 def _t_interval(xs: Sequence[float], level: float) -> list[float]:
-    """The t interval of a mean over seeds (nan below two seeds)."""
-    from scipy import stats
-
+    """The t interval of a mean over seeds (nan below two seeds): V2's seed-level interval
+    of ``xs`` against 0."""
     arr = np.asarray(xs, np.float64)
     if arr.size < 2:
         return [math.nan, math.nan]
-    half = float(stats.t.ppf(1 - (1 - level) / 2, arr.size - 1)) * float(
-        arr.std(ddof=1)) / math.sqrt(arr.size)
-    return [float(arr.mean()) - half, float(arr.mean()) + half]
+    return list(paired_difference(arr, np.zeros_like(arr), level).ci)
 
 
 def _reasons(refused: Sequence[tuple[int, str]], unfinished: Sequence[Mapping[str, Any]]
