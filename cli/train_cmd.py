@@ -41,6 +41,9 @@ def train_command(
         "--sampler-param", help="Sampler option KEY=VALUE (repeatable).")] = None,
     credit_param: Annotated[list[str] | None, typer.Option(
         "--credit-param", help="Estimator parameter KEY=VALUE (repeatable).")] = None,
+    task_param: Annotated[list[str] | None, typer.Option(
+        "--task-param", help="Task generator option KEY=VALUE for both splits, e.g. "
+        "horizons=18 (TrainConfig.task_params; repeatable).")] = None,
     reuse: Annotated[str | None, typer.Option(help="Stored-tree reuse: none, all, transport, "
                                               "dsc, refresh (TrainConfig.reuse).")] = None,
     reuse_from: Annotated[str | None, typer.Option(help="SQL filter over trees choosing the "
@@ -90,6 +93,8 @@ def train_command(
         given["sampler_params"] = parse_params(sampler_param, "--sampler-param")
     if credit_param:
         given["credit_params"] = parse_params(credit_param, "--credit-param")
+    if task_param:
+        given["task_params"] = parse_params(task_param, "--task-param")
     if reuse_param:
         given["reuse_params"] = parse_params(reuse_param, "--reuse-param")
     try:

@@ -18,6 +18,11 @@ every entry point:
   project is a rate, a coefficient, a threshold or a bound, where a non-finite value
   silently disables a check or trains on noise).
 
+Settings without a dataclass (an environment's task options, ``TrainConfig.task_params``,
+whose names and types the env's ``generate_tasks`` checks) go through ``literal_value``:
+text that reads as an integer, a finite float or a bool word becomes one, ``a,b,c`` becomes a
+tuple of such values, anything else stays text; typed values pass unchanged.
+
 Errors are ``CoerceError`` (a ``ValueError``) with a one-line message naming the field and
 the value. ``check_types(obj)`` applies the typed-value rules to a constructed dataclass (its
 ``__post_init__`` calls it, so Python callers get them too) and ``check_bounds`` the range
@@ -190,4 +195,34 @@ def check_bounds(obj: Any, minima: Mapping[str, int], maxima: Mapping[str, int])
                     raise CoerceError(f"{name} must be <= {bound}, got {value}")
 
 
-__all__ = ["CoerceError", "check_bounds", "check_types", "coerce_fields", "coerce_value"]
+def literal_value(value: Any, name: str = "") -> Any:
+    """An untyped setting's value (module docstring): ``"12,18"`` -> ``(12, 18)``,
+    ``"3"`` -> ``3``, ``"0.5"`` -> ``0.5``, ``"true"`` -> ``True``, ``"x"`` -> ``"x"``.
+    A non-finite float (text or typed) is a ``CoerceError``."""
+    if not isinstance(value, str):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CoerceError(f"{name}: {value!r} is not a finite number")
+        if isinstance(value, list):
+            return tuple(literal_value(v, name) for v in value)
+        return value
+    text = value.strip()
+    if "," in text:
+        return tuple(literal_value(part, name) for part in text.split(",") if part.strip())
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    if not math.isfinite(number):
+        raise CoerceError(f"{name}: {value!r} is not a finite number")
+    return number
+
+
+__all__ = ["CoerceError", "check_bounds", "check_types", "coerce_fields", "coerce_value",
+           "literal_value"]

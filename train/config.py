@@ -100,6 +100,10 @@ class TrainConfig:
     """Size of the fixed held-out split (drawn with ``heldout_seed``, disjoint from train)."""
     heldout_seed: int = 1_000_003
     """Generator seed of the held-out split (fixed across runs, so runs compare)."""
+    task_params: dict[str, Any] = field(default_factory=dict)
+    """Options of the env's task generator for both splits (``generate_tasks(n, seed,
+    **task_params)``), e.g. workflow ``horizons=18`` or calc ``difficulties=2,3``; text
+    values are read by ``train.coerce.literal_value``."""
     eval_every: int = 10
     """Held-out evaluation (sampled and greedy success) every this many iterations and at
     the start and end; 0 turns it off."""

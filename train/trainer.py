@@ -88,6 +88,7 @@ from train.batches import (
     micro_batches,
     tree_token_ratio,
 )
+from train.coerce import literal_value
 from train.config import (
     CONFIG_FILE,
     RESUMABLE_FIELDS,
@@ -235,15 +236,21 @@ def check_store_env(store: Store, env: str) -> None:
 
 def task_splits(config: TrainConfig) -> tuple[list[Task], list[Task]]:
     """(train, held-out): the held-out split is fixed by ``heldout_seed``; training tasks
-    whose prompt occurs in it are dropped, so the two are disjoint."""
+    whose prompt occurs in it are dropped, so the two are disjoint. Both splits are drawn
+    with ``task_params`` (a bad option is a ``TrainError`` naming it)."""
     cls = env_class(config.env)
     generate = getattr(cls, "generate_tasks", None)
     if generate is None:
         raise TrainError(f"env {config.env!r} has no task generator")
-    heldout = list(generate(config.heldout_tasks, seed=config.heldout_seed)) \
-        if config.heldout_tasks else []
+    try:
+        options = {k: literal_value(v, f"task_params.{k}") for k, v in config.task_params.items()}
+        heldout = list(generate(config.heldout_tasks, seed=config.heldout_seed, **options)) \
+            if config.heldout_tasks else []
+        drawn = generate(config.train_tasks, seed=config.seed, **options)
+    except (TypeError, ValueError) as exc:  # the generator names the bad option
+        raise TrainError(f"task_params {dict(config.task_params)}: {exc}") from None
     seen = {t.prompt for t in heldout}
-    train = [t for t in generate(config.train_tasks, seed=config.seed) if t.prompt not in seen]
+    train = [t for t in drawn if t.prompt not in seen]
     if not train:
         raise TrainError("the training split is empty")
     return train, heldout

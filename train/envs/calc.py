@@ -466,7 +466,8 @@ class CalcEnv(OneToolEnv[_State]):
             raise ValueError(f"unknown calc task option(s) {unknown}; choose from "
                              f"{sorted(options)}")
         options.update(mix)
-        difficulties = tuple(options["difficulties"])
+        raw = options["difficulties"]  # one integer is a one-value mix
+        difficulties = (raw,) if isinstance(raw, int) else tuple(raw)
         if not difficulties or any(isinstance(d, bool) or d not in DIFFICULTIES
                                    for d in difficulties):
             raise ValueError(f"difficulties must be a non-empty list of integers 1-6, "

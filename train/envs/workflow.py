@@ -272,9 +272,15 @@ class WorkflowEnv(Environment):
     @classmethod
     def generate_tasks(cls, n: int, seed: int, horizons: Sequence[int] = DEFAULT_HORIZONS,
                        deterministic: bool = False, **mix: Any) -> list[Task]:
-        """``n`` tasks; horizons cycle through ``horizons`` (the mix is in the module doc)."""
+        """``n`` tasks; horizons cycle through ``horizons`` (the mix is in the module doc;
+        one integer is one horizon)."""
         if mix:
             raise TypeError(f"unknown task-mix options {sorted(mix)}")
+        if isinstance(horizons, int):
+            horizons = (horizons,)
+        if not isinstance(horizons, Sequence) or any(
+                isinstance(h, bool) or not isinstance(h, int) for h in horizons):
+            raise ValueError(f"horizons must be integers, got {horizons!r}")
         if not horizons or any(h < 2 for h in horizons):
             raise ValueError(f"horizons must be >= 2, got {list(horizons)}")
         return [cls._generate_task(seed, i, horizons[i % len(horizons)], deterministic)

@@ -1,0 +1,64 @@
+"""``TrainConfig.task_params`` reaches the env's task generator for both splits (issue 23
+item 3): workflow horizons set from the command line, a bad option a one-line error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cli.main import app
+from train.coerce import CoerceError, literal_value
+from train.config import TrainConfig
+from train.trainer import TrainError, task_splits
+
+
+def test_literal_value_rules() -> None:
+    assert literal_value("18") == 18
+    assert literal_value("12,18") == (12, 18)
+    assert literal_value("0.5") == 0.5
+    assert literal_value("True") is True
+    assert literal_value("shop,flight") == ("shop", "flight")
+    assert literal_value([6, 9]) == (6, 9)
+    with pytest.raises(CoerceError, match="finite"):
+        literal_value("nan", "x")
+
+
+def test_workflow_horizons_reach_both_splits() -> None:
+    config = TrainConfig(env="workflow", train_tasks=30, heldout_tasks=10,
+                         task_params={"horizons": "12,18"})
+    train, heldout = task_splits(config)
+    assert {t.max_steps for t in train} == {12, 18}
+    assert {t.max_steps for t in heldout} == {12, 18}
+    one = TrainConfig(env="workflow", train_tasks=20, heldout_tasks=5,
+                      task_params={"horizons": "24"})
+    assert {t.max_steps for t in task_splits(one)[0]} == {24}
+    default = TrainConfig(env="workflow", train_tasks=30, heldout_tasks=5)
+    assert {t.max_steps for t in task_splits(default)[0]} == {6, 9, 12}
+
+
+def test_calc_difficulties_reach_the_generator() -> None:
+    config = TrainConfig(env="calc", train_tasks=40, heldout_tasks=10,
+                         task_params={"difficulties": "3"})
+    train, heldout = task_splits(config)
+    assert {t.config["difficulty"] for t in train + heldout} == {3}
+
+
+@pytest.mark.parametrize("params, word", [({"nope": "1"}, "nope"),
+                                          ({"horizons": "1"}, "horizons"),
+                                          ({"horizons": "a,b"}, "horizons")])
+def test_bad_task_params_are_named(params: dict[str, str], word: str) -> None:
+    with pytest.raises(TrainError, match=word):
+        task_splits(TrainConfig(env="workflow", train_tasks=5, heldout_tasks=2,
+                                task_params=params))
+
+
+def test_cli_bad_task_param_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                     ) -> None:
+    with pytest.raises(SystemExit) as info:
+        app(["train", "--env", "workflow", "--store", str(tmp_path / "s"),
+             "--out", str(tmp_path / "run"), "--task-param", "nope=3", "--steps", "1"])
+    assert info.value.code != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope" in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "run" / "config.json").exists()
