@@ -824,7 +824,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             metrics["logprob_diff_max"] = dp.all_max(world, [max(diffs, default=0.0)])[0]
         model.train()
         sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual": 0.0, "kl": 0.0,
-                "entropy": 0.0, "tokens": 0.0}
+                "entropy": 0.0, "tokens": 0.0, "wide": 0.0, "wide_clip": 0.0,
+                "wide_released": 0.0}
         grad_norms: list[float] = []
         n_loss_tokens = 0
         forward_tokens = 0
@@ -872,6 +873,15 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                     sums["clip_low"] += float(out_t.clipped_low.sum())
                     sums["clip_high"] += float(out_t.clipped_high.sum())
                     sums["dual"] += float(out_t.dual_clipped.sum())
+                    # E8/C8 tokens whose lower bound is wider than the run's clip_low: how
+                    # many, how many clipped there, how many the base bound would have clipped
+                    wide = mb.clip_low > config.clip_low + 1e-9
+                    if bool(wide.any()):
+                        below_base = (out_t.ratio < 1.0 - config.clip_low) & (mb.advantage < 0)
+                        sums["wide"] += float(wide.sum())
+                        sums["wide_clip"] += float((out_t.clipped_low & wide).sum())
+                        sums["wide_released"] += float(
+                            (below_base & wide & ~out_t.clipped_low).sum())
                     sums["kl"] += masked_mean(out_t.kl, mask) * k
                     sums["entropy"] += float(entropy.detach().sum())
                 dp.all_reduce_grads(world, model.parameters())  # DDP: the whole part's grad
@@ -896,6 +906,9 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             "clip_frac_low": sums["clip_low"] / max(n_loss_tokens, 1),
             "clip_frac_high": sums["clip_high"] / max(n_loss_tokens, 1),
             "dual_clip_frac": sums["dual"] / max(n_loss_tokens, 1),
+            "wide_low_frac": sums["wide"] / max(n_loss_tokens, 1),
+            "wide_low_clip_frac": sums["wide_clip"] / max(sums["wide"], 1.0),
+            "wide_low_released_frac": sums["wide_released"] / max(sums["wide"], 1.0),
             "kl": sums["kl"] / max(n_loss_tokens, 1),
             "entropy": sums["entropy"] / max(n_loss_tokens, 1),
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
