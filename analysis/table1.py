@@ -86,6 +86,14 @@ CLAIMS: tuple[tuple[str, str, str, str], ...] = (
     ("SGCD: SGCD beats GRPO", "sgcd+group", "grpo+group",
      "sibling-guided credit distillation beats GRPO (abstract; docs/METHODS.md "
      "section 11)"),
+    ("ELPO E8: ELC beats ELPO without it", "elpo+bel", "elpo+bel (no ELC)",
+     "ELPO's ablation: the wider lower clip bound on the critical suffix helps"),
+    ("ELPO Table 1 on workflow: ELPO beats GRPO", "elpo+bel (workflow)",
+     "grpo+group (workflow)", "as the calc claim, at a horizon where credit matters"),
+    ("ELPO on workflow: ELPO beats tree-rollout baselines", "elpo+bel (workflow)",
+     "tree_grpo+random (workflow)", "as the calc claim, at a horizon where credit matters"),
+    ("CALIPER on workflow: CALIPER beats GRPO", "caliper+caliper (workflow)",
+     "grpo+group (workflow)", "as the calc claim, at a horizon where credit matters"),
 )
 DEFAULT_DELTA = 0.02
 """Equivalence margin of studies whose config predates ``Table1Config.delta``."""

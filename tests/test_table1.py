@@ -9,6 +9,7 @@ that skips them, and a config the trainer may refuse recorded as ``not run``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -205,3 +206,29 @@ def test_factor_and_sgcd_configs_carry_their_recipe(tmp_path: Path) -> None:
     assert (fa.credit, fa.aggregation) == ("factor", "action-mean")
     assert (sg.credit, sg.dynamic_sampling) == ("sgcd", "resample")
     assert (base.aggregation, base.dynamic_sampling) == ("token-mean", "off")
+
+
+def test_workflow_and_no_elc_configs_carry_horizons_and_recipe(tmp_path: Path) -> None:
+    """issue 23 items 3-5: workflow configs train at the study's horizons, the no-ELC row
+    sets eps_elc = 0 in its own directory, and the clip recipe reaches every run."""
+    from analysis.power import study_power
+    from train.studies.table1 import DEFAULT_CONFIGS, WORKFLOW_CONFIGS, run_config, slug
+
+    assert not set(WORKFLOW_CONFIGS) & set(DEFAULT_CONFIGS) and len(WORKFLOW_CONFIGS) == 4
+    config = Table1Config(configs=("elpo+bel", "elpo+bel (no ELC)", *WORKFLOW_CONFIGS),
+                          epochs=2, minibatches=4, workflow_horizons=(12, 18))
+    wf = run_config("elpo+bel (workflow)", 0, config, tmp_path)
+    assert (wf.env, wf.sampler, wf.credit) == ("workflow", "bel", "elpo")
+    assert wf.task_params == {"horizons": [12, 18]} and (wf.epochs, wf.minibatches) == (2, 4)
+    noelc = run_config("elpo+bel (no ELC)", 0, config, tmp_path)
+    calc = run_config("elpo+bel", 0, config, tmp_path)
+    assert noelc.credit_params == {"eps_elc": "0"} and calc.credit_params == {}
+    assert calc.task_params == {} and slug("elpo+bel (no ELC)") != slug("elpo+bel")
+    assert len({slug(c) for c in config.configs}) == len(config.configs)
+    # four claims among these configs (ELC, and three on workflow), each powered
+    statement = study_power("table1", dataclasses.asdict(config))
+    assert statement.sizes["claims"] == 4
+    with pytest.raises(ValueError, match="minibatches"):
+        Table1Config(minibatches=32, tasks_per_step=16)
+    with pytest.raises(ValueError, match="workflow_horizons"):
+        Table1Config(workflow_horizons=(1,))

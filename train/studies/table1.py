@@ -20,9 +20,26 @@ grpo+group (sgls)      sgls    group       grpo
 slca+group (sgls)      sgls    group       slca
 factor+group           calc    group       factor (action-mean loss; not run by default)
 sgcd+group             calc    group       sgcd (dynamic sampling; not run by default)
+elpo+bel (no ELC)      calc    bel         elpo with eps_elc = 0 (not run by default)
 =====================  ======  ==========  ===========
 
-``grpo+group (sgls)`` is the baseline SLCA-GRPO's claim needs on the same env.
+and, not run by default, on workflow (``WORKFLOW_CONFIGS``): ``grpo+group (workflow)``,
+``elpo+bel (workflow)``, ``tree_grpo+random (workflow)``, ``caliper+caliper (workflow)``
+(the same samplers and credit as their calc rows). The powered design of the verdicts
+issue is, e.g.::
+
+    rtrees study table1 --out OUT --param configs="elpo+bel (workflow),grpo+group (workflow)"
+        --param epochs=2 --param minibatches=4 --param seeds=0,1,2,3,4 --power
+
+``grpo+group (sgls)`` is the baseline SLCA-GRPO's claim needs on the same env. The
+workflow configs train at the horizons ``workflow_horizons`` (default 18: where each
+step explains a few percent of the return variance and a failed trajectory has many
+zero-advantage steps, so credit can matter; calc is a two-step task). ``elpo+bel (no
+ELC)`` is ELPO without its wider lower clip bound (E8), the row that says whether ELC
+matters; it needs a recipe where clipping binds: ``epochs``, ``minibatches`` and ``lr``
+are the study's (defaults: the trainer's one epoch, two mini-batches, at which clipping
+almost never binds; ``epochs=2 minibatches=4`` makes it bind, and the trainer's
+``wide_low_*`` metrics show how much).
 
 Layout of ``OUT``: ``study.json`` (written last, after every run) and one directory per
 (config, seed), ``runs/<slug>-s<seed>/`` holding ``train/`` (the trainer's run
@@ -74,15 +91,24 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
     "slca+group (sgls)": ("sgls", "group", "slca"),
     "factor+group": ("calc", "group", "factor"),
     "sgcd+group": ("calc", "group", "sgcd"),
+    "elpo+bel (no ELC)": ("calc", "bel", "elpo"),
+    "grpo+group (workflow)": ("workflow", "group", "grpo"),
+    "elpo+bel (workflow)": ("workflow", "bel", "elpo"),
+    "tree_grpo+random (workflow)": ("workflow", "random", "tree_grpo"),
+    "caliper+caliper (workflow)": ("workflow", "caliper", "caliper"),
 }
+# Configs that share (env, sampler, credit) with another: their directory's suffix.
+SLUG_SUFFIX: dict[str, str] = {"elpo+bel (no ELC)": "-noelc"}
 # The configs a default study runs (factor and sgcd, issue 24, are accepted but their
 # claims and the powered runs belong to the verdicts issue).
 DEFAULT_CONFIGS: tuple[str, ...] = tuple(CONFIGS)[:7]
+WORKFLOW_CONFIGS: tuple[str, ...] = tuple(c for c in CONFIGS if c.endswith("(workflow)"))
 # TrainConfig fields a config sets beyond (env, sampler, credit): each method's recipe
 # (docs/METHODS.md F6: FACTOR's action-mean loss; Q1: SGCD's dynamic sampling).
 CONFIG_FIELDS: dict[str, dict[str, Any]] = {
     "factor+group": {"aggregation": "action-mean"},
     "sgcd+group": {"dynamic_sampling": "resample"},
+    "elpo+bel (no ELC)": {"credit_params": {"eps_elc": "0"}},
 }
 Log = Callable[[str], None]
 RUN_FILE = "table1_run.json"  # beside train/ and store/: the run's status and seconds
@@ -113,6 +139,16 @@ class Table1Config:
     """Token cap of one agent step on calc."""
     sgls_max_new_tokens: int = 64
     """Token cap of one agent step on sgls (a reply takes up to ~45 tiny tokens)."""
+    epochs: int = 1
+    """PPO epochs per iteration, every config (``TrainConfig.epochs``)."""
+    minibatches: int = 2
+    """Mini-batches per epoch, every config (``TrainConfig.minibatches``)."""
+    lr: float = 3e-4
+    """Learning rate, every config (``TrainConfig.lr``)."""
+    workflow_horizons: tuple[int, ...] = (18,)
+    """Horizons of the workflow configs' tasks, both splits (``task_params``)."""
+    workflow_max_new_tokens: int = 48
+    """Token cap of one agent step on workflow."""
     delta: float = 0.02
     """Pre-registered equivalence margin of every claim (docs/METHODS.md V1): a difference
     whose interval lies inside +-delta is called ``equivalent``."""
@@ -126,8 +162,17 @@ class Table1Config:
         if not self.seeds:
             raise ValueError("name at least one seed")
         if min(self.steps, self.tasks_per_step, self.n_total, self.max_new_tokens,
-               self.sgls_max_new_tokens) < 1:
-            raise ValueError("steps, tasks_per_step, n_total and max_new_tokens must be >= 1")
+               self.sgls_max_new_tokens, self.workflow_max_new_tokens, self.epochs,
+               self.minibatches) < 1:
+            raise ValueError("steps, tasks_per_step, n_total, epochs, minibatches and "
+                             "max_new_tokens must be >= 1")
+        if self.minibatches > self.tasks_per_step:
+            raise ValueError(f"minibatches ({self.minibatches}) cannot exceed tasks_per_step "
+                             f"({self.tasks_per_step})")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.workflow_horizons or any(h < 2 for h in self.workflow_horizons):
+            raise ValueError(f"workflow_horizons must be >= 2, got {self.workflow_horizons}")
         if not (0.0 < self.delta < 1.0):  # also refuses nan
             raise ValueError(f"delta must lie in (0, 1), got {self.delta}")
         if self.heldout_tasks < 1 or self.eval_every < 1:
@@ -140,7 +185,7 @@ class Table1Config:
 def slug(name: str) -> str:
     """``slca+group (sgls)`` -> ``sgls-slca-group``: the config's directory name."""
     env, sampler, credit = CONFIGS[name]
-    return re.sub(r"[^a-z0-9_-]", "-", f"{env}-{credit}-{sampler}")
+    return re.sub(r"[^a-z0-9_-]", "-", f"{env}-{credit}-{sampler}") + SLUG_SUFFIX.get(name, "")
 
 
 def run_config(name: str, seed: int, config: Table1Config, run_dir: Path) -> Any:
@@ -148,13 +193,16 @@ def run_config(name: str, seed: int, config: Table1Config, run_dir: Path) -> Any
     from train.config import TrainConfig
 
     env, sampler, credit = CONFIGS[name]
+    tokens = {"sgls": config.sgls_max_new_tokens,
+              "workflow": config.workflow_max_new_tokens}.get(env, config.max_new_tokens)
+    tasks = {"horizons": list(config.workflow_horizons)} if env == "workflow" else {}
     return TrainConfig(
         store=str(run_dir / "store"), out=str(run_dir / "train"),
         run_id=f"table1-{slug(name)}-s{seed}", env=env, policy="tiny", sampler=sampler,
         credit=credit, steps=config.steps, tasks_per_step=config.tasks_per_step,
         n_total=config.n_total, heldout_tasks=config.heldout_tasks,
-        eval_every=config.eval_every, seed=seed,
-        max_new_tokens=config.sgls_max_new_tokens if env == "sgls" else config.max_new_tokens,
+        eval_every=config.eval_every, seed=seed, max_new_tokens=tokens, task_params=tasks,
+        epochs=config.epochs, minibatches=config.minibatches, lr=config.lr,
         keep_last=1, save_every=config.steps, progress=False, **CONFIG_FIELDS.get(name, {}))
 
 
@@ -230,5 +278,6 @@ SMALL: dict[str, Any] = {"configs": ("grpo+group", "trace+group", "slca+group (s
                          "eval_every": 1}
 
 
-__all__ = ["CONFIGS", "CONFIG_FIELDS", "DEFAULT_CONFIGS", "RUN_FILE", "SMALL", "Table1Config",
-           "run_config", "run_finished", "run_one", "run_table1_study", "slug"]
+__all__ = ["CONFIGS", "CONFIG_FIELDS", "DEFAULT_CONFIGS", "RUN_FILE", "SLUG_SUFFIX", "SMALL",
+           "WORKFLOW_CONFIGS", "Table1Config", "run_config", "run_finished", "run_one",
+           "run_table1_study", "slug"]
