@@ -175,8 +175,8 @@ class Resolution:
 
     def compose(self, posterior: Mapping[tuple[int, int], float]) -> dict[int, float]:
         """Leaf returns whose child means at every comparison differ by its values
-        (module docstring); ``posterior`` {(node, child): posterior mean} overrides the
-        value of a refreshed child."""
+        (docs/METHODS.md section 9, "Composition"); ``posterior`` {(node, child):
+        posterior mean} overrides the value of a refreshed child."""
         ret = dict(self.reward)
         for k, comp in enumerate(self.comparisons):
             q = {c: float(posterior.get((comp.node, c), comp.value[c])) for c in comp.children}
