@@ -799,54 +799,53 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         grad_norms: list[float] = []
         n_loss_tokens = 0
         forward_tokens = 0
-        schedule = [p for epoch in range(config.epochs)
-                    for p in _epoch_order(n_parts, config, it, epoch)]
-        schedule += [n_parts + q for _ in range(passes - 1)
-                     for q in range(len(part_batches) - n_parts)]  # U1
-        for p in schedule:
-            mbs, d, part = part_batches[p]
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for mb in mbs:
-                if not mb.n_loss_tokens:
-                    continue
-                logp, entropy = forward_logprobs(model, mb, with_entropy=True,
-                                                 entropy_grad=config.entropy_coef > 0)
-                assert entropy is not None
-                weight, old_logp = None, mb.old_logp  # G8: w = pi_prox / mu (1 fresh)
-                if reuse is not None:  # stored tokens: mb.stored
-                    weight, old_logp = reuse.weight(mb, logp)
-                ref = None
-                if ref_model is not None:
-                    with torch.no_grad():
-                        ref = forward_logprobs(ref_model, mb)[0]
-                out_t = token_loss(logp, old_logp, mb.advantage, mb.clip_low,
-                                   mb.clip_high, dual_clip=config.dual_clip, ref_logp=ref,
-                                   kl_coef=config.kl_coef,
-                                   kl_estimator=config.kl_estimator,
-                                   entropy=entropy if config.entropy_coef > 0 else None,
-                                   entropy_coef=config.entropy_coef, weight=weight)
-                w = token_weights(config.aggregation, mb.traj_count, mb.inv_len_sum,
-                                  mb.action_len)
-                mask = torch.ones_like(w, dtype=torch.bool)
-                loss = aggregate(out_t.loss, mask, w, d)
-                loss.backward()
-                step_loss += float(loss.detach())
-                k = mb.n_loss_tokens
-                n_loss_tokens += k
-                forward_tokens += mb.n_tokens
-                sums["clip_low"] += float(out_t.clipped_low.sum())
-                sums["clip_high"] += float(out_t.clipped_high.sum())
-                sums["dual"] += float(out_t.dual_clipped.sum())
-                sums["kl"] += masked_mean(out_t.kl, mask) * k
-                sums["entropy"] += float(entropy.detach().sum())
-            dp.all_reduce_grads(world, model.parameters())  # DDP: the whole part's grad
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
-            grad_norms.append(float(grad_norm))
-            optimizer.step()
-            scheduler.step()
-            sums["loss"] += step_loss
+        for epoch in range(config.epochs + passes - 1):  # U1: passes - 1 over stored parts
+            order = (_epoch_order(n_parts, config, it, epoch) if epoch < config.epochs
+                     else list(range(n_parts, len(part_batches))))
+            for p in order:
+                mbs, d, part = part_batches[p]
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for mb in mbs:
+                    if not mb.n_loss_tokens:
+                        continue
+                    logp, entropy = forward_logprobs(model, mb, with_entropy=True,
+                                                     entropy_grad=config.entropy_coef > 0)
+                    assert entropy is not None
+                    weight, old_logp = None, mb.old_logp  # G8: w = pi_prox / mu (1 fresh)
+                    if reuse is not None:  # stored tokens: mb.stored
+                        weight, old_logp = reuse.weight(mb, logp)
+                    ref = None
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            ref = forward_logprobs(ref_model, mb)[0]
+                    out_t = token_loss(logp, old_logp, mb.advantage, mb.clip_low,
+                                       mb.clip_high, dual_clip=config.dual_clip, ref_logp=ref,
+                                       kl_coef=config.kl_coef,
+                                       kl_estimator=config.kl_estimator,
+                                       entropy=entropy if config.entropy_coef > 0 else None,
+                                       entropy_coef=config.entropy_coef, weight=weight)
+                    w = token_weights(config.aggregation, mb.traj_count, mb.inv_len_sum,
+                                      mb.action_len)
+                    mask = torch.ones_like(w, dtype=torch.bool)
+                    loss = aggregate(out_t.loss, mask, w, d)
+                    loss.backward()
+                    step_loss += float(loss.detach())
+                    k = mb.n_loss_tokens
+                    n_loss_tokens += k
+                    forward_tokens += mb.n_tokens
+                    sums["clip_low"] += float(out_t.clipped_low.sum())
+                    sums["clip_high"] += float(out_t.clipped_high.sum())
+                    sums["dual"] += float(out_t.dual_clipped.sum())
+                    sums["kl"] += masked_mean(out_t.kl, mask) * k
+                    sums["entropy"] += float(entropy.detach().sum())
+                dp.all_reduce_grads(world, model.parameters())  # DDP: the whole part's grad
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
+                grad_norms.append(float(grad_norm))
+                optimizer.step()
+                scheduler.step()
+                sums["loss"] += step_loss
         model.eval()
         sums = dp.reduce_sums(world, sums)  # DDP: every rank's tokens
         n_loss_tokens, forward_tokens = (int(v) for v in dp.all_sum(
@@ -857,8 +856,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         if reuse is not None:
             metrics.update(reuse.loss_metrics())
             metrics["reuse_stored_passes"] = float(passes)
-            metrics["reuse_extra_optimizer_steps"] = float(len(schedule) - len(
-                [p for p in schedule if p < n_parts]))
+            metrics["reuse_extra_optimizer_steps"] = float(
+                (passes - 1) * (len(part_batches) - n_parts))
         metrics.update({
             "loss": sums["loss"] / n_steps,
             "clip_frac_low": sums["clip_low"] / max(n_loss_tokens, 1),
