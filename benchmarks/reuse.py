@@ -1,10 +1,13 @@
 """The reuse experiment of issue 12: does reusing stored trees save interaction?
 
-For each env (``workflow``, ``calc``), each rule (``none``, ``all``, ``transport``,
-``dsc``, ``refresh``) and each of ``--seeds`` seeds, ``rtrees train`` (the tiny policy)
-runs one iteration at a time (``--resume``) until the run has spent ``--budget`` NEW tool
-steps (fresh trees plus refreshes) or ``--max-steps`` iterations, with held-out success
-measured after every iteration. So the rules are compared at equal new tool steps.
+For each env (``workflow``, ``calc``), each arm (by default every rule of
+``train.reuse.resolve.RULES`` and ``none``: ``all``, ``transport``, ``dsc``, ``refresh``,
+``m2po``, ``prox-interp``; ``--rules NAME=RULE:KEY=VALUE;...`` names an arm with its own
+``reuse_params``, e.g. ``utd3=all:stored_passes=3``) and each of ``--seeds`` seeds,
+``rtrees train`` (the tiny policy) runs one iteration at a time (``--resume``) until the
+run has spent ``--budget`` NEW tool steps (fresh trees plus refreshes) or ``--max-steps``
+iterations, with held-out success measured after every iteration. So the arms are
+compared at equal new tool steps.
 
 Writes to ``--out``: ``results.json``; ``report.md`` with, per env and rule, held-out
 sampled success at the budget (mean and std over seeds), iterations, new tool steps,
@@ -33,9 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rollout_store.reader import read_trees
 from train.config import load_config
+from train.reuse.params import REUSE_MODES
 from train.trainer import read_metrics, train
 
-RULES = ("none", "all", "transport", "dsc", "refresh")
+RULES: tuple[str, ...] = REUSE_MODES
+"""The default arms: one per rule, no extra ``reuse_params``."""
+
+
+def parse_arm(text: str) -> tuple[str, str, str]:
+    """``NAME=RULE:KEY=VALUE;KEY=VALUE`` (or a bare rule name) -> (arm name, rule,
+    ``reuse_params`` text with commas); a one-line ``SystemExit`` for an unknown rule."""
+    name, _, spec = text.partition("=") if "=" in text.split(":", 1)[0] else ("", "", text)
+    rule, _, params = spec.partition(":")
+    if rule not in REUSE_MODES:
+        raise SystemExit(f"error: arm {text!r}: unknown rule {rule!r}; rules: "
+                         f"{', '.join(REUSE_MODES)}")
+    return name or rule, rule, params.replace(";", ",")
 DEFAULTS: dict[str, str] = {"tasks_per_step": "8", "n_total": "4", "heldout_tasks": "64",
                             "eval_every": "1", "reuse_per_step": "8", "max_staleness": "4",
                             "minibatches": "2", "progress": "false"}
@@ -53,15 +69,19 @@ def _cum(points: list[tuple[int, float]]) -> dict[int, float]:
     return out
 
 
-def run_one(out: Path, env: str, rule: str, seed: int, budget: float, max_steps: int,
+def run_one(out: Path, env: str, arm: str, seed: int, budget: float, max_steps: int,
             overrides: dict[str, str], report_only: bool = False) -> dict[str, Any] | None:
     """Train (resumably) until ``budget`` new tool steps or ``max_steps`` iterations, then
     read the run's metrics; ``report_only``: only read what the run has committed so far
     (None when it has no finished iteration)."""
-    name = f"{env}-{rule}-seed{seed}"
+    label, rule, params = parse_arm(arm)
+    name = f"{env}-{label}-seed{seed}"
     run = out / name
     base = {**DEFAULTS, **overrides, "env": env, "reuse": rule, "seed": str(seed),
             "store": str(out / "stores" / name), "out": str(run), "run_id": name}
+    if params:
+        base["reuse_params"] = ",".join(x for x in (overrides.get("reuse_params", ""), params)
+                                        if x)
     cfg = load_config(None, {**base, "steps": "1"})
     for k in range(1, 0 if report_only else max_steps + 1):
         cfg = load_config(None, {**base, "steps": str(k)})
@@ -82,7 +102,7 @@ def run_one(out: Path, env: str, rule: str, seed: int, budget: float, max_steps:
     def total(key: str) -> float:
         return sum(v for _, v in m.get(key, []))
 
-    return {"env": env, "rule": rule, "seed": seed, "curve": curve,
+    return {"env": env, "rule": label, "reuse": rule, "seed": seed, "curve": curve,
             "final": curve[-1][1] if curve else float("nan"),
             "iterations": len(m["loss"]), "new_tool_steps": total("new_tool_steps"),
             "reused": total("reuse_pairs_reuse"), "transported": total("reuse_pairs_transport"),
@@ -91,6 +111,10 @@ def run_one(out: Path, env: str, rule: str, seed: int, budget: float, max_steps:
             "refresh_all_tool_steps": total("reuse_refresh_all_tool_steps"),
             "is_weight_mean": statistics.mean(v for _, v in m["is_weight_mean"])
             if m.get("is_weight_mean") else 1.0,
+            "extra_optimizer_steps": total("reuse_extra_optimizer_steps"),
+            "prox_forward_tokens_saved": total("reuse_prox_forward_tokens_saved"),
+            "m2po_masked_frac": statistics.mean(v for _, v in m["m2po_masked_frac"])
+            if m.get("m2po_masked_frac") else None,
             "regret": workflow_regret(run, cfg.store) if env == "workflow" and rule != "none"
             else None, "calibration": calibration(run) if rule == "dsc" else None}
 
@@ -158,11 +182,12 @@ def _fewer(a: float, b: float) -> str:
 
 
 def report(results: list[dict[str, Any]], out: Path) -> str:
+    arms = list(dict.fromkeys(r["rule"] for r in results))
     lines = ["| env | rule | held-out sampled at budget | iterations | new tool steps | "
              "pairs reused / transported / refreshed | refresh tool steps | refresh-all "
              "would spend | mean w | regret vs Q* (workflow) |", "|" + "---|" * 10]
     for env in sorted({r["env"] for r in results}):
-        for rule in RULES:
+        for rule in arms:
             runs = [r for r in results if r["env"] == env and r["rule"] == rule]
             if not runs:
                 continue
@@ -181,8 +206,8 @@ def report(results: list[dict[str, Any]], out: Path) -> str:
                 f"{mean('reused'):.0f} / {mean('transported'):.0f} / {mean('refreshed'):.0f} | "
                 f"{mean('refresh_tool_steps'):.0f} | {mean('refresh_all_tool_steps'):.0f} | "
                 f"{mean('is_weight_mean'):.3f} | {reg} |")
-        dsc = [r for r in results if r["env"] == env and r["rule"] == "dsc"]
-        ref = [r for r in results if r["env"] == env and r["rule"] == "refresh"]
+        dsc = [r for r in results if r["env"] == env and r["reuse"] == "dsc"]
+        ref = [r for r in results if r["env"] == env and r["reuse"] == "refresh"]
         if dsc and ref:
             a = statistics.mean(float(r["refresh_tool_steps"]) for r in dsc)
             cal = statistics.mean(float((r["calibration"] or {}).get("tool_steps") or 0)
@@ -216,11 +241,12 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     if not envs:
         return
     fig, axes = plt.subplots(1, len(envs), figsize=(6 * len(envs), 4), squeeze=False)
+    arms = list(dict.fromkeys(r["rule"] for r in results))
     for ax, env in zip(axes[0], envs, strict=True):
-        for rule in RULES:
+        for rule in arms:
             for i, r in enumerate(x for x in results if x["env"] == env and x["rule"] == rule):
                 xs, ys = zip(*r["curve"], strict=True) if r["curve"] else ((), ())
-                ax.plot(xs, ys, color=f"C{RULES.index(rule)}", alpha=0.7,
+                ax.plot(xs, ys, color=f"C{arms.index(rule) % 10}", alpha=0.7,
                         label=rule if i == 0 else None)
         ax.set_title(env)
         ax.set_xlabel("new tool steps")
@@ -235,7 +261,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--envs", default="workflow,calc")
-    ap.add_argument("--rules", default=",".join(RULES))
+    ap.add_argument("--rules", default=",".join(RULES),
+                    help="comma-separated arms: a rule, or NAME=RULE:KEY=VALUE;... "
+                    "(reuse_params of that arm)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--seed-ids", default="", help="comma-separated seeds (instead of "
                     "0..SEEDS-1): one process per seed runs them side by side")
@@ -246,6 +274,8 @@ def main() -> None:
                     help="train nothing: report the iterations the runs have finished")
     args = ap.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
+    for arm in args.rules.split(","):
+        parse_arm(arm)  # refuse a bad arm before anything runs
     got = [run_one(args.out, env, rule, seed, args.budget, args.max_steps, overrides,
                    args.report_only)
                for env in args.envs.split(",") for rule in args.rules.split(",")

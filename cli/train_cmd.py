@@ -2,7 +2,8 @@
 
 ``rtrees train --config FILE`` or ``rtrees train --env calc --policy tiny --sampler bel
 --credit elpo --steps N --store DIR --out DIR [--resume] [--reuse none|all|transport|dsc|
-refresh --reuse-from SQL --reuse-per-step N --max-staleness V --is-cap C --is-mode M]
+refresh|m2po|prox-interp --reuse-from SQL --reuse-per-step N --max-staleness V --is-cap C
+--is-mode M]
 [--nproc N]``; ``--nproc N`` runs N data-parallel ranks (``train.distributed.launch``; the
 same run as ``torchrun --nproc-per-node N -m cli.main train ...``).
 Every option is optional and passed on only when given: the defaults live in
@@ -45,7 +46,8 @@ def train_command(
         "--task-param", help="Task generator option KEY=VALUE for both splits, e.g. "
         "horizons=18 (TrainConfig.task_params; repeatable).")] = None,
     reuse: Annotated[str | None, typer.Option(help="Stored-tree reuse: none, all, transport, "
-                                              "dsc, refresh (TrainConfig.reuse).")] = None,
+                                              "dsc, refresh, m2po, prox-interp "
+                                              "(TrainConfig.reuse).")] = None,
     reuse_from: Annotated[str | None, typer.Option(help="SQL filter over trees choosing the "
                                                    "stored trees (TrainConfig.reuse_from).")
                           ] = None,
@@ -58,7 +60,7 @@ def train_command(
     is_mode: Annotated[str | None, typer.Option(help="truncate or mask above the cap.")
                        ] = None,
     reuse_param: Annotated[list[str] | None, typer.Option(
-        "--reuse-param", help="Gate/refresh knob KEY=VALUE (TrainConfig.reuse_params).")
+        "--reuse-param", help="Gate/refresh/rule knob KEY=VALUE (TrainConfig.reuse_params).")
                            ] = None,
     nproc: Annotated[int | None, typer.Option(help="Data-parallel ranks on this machine "
                                               "(train.distributed; gloo on CPU).")] = None,

@@ -126,3 +126,58 @@ def test_cli_holds_no_loops_over_trees() -> None:
 ])
 def test_the_loop_heuristic(snippet: str, caught: bool) -> None:
     assert bool(_tree_loops(snippet, "probe.py")) == caught
+
+
+# ---- the reuse package (issue 28) ----------------------------------------------------
+
+REUSE_FORBIDDEN = ("torch", "train.envs", "train.policies", "train.sampling",
+                   "rollout_store.store", "rollout_store.reader", "train.batches",
+                   "train.trainer")
+
+
+def test_reuse_resolve_is_pure() -> None:
+    """``train/reuse/resolve.py`` (and ``params.py``, all it imports of the package)
+    imports no torch, environments, policies, samplers or store: statically, and at run
+    time in a fresh interpreter (where ``torch`` never loads)."""
+    import subprocess
+    import sys
+
+    found = []
+    for rel in ("train/reuse/resolve.py", "train/reuse/params.py"):
+        for line, module in _imports(ROOT / rel):
+            if any(module == f or module.startswith(f + ".") for f in REUSE_FORBIDDEN):
+                found.append(f"{rel}:{line} imports {module}")
+            if module.startswith("train.reuse") and module not in (
+                    "train.reuse.params", "train.reuse.params.REUSE_MODES",
+                    "train.reuse.params.ReuseParams"):
+                found.append(f"{rel}:{line} imports {module}")
+    assert found == []
+    code = ("import sys, train.reuse.resolve; bad = sorted(m for m in sys.modules if "
+            "m.split('.')[0] == 'torch' or m.startswith(('train.envs', 'train.policies', "
+            "'train.sampling', 'train.batches'))); print(bad); sys.exit(bool(bad))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_config_imports_only_reuse_params() -> None:
+    """``train/config.py`` imports ``train.reuse.params`` and nothing else of the package."""
+    got = [m for _, m in _imports(ROOT / "train" / "config.py") if m.startswith("train.reuse")]
+    assert got and all(m == "train.reuse.params" or m.startswith("train.reuse.params.")
+                       for m in got), got
+
+
+def test_trainer_names_no_reuse_mode() -> None:
+    """No string constant of ``train/trainer.py`` is a reuse mode's name (``none``
+    included): the trainer holds ``make_reuse(config)`` and asks the stage, never the
+    mode; no ``config.reuse ==`` / ``!=`` comparison either."""
+    from train.reuse.params import REUSE_MODES
+
+    tree = ast.parse((ROOT / "train" / "trainer.py").read_text())
+    literals = [(n.lineno, n.value) for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and n.value in REUSE_MODES]
+    compares = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare) and any(
+        isinstance(x, ast.Attribute) and x.attr in ("reuse", "dynamic_sampling")
+        for x in (n.left, *n.comparators))]
+    assert literals == [] and compares == [], (literals, compares)

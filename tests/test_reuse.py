@@ -159,7 +159,8 @@ def test_pi_equals_mu_transport_is_reuse_and_dsc_has_no_drift() -> None:
         _node(0, None), _node(1, 0), _node(2, 0),
         *[_node(3 + i, 1, 1.0) for i in range(8)], *[_node(11 + i, 2, 0.0) for i in range(8)]])
     same = _stored_logprobs(clear)
-    res = resolve_tree(clear, "dsc", same, ReuseParams(kappa_R=1, kappa_delta=1, kappa_T=1))
+    ones = ReuseParams.parse({"kappa_R": 1, "kappa_delta": 1, "kappa_T": 1})
+    res = resolve_tree(clear, "dsc", same, ones)
     assert res.pairs == {"reuse": 15} and res.refresh == []  # 1 root pair + 2 x 7 leaf pairs
     assert not any(c.refresh for c in res.comparisons)
     assert res.returns == res.reward
@@ -450,3 +451,117 @@ def _params(out: str) -> list[torch.Tensor]:
     assert ckpt is not None
     policy = load_policy(f"hf:{ckpt}", "calc")
     return [p.detach().clone() for p in policy.model.parameters()]  # type: ignore[attr-defined]
+
+
+# ---- registered rules (issue 28): RULES, m2po (M1), prox-interp (P1), update-to-data (U1)
+
+def test_rules_registry_names_every_mode_and_declares_needs() -> None:
+    from train.reuse.params import REUSE_MODES
+    from train.reuse.resolve import RULES, get_rule
+
+    assert tuple(RULES) == REUSE_MODES[1:]
+    assert {n for n, r in RULES.items() if r.needs_snapshots} == {"dsc", "refresh"}
+    assert [n for n, r in RULES.items() if r.calibrates] == ["dsc"]
+    assert RULES["m2po"].weight == "m2po" and RULES["prox-interp"].prox == "interp"
+    with pytest.raises(ValueError, match="unknown reuse mode 'nope'"):
+        get_rule("nope")
+    # a new rule resolves through the same code path, no mode string tested anywhere
+    res = resolve_tree(_two_level_tree(), "m2po", _prox({3: 1.5, 4: 0.8}), ReuseParams())
+    assert res.returns == resolve_tree(_two_level_tree(), "all", _prox({}),
+                                       ReuseParams()).returns
+
+
+def test_m2po_mask_drops_the_largest_squared_log_ratios_until_the_mean_is_under() -> None:
+    from train.reuse.stage import m2po_mask
+
+    r = torch.tensor([0.1, -0.9, 0.05, 0.5, -0.2], dtype=torch.float64)
+    keep = m2po_mask(r, 0.04)
+    # squares .01 .81 .0025 .25 .04: drop .81 -> mean .0756; drop .25 -> .0175 <= .04
+    assert keep.tolist() == [True, False, True, False, True]
+    assert float((r[keep] ** 2).mean()) <= 0.04
+    # the fewest dropped: keeping the next largest back would break the bound
+    assert float((r[[0, 2, 3, 4]] ** 2).mean()) > 0.04
+    assert m2po_mask(r, 1.0).all()  # already under: nothing dropped
+    gen = np.random.default_rng(0)
+    for _ in range(50):  # the defining property on random inputs
+        x = torch.tensor(gen.normal(0, gen.uniform(0.05, 1.0), gen.integers(1, 40)))
+        thr = float(gen.uniform(0.0, 0.3))
+        k = m2po_mask(x, thr)
+        sq = x**2
+        if k.any():
+            assert float(sq[k].mean()) <= thr + 1e-12
+            assert float(sq[~k].min() if (~k).any() else np.inf) >= float(sq[k].max())
+
+
+def test_prox_interp_moves_from_mu_to_pi_with_staleness() -> None:
+    from train.reuse.stage import interp_prox
+
+    mu = torch.tensor([-1.0, -1.0, -1.0])
+    pi = torch.tensor([-0.5, -0.5, -0.5], requires_grad=True)
+    got = interp_prox(mu, pi, torch.tensor([0.0, 1.0, 3.0]))
+    assert got.tolist() == pytest.approx([-1.0, -0.75, -0.625])  # alpha = s / (s + 1)
+    assert not got.requires_grad  # a constant of the loss, as pi_prox is
+
+
+def test_stage_weight_reads_stored_tokens_from_the_micro_batch() -> None:
+    """G8 / M1 / P1 in ``ReuseStage.weight``: fresh tokens (``mb.stored`` False) get
+    w = 1 and keep their old logprobs whatever their log-ratio."""
+    from train.batches import MicroBatch
+    from train.reuse.resolve import RULES
+    from train.reuse.stage import ReuseStage
+
+    k = 4
+    z = torch.zeros(k)
+    mb = MicroBatch(input_ids=torch.zeros((1, 1), dtype=torch.long),
+                    position_ids=torch.zeros((1, 1), dtype=torch.long),
+                    attention_mask=torch.ones((1, 1), dtype=torch.long),
+                    loss_row=torch.zeros(k, dtype=torch.long),
+                    loss_col=torch.zeros(k, dtype=torch.long),
+                    targets=torch.zeros(k, dtype=torch.long),
+                    old_logp=torch.tensor([-0.1, -0.1, -2.0, -0.4]),
+                    behav_logp=torch.tensor([-1.0, -1.0, -1.0, -0.5]),
+                    advantage=z, clip_low=z, clip_high=z, traj_count=z, inv_len_sum=z,
+                    keys=[(0, 0, i) for i in range(k)], n_tokens=1,
+                    stored=torch.tensor([False, True, True, True]),
+                    staleness=torch.tensor([0.0, 2.0, 2.0, 2.0]))
+    logp = torch.tensor([-0.1, -0.2, -0.3, -0.4])
+    for name in ("all", "m2po", "prox-interp"):
+        stage = ReuseStage(RULES[name], ReuseParams.parse({"m2po_threshold": 0.05}), "", 2,
+                           4, 2.0, "truncate")
+        w, old = stage.weight(mb, logp)
+        assert float(w[0]) == 1.0 and float(old[0]) == pytest.approx(-0.1), name
+        m = stage.loss_metrics()
+        if name == "m2po":  # log-ratios .9, -1, .1: drop -1 and .9 -> .01 <= .05
+            assert w.tolist()[1:] == pytest.approx([0.0, 0.0, math.exp(0.1)])
+            assert m["m2po_masked_frac"] == pytest.approx(2 / 3)
+        if name == "all":  # G8: truncated at the cap 2
+            assert w.tolist()[1:] == pytest.approx([2.0, math.exp(-1.0), math.exp(0.1)])
+        if name == "prox-interp":  # alpha 2/3 toward the current logprobs
+            assert old.tolist()[1:] == pytest.approx([-1 + 2 / 3 * 0.8, -1 + 2 / 3 * 0.7,
+                                                      -0.5 + 2 / 3 * 0.1])
+
+
+@pytest.mark.parametrize("rule", ["m2po", "prox-interp"])
+def test_new_rules_train_and_utd_counts_extra_passes(tmp_path: Path, rule: str) -> None:
+    """A short run of each new rule trains on stored trees; ``stored_passes=3`` adds two
+    optimizer passes over the stored trees' parts, counted in the metrics; P1 reports the
+    forward tokens it saved."""
+    cfg = load_config(None, {**SMALL, "reuse": rule, "steps": 3, "n_total": 2,
+                             "max_new_tokens": 24, "reuse_params": "stored_passes=3",
+                             "store": str(tmp_path / "s"), "out": str(tmp_path / "o")})
+    train(cfg)
+    m = read_metrics(cfg.store, "r")
+    trees = [v for _, v in m["reuse_trees"]]
+    extra = [v for _, v in m["reuse_extra_optimizer_steps"]]
+    assert trees[0] == 0 and max(trees) > 0
+    # two parts of stored trees per extra pass when there are 2 stored trees, else one
+    for n, e in zip(trees, extra, strict=True):
+        assert e == 2 * min(n, 2) if n else e == 0
+    steps = [v for _, v in m["grad_norm"]]
+    assert len(steps) == 3
+    if rule == "prox-interp":
+        saved = [v for _, v in m["reuse_prox_forward_tokens_saved"]]
+        assert saved[0] == 0 and max(saved) > 0
+    con = connect(open_store(cfg.store))
+    methods = {r[0] for r in con.sql("SELECT DISTINCT method FROM credits").fetchall()}
+    assert methods == {"grpo", f"grpo+{rule}"}

@@ -1,5 +1,8 @@
-"""Golden trajectory of the trainer: the tiny calc policy, a fixed seed,
-10 iterations; per-step losses and rewards must match ``tests/golden/trainer_calc.json``.
+"""Golden trajectories of the trainer: the tiny calc policy, a fixed seed, a few
+iterations; per-step losses and rewards must match ``tests/golden/trainer_calc.json``, and
+for each stored-tree reuse rule (``--reuse all | transport | dsc | refresh``, METHODS.md
+section 9) the per-step loss, pair decisions, new tool steps and a digest of the refreshed
+trees must match ``tests/golden/trainer_reuse_<rule>.json``.
 
 Regenerate only on purpose: ``make golden`` (runs this file as a script with ``--write``).
 A change of the recorded numbers means the training step changed; say why in the commit.
@@ -7,13 +10,16 @@ A change of the recorded numbers means the training step changed; say why in the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from rollout_store.reader import read_trees
 from train.config import load_config
 from train.trainer import read_metrics, train
 
@@ -22,6 +28,19 @@ SETTINGS = {"env": "calc", "policy": "tiny", "sampler": "bel", "credit": "elpo",
             "tasks_per_step": 2, "n_total": 4, "heldout_tasks": 0, "max_new_tokens": 40,
             "minibatches": 2, "seed": 7, "progress": False, "run_id": "golden",
             "sampler_params": {"b_max": 1, "x_max": 1}}
+REUSE_RULES = ("all", "transport", "dsc", "refresh")
+REUSE_SETTINGS = {"env": "calc", "policy": "tiny", "sampler": "group", "credit": "grpo",
+                  "steps": 4, "tasks_per_step": 2, "n_total": 3, "heldout_tasks": 0,
+                  "max_new_tokens": 24, "minibatches": 2, "seed": 7, "progress": False,
+                  "run_id": "golden", "reuse_per_step": 2, "max_staleness": 2,
+                  "reuse_params": "calib_trees=2,calib_draws=1,refresh_cap=6"}
+REUSE_METRICS = ("loss", "reward", "grad_norm", "new_tool_steps", "reuse_trees",
+                 "reuse_new_tool_steps", "reuse_pairs_reuse", "reuse_pairs_transport",
+                 "reuse_pairs_refresh", "is_weight_mean")
+
+
+def reuse_golden(rule: str) -> Path:
+    return GOLDEN.with_name(f"trainer_reuse_{rule}.json")
 
 
 def run_golden(tmp: Path) -> dict[str, list[float]]:
@@ -29,6 +48,29 @@ def run_golden(tmp: Path) -> dict[str, list[float]]:
     train(cfg)
     metrics = read_metrics(cfg.store, "golden")
     return {name: [v for _, v in metrics[name]] for name in ("loss", "reward", "grad_norm")}
+
+
+def tree_digest(tree: Any) -> str:
+    """sha256 of what a refreshed tree holds: its shape, actions, observations, rewards and
+    lineage (not its snapshots' bytes, which the env's pickling may vary)."""
+    body = [tree.tree_id, tree.policy_version, json.dumps(tree.meta, sort_keys=True)]
+    for n in tree.nodes:
+        body.append(json.dumps([n.node_id, n.parent_id, n.kind, n.action_token_ids,
+                                [round(x, 5) for x in n.action_logprobs], n.observation_text,
+                                n.reward, n.tool_calls, n.meta], sort_keys=True, default=str))
+    return hashlib.sha256("\n".join(body).encode()).hexdigest()
+
+
+def run_reuse_golden(tmp: Path, rule: str) -> dict[str, Any]:
+    cfg = load_config(None, {**REUSE_SETTINGS, "reuse": rule, "store": str(tmp / "store"),
+                             "out": str(tmp / "run")})
+    train(cfg)
+    metrics = read_metrics(cfg.store, "golden")
+    got: dict[str, Any] = {name: [v for _, v in metrics.get(name, [])]
+                           for name in REUSE_METRICS}
+    got["refreshed_trees"] = {t.tree_id: tree_digest(t) for t in read_trees(cfg.store)
+                              if t.sampler == "refresh"}
+    return got
 
 
 def test_golden_trajectory(tmp_path: Path) -> None:
@@ -40,10 +82,34 @@ def test_golden_trajectory(tmp_path: Path) -> None:
         assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
 
 
+@pytest.mark.parametrize("rule", REUSE_RULES)
+def test_reuse_golden(tmp_path: Path, rule: str) -> None:
+    expected = json.loads(reuse_golden(rule).read_text())
+    got = run_reuse_golden(tmp_path, rule)
+    assert expected["settings"] == {**REUSE_SETTINGS, "reuse": rule}
+    for name in ("reward", "new_tool_steps", "reuse_trees", "reuse_new_tool_steps",
+                 "reuse_pairs_reuse", "reuse_pairs_transport", "reuse_pairs_refresh"):
+        assert got[name] == expected[name], name
+    for name in ("loss", "grad_norm", "is_weight_mean"):
+        assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+    assert got["refreshed_trees"] == expected["refreshed_trees"]
+
+
 if __name__ == "__main__":
     if "--write" not in sys.argv:
-        sys.exit("usage: python tests/test_trainer_golden.py --write  (or: make golden)")
+        sys.exit("usage: python tests/test_trainer_golden.py --write [--only RULE]  "
+                 "(or: make golden)")
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     with tempfile.TemporaryDirectory() as tmp:
-        result = run_golden(Path(tmp))
-    GOLDEN.write_text(json.dumps({"settings": SETTINGS, **result}, indent=2) + "\n")
-    print(f"wrote {GOLDEN}")
+        if only is None or only == "none":
+            result = run_golden(Path(tmp) / "none")
+            GOLDEN.write_text(json.dumps({"settings": SETTINGS, **result}, indent=2) + "\n")
+            print(f"wrote {GOLDEN}")
+        for rule in REUSE_RULES:
+            if only is not None and only != rule:
+                continue
+            got = run_reuse_golden(Path(tmp) / rule, rule)
+            path = reuse_golden(rule)
+            path.write_text(json.dumps({"settings": {**REUSE_SETTINGS, "reuse": rule}, **got},
+                                       indent=2) + "\n")
+            print(f"wrote {path}")

@@ -36,7 +36,7 @@ once (c_t = 1, s_t = the mean of 1/n_i over its trajectories: METHODS E7 note).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -224,17 +224,21 @@ class Row:
     ancestors: np.ndarray | None = None  # (n_nodes, n_nodes) bool, tree layout only
     behav_logp: list[float] = field(default_factory=list)  # log mu (G8); = old_logp if fresh
     action_len: list[float] = field(default_factory=list)  # L_t: tokens of t's action (F6)
+    stored: list[bool] = field(default_factory=list)  # the node is in ``prox`` (G8)
+    staleness: list[float] = field(default_factory=list)  # versions behind (stored, P1)
 
 
 def make_rows(seqs: Sequence[TreeSeqs], credit: dict[tuple[str, int], NodeCredit],
               layout: Layout, node_weight: NodeWeight = "trajectories",
               clip_low: float = 0.2, clip_high: float = 0.2,
-              max_row_tokens: int | None = None, prox: ProxLogp | None = None) -> list[Row]:
+              max_row_tokens: int | None = None, prox: ProxLogp | None = None,
+              staleness: Mapping[str, int] | None = None) -> list[Row]:
     """Rows of ``layout`` for every tree (tree order kept; ``paths``: trajectories in leaf
     order). ``clip_low`` / ``clip_high`` apply where the credit sets no bounds.
     ``max_row_tokens`` (tree layout) cuts a larger tree into rows of whole leaf paths.
     ``prox`` (stored trees, G8): a node found there trains against ``old_logp`` = its
-    log pi_prox, with ``behav_logp`` = the stored log mu; elsewhere both are log mu."""
+    log pi_prox, with ``behav_logp`` = the stored log mu, and its tokens are ``stored``;
+    elsewhere both are log mu. ``staleness``: tree id -> versions behind (default 0)."""
     if layout not in LAYOUTS:
         raise BatchError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
     if node_weight not in NODE_WEIGHTS:
@@ -251,6 +255,9 @@ def make_rows(seqs: Sequence[TreeSeqs], credit: dict[tuple[str, int], NodeCredit
                 inv = 1.0 / max(sum(len(ts.nodes[i].old_logp) for i in _path(ts, leaf)), 1)
                 for end in _piece_ends(ts, leaf):
                     rows.append(_path_row(b, ts, end, inv, credit, clip_low, clip_high, prox))
+    for row in rows:
+        s = float((staleness or {}).get(seqs[row.tree].tree_id, 0))
+        row.staleness = [s] * len(row.cols)
     return rows
 
 
@@ -280,7 +287,8 @@ def _add_actions(row: Row, b: int, ts: TreeSeqs, i: int, col_of: Callable[[int],
         raise BatchError(f"tree {ts.tree_id!r} node {node.node_id}: credit for "
                          f"{nc.advantage.shape[0]} tokens, the node has {n_act}")
     old = node.old_logp
-    if prox is not None and (ts.tree_id, node.node_id) in prox:
+    stored = prox is not None and (ts.tree_id, node.node_id) in prox
+    if prox is not None and stored:
         old = tuple(float(x) for x in prox[(ts.tree_id, node.node_id)])
         if len(old) != n_act:
             raise BatchError(f"tree {ts.tree_id!r} node {node.node_id}: {len(old)} pi_prox "
@@ -297,6 +305,7 @@ def _add_actions(row: Row, b: int, ts: TreeSeqs, i: int, col_of: Callable[[int],
         row.traj_count.append(count)
         row.inv_len_sum.append(inv)
         row.action_len.append(float(n_act))
+        row.stored.append(stored)
         row.keys.append((b, i, k))
 
 
@@ -404,6 +413,8 @@ class MicroBatch:
     keys: list[tuple[int, int, int]]
     n_tokens: int  # real (non-padding) tokens forwarded
     action_len: torch.Tensor | None = None  # (K,) L_t: tokens of the token's action (F6)
+    stored: torch.Tensor | None = None  # (K,) bool: a stored tree's token (G8)
+    staleness: torch.Tensor | None = None  # (K,) float32: its versions behind (P1)
 
     @property
     def n_loss_tokens(self) -> int:
@@ -450,7 +461,9 @@ def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
         clip_low=f("clip_low"), clip_high=f("clip_high"), traj_count=f("traj_count"),
         inv_len_sum=f("inv_len_sum"),
         keys=[k for row in rows for k in row.keys], n_tokens=int(pad.sum()),
-        action_len=f("action_len"))
+        action_len=f("action_len"),
+        stored=torch.tensor(cat([np.asarray(row.stored, bool) for row in rows]), dtype=torch.bool),
+        staleness=f("staleness"))
 
 
 def micro_batches(rows: Sequence[Row], layout: Layout, max_tokens: int, pad_id: int = 0,

@@ -22,11 +22,12 @@ import secrets
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from train.batches import LAYOUTS, NODE_WEIGHTS, Layout, NodeWeight
 from train.coerce import CoerceError, check_bounds, check_types, coerce_fields
-from train.loss import AGGREGATIONS, KL_ESTIMATORS, Aggregation, ISMode, KLEstimator
+from train.loss import AGGREGATIONS, IS_MODES, KL_ESTIMATORS, Aggregation, ISMode, KLEstimator
+from train.reuse.params import REUSE_MODES, ReuseMode, ReuseParams
 
 # Fields a resumed run may change: how long it runs and what it displays.
 RESUMABLE_FIELDS: frozenset[str] = frozenset({"steps", "tensorboard", "progress"})
@@ -61,6 +62,24 @@ class ConfigError(ValueError):
 class ConfigMismatchError(ConfigError):
     """``--resume`` of a run directory written with a different configuration."""
 
+
+
+DynamicSampling = Literal["off", "resample", "drop"]
+
+
+@dataclass(frozen=True)
+class _Q1Choice:
+    """What a ``dynamic_sampling`` choice does (Q1): acts on one-outcome trees at all, and
+    resamples them (else drops them)."""
+
+    active: bool
+    resamples: bool
+
+
+DYNAMIC_SAMPLING: dict[str, _Q1Choice] = {"off": _Q1Choice(False, False),
+                                          "resample": _Q1Choice(True, True),
+                                          "drop": _Q1Choice(True, False)}
+"""``TrainConfig.dynamic_sampling`` choices (Q1)."""
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -159,10 +178,12 @@ class TrainConfig:
     """Also write TensorBoard event files to OUT/tensorboard."""
     progress: bool = True
     """Show a progress line per iteration."""
-    reuse: str = "none"
-    """Stored-tree reuse rule (issue 12, ``train.reuse``): none | all (stored credit as it
-    is) | transport (D3-D5 to the current weights) | dsc (the gate D7-D10 per pair) |
-    refresh (new suffixes from the stored snapshots under the current policy)."""
+    reuse: ReuseMode = "none"
+    """Stored-tree reuse rule (issue 12, ``train.reuse.resolve.RULES``; docs/METHODS.md
+    section 9): none | all (stored credit as it is) | transport (D3-D5 to the current
+    weights) | dsc (the gate D7-D10 per pair) | refresh (new suffixes from the stored
+    snapshots under the current policy) | m2po (stored returns, M2PO's second-moment mask
+    M1) | prox-interp (stored returns, pi_prox interpolated by staleness P1)."""
     reuse_from: str = ""
     """SQL filter over the store's ``trees`` view choosing the stored trees to reuse; empty:
     this run's own trees (``run_id`` = the run's id). Only trees of earlier policy versions
@@ -177,9 +198,10 @@ class TrainConfig:
     is_mode: ISMode = "truncate"
     """G8 above the cap: ``truncate`` (w = min(w, cap)) or ``mask`` (w = 0)."""
     reuse_params: dict[str, Any] = field(default_factory=dict)
-    """Gate and refresh knobs (``train.reuse.ReuseParams``): kappa_R, kappa_delta, kappa_T
-    (D7 radii), kappa_e, refresh_batch, refresh_cap (new tool steps per stored tree)."""
-    dynamic_sampling: str = "off"
+    """Gate, refresh and rule knobs (``train.reuse.params.ReuseParams``): kappa_R,
+    kappa_delta, kappa_T (D7 radii), kappa_e, refresh_batch, refresh_cap (new tool steps
+    per stored tree), m2po_threshold (M1), stored_passes (update-to-data, U1)."""
+    dynamic_sampling: DynamicSampling = "off"
     """Q1 (SGCD, DAPO): a tree whose leaves are all successes or all failures is
     ``resample``d (new seeds, up to ``dynamic_rounds`` more trees, the last kept) or
     ``drop``ped; ``off`` keeps every tree. Extra trees are counted in the metrics."""
@@ -206,14 +228,12 @@ class TrainConfig:
             raise ConfigError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
         choices: dict[str, tuple[str, ...]] = {
             "layout": LAYOUTS, "node_weight": NODE_WEIGHTS, "aggregation": AGGREGATIONS,
-            "kl_estimator": KL_ESTIMATORS, "dynamic_sampling": ("off", "resample", "drop")}
+            "kl_estimator": KL_ESTIMATORS, "dynamic_sampling": tuple(DYNAMIC_SAMPLING)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.layout == "paths" and self.node_weight != "trajectories":
             raise ConfigError("node_weight 'once' needs layout 'tree' (paths repeats prefixes)")
-        from train.reuse import IS_MODES, REUSE_MODES, ReuseParams
-
         for name, allowed in (("reuse", REUSE_MODES), ("is_mode", IS_MODES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -225,6 +245,21 @@ class TrainConfig:
             raise ConfigError(f"reuse_params: {exc}") from exc
 
     # ------------------------------------------------------------------ derived
+    @property
+    def reuses_stored(self) -> bool:
+        """Stored trees join the batch (a ``train.reuse`` rule; not ``reuse none``)."""
+        return self.reuse != "none"
+
+    @property
+    def dynamic_sampling_on(self) -> bool:
+        """Q1 acts on one-outcome trees (``dynamic_sampling`` resample or drop)."""
+        return DYNAMIC_SAMPLING[self.dynamic_sampling].active
+
+    @property
+    def dynamic_sampling_resamples(self) -> bool:
+        """Q1 resamples one-outcome trees (rather than dropping them)."""
+        return DYNAMIC_SAMPLING[self.dynamic_sampling].resamples
+
     @property
     def resolved_run_id(self) -> str:
         return self.run_id or f"train-{Path(self.out).resolve().name}"

@@ -79,7 +79,6 @@ from rollout_store.schema import EVALUATIONS, METRICS
 from rollout_store.store import Store, now_utc, open_store
 from rollout_store.tree import Tree
 from train import distributed as dp
-from train import reuse as rz
 from train.batches import (
     NodeCredit,
     build_sequences,
@@ -107,13 +106,14 @@ from train.credit.store_io import resolve_method, token_score_kinds
 from train.envs import ENVIRONMENTS, Task, env_class, make_env
 from train.loss import (
     aggregate,
-    behaviour_weight,
     denominator,
     masked_mean,
     token_loss,
     token_weights,
 )
 from train.policies.hf import HFPolicy, check_finite, quiet_progress, state_dict_version
+from train.reuse.params import ReuseError, ReuseParams
+from train.reuse.stage import make_reuse
 from train.rundir import (
     META_FILE,
     CheckpointError,
@@ -197,7 +197,7 @@ def check_config(config: TrainConfig, world_size: int = 1) -> None:
         raise ConfigError(f"the trainer trains 'tiny' or 'hf:PATH' policies, not "
                           f"{config.policy!r}")
     try:
-        rz.ReuseParams.parse(config.reuse_params)
+        ReuseParams.parse(config.reuse_params)
     except ValueError as exc:
         raise ConfigError(f"reuse_params: {exc}") from exc
     if config.tensorboard:
@@ -206,19 +206,19 @@ def check_config(config: TrainConfig, world_size: int = 1) -> None:
         except ImportError as exc:
             raise ConfigError("--tensorboard needs the tensorboard package "
                               "(pip install tensorboard)") from exc
-    if config.credit == "trace" and config.reuse != "none":
+    if config.credit == "trace" and config.reuses_stored:
         raise ConfigError("credit 'trace' with reuse: the trainer scores only the fresh trees "
                           "under the frozen reference (T2); use reuse none")
     if config.credit in ("factor", "sgcd") and "teacher" in config.credit_params:
         raise ConfigError(f"credit_params: {config.credit} in the trainer scores each tree "
                           "with the weights that sampled it (F3, Q3); drop teacher=")
-    if config.credit in ("factor", "sgcd") and config.reuse != "none":
+    if config.credit in ("factor", "sgcd") and config.reuses_stored:
         raise ConfigError(f"credit {config.credit!r} with reuse: the trainer scores only the "
                           "fresh trees (F3, Q3); use reuse none")
-    if world_size > 1 and config.dynamic_sampling != "off":
+    if world_size > 1 and config.dynamic_sampling_on:
         raise ConfigError("dynamic_sampling resamples a rank's trees one by one, which ranks "
                           "cannot share yet: train with one rank")
-    if world_size > 1 and config.reuse != "none":
+    if world_size > 1 and config.reuses_stored:
         raise ConfigError(f"reuse {config.reuse!r} is not data-parallel yet (stored trees are "
                           "drawn and refreshed by one process): train with one rank")
     if world_size > 1 and config.sampler == "caliper":
@@ -627,14 +627,14 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
     store = open_store(config.store, create=True) if world.is_main else None
     dp.barrier(world)  # DDP: the store exists before the other ranks open it
     store = store or open_store(config.store)
-    if config.reuse == "none":
+    reuse = make_reuse(config)  # stored-tree reuse (train.reuse); None: fresh trees only
+    if reuse is None:
         check_store_env(store, config.env)
     else:  # stored trees of another env are skipped and counted, not refused
         try:
-            rz.check_reuse(store, config.reuse_from, run_id)
-        except rz.ReuseError as exc:
+            reuse.check(store, run_id)
+        except ReuseError as exc:
             raise TrainError(str(exc)) from exc
-    reuse_params = rz.ReuseParams.parse(config.reuse_params)
     train_tasks, heldout = task_splits(config)
     failure: TrainError | None = None
     if world.is_main:  # DDP: rank 0 locks and writes the run directory, claims the run id
@@ -645,8 +645,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
     if dp.all_max(world, [float(failure is not None)])[0]:  # DDP: every rank stops
         raise failure or TrainError(f"rank 0 could not open the run directory {out}")
     if world.is_main:
-        if config.reuse != "none":
-            rz.write_params(out, reuse_params)
+        if reuse is not None:
+            reuse.start(out)
         for tmp in (out / CHECKPOINTS).glob(".step-*") if (out / CHECKPOINTS).is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint write a kill interrupted
 
@@ -718,11 +718,11 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                     seed=mix_seed(config.seed, "tree", it, j),
                     tree_id=f"{run_id}/it{it:06d}/{j:03d}", run_id=run_id)
             for j, i in enumerate(picks) if world.owns(j)])  # DDP: tree j on rank j mod W
-        if config.dynamic_sampling != "off":  # Q1: groups with both outcomes (one rank)
+        if config.dynamic_sampling_on:  # Q1: groups with both outcomes (one rank)
             mine, ds = _dynamic_sampling(mine, [int(i) for i in picks], train_tasks, sampler,
                                          current, config, it)
             metrics.update(ds)
-        n_trees = len(picks) if config.dynamic_sampling == "off" else len(mine)
+        n_trees = len(picks) if not config.dynamic_sampling_on else len(mine)
         trees = dp.gather_shards(world, mine, n_trees)  # DDP: every tree on every rank
         t1 = time.perf_counter()
         # 3. commit with policy_version / policy_ref of these weights (DDP: rank 0 commits
@@ -754,60 +754,38 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         #     pre-update weights pi_prox (D3, G8), comparisons resolved by the reuse rule,
         #     refreshed routes re-sampled and committed, their credit committed
         seqs = [build_sequences(t, current.prompt_ids) for t in trees]
-        prox = None
+        prox: dict[tuple[str, int], np.ndarray] | None = None
+        staleness: dict[str, int] = {}
         batch_trees = list(trees)
-        if config.reuse != "none":
-            sel = rz.select_stored(store, reuse_from=config.reuse_from, run_id=run_id,
-                                   env=config.env, iteration=it,
-                                   max_staleness=config.max_staleness,
-                                   per_step=config.reuse_per_step, seed=config.seed,
-                                   need_snapshots=config.reuse in ("dsc", "refresh"),
-                                   tokenizer_dir=current.policy_ref)
-            old_seqs = [build_sequences(t, current.prompt_ids) for t in sel.trees]
-            prox = rz.score_actions(model, old_seqs, config.layout, config.micro_tokens,
-                                    current.pad_id, config.tree_row_tokens or None)
-            step = rz.resolve_stored(sel, config.reuse, prox, reuse_params, env, current,
-                                     run_id=run_id, iteration=it, seed=config.seed,
-                                     max_new_tokens=config.max_new_tokens,
-                                     temperature=config.temperature, log=out / "reuse.jsonl")
-            refreshed = step.refreshed
-            if refreshed:
-                store.append_trees(refreshed, key=f"{run_id}:refresh-trees:{it}")
-            old_rows, old_credit = credit_for(step.credited, config) if sel.trees else (None, {})
-            new_rows, new_credit = credit_for(refreshed, config) if refreshed else (None, {})
-            if old_rows is not None:
-                store.append_credits(rz.rename_method(old_rows, rz.METHOD_SUFFIX[config.reuse],
-                                                      current.policy_version),
-                                     key=f"{run_id}:reuse-credit:{it}")
-            if new_rows is not None:
-                store.append_credits(new_rows, key=f"{run_id}:refresh-credit:{it}")
-            new_seqs = [build_sequences(t, current.prompt_ids) for t in refreshed]
-            prox.update(rz.score_actions(model, new_seqs, config.layout, config.micro_tokens,
-                                         current.pad_id, config.tree_row_tokens or None))
-            credit.update(old_credit)
-            credit.update(new_credit)
-            seqs += old_seqs + new_seqs
-            batch_trees += list(sel.trees) + refreshed
-            metrics.update({
-                "reuse_trees": float(len(sel.trees)), "reuse_refreshed_trees": float(
-                    len(refreshed)),
-                **{f"reuse_pairs_{k}": float(step.pairs.get(k, 0)) for k in rz.DECISIONS},
-                "reuse_new_tool_steps": float(step.new_tool_steps),
-                "reuse_calibration_tool_steps": float(step.calibration_tool_steps),
-                "reuse_refresh_all_tool_steps": float(sum(rz.tool_steps(t) for t in sel.trees)),
-                "reuse_staleness_mean": float(np.mean(sel.staleness)) if sel.staleness else 0.0,
-                "reuse_staleness_max": float(max(sel.staleness, default=0)),
-                **{f"reuse_skip_{k}": float(sel.skipped.get(k, 0)) for k in rz.SKIP_REASONS}})
+        if reuse is not None:
+            got = reuse.step(store, model, current, env, env_name=config.env, it=it,
+                             run_id=run_id, seed=config.seed, out=out,
+                             credit_for=partial(credit_for, config=config),
+                             layout=config.layout, micro_tokens=config.micro_tokens,
+                             row_tokens=config.tree_row_tokens or None,
+                             max_new_tokens=config.max_new_tokens,
+                             temperature=config.temperature)
+            credit.update(got.credit)
+            seqs += got.seqs
+            batch_trees += got.trees
+            prox, staleness = got.prox, got.staleness
+            metrics.update(got.metrics)
         t3 = time.perf_counter()
         # 5. token batches and PPO epochs
         parts = _minibatch_parts(len(batch_trees), config, it)
+        n_parts = len(parts)
+        passes = 1 if reuse is None else reuse.stored_passes
+        if passes > 1:  # U1: the stored trees' own parts, for the extra passes
+            parts += [[len(trees) + i for i in part]
+                      for part in _minibatch_parts(len(batch_trees) - len(trees), config, it)]
         part_batches = []
         for part in parts:
             own = [i for i in part if world.owns(i)]  # DDP: this rank's trees of the part
             part_seqs = [seqs[i] for i in own]
             rows = make_rows(part_seqs, credit, config.layout, config.node_weight,
                              config.clip_low, config.clip_high,
-                             max_row_tokens=config.tree_row_tokens or None, prox=prox)
+                             max_row_tokens=config.tree_row_tokens or None, prox=prox,
+                             staleness=staleness)
             mbs = micro_batches(rows, config.layout, config.micro_tokens,
                                 pad_id=current.pad_id)
             n_tokens = sum(float(mb.traj_count.sum()) for mb in mbs)
@@ -829,9 +807,9 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         grad_norms: list[float] = []
         n_loss_tokens = 0
         forward_tokens = 0
-        w_sum = w_over = w_tokens = 0.0
-        for epoch in range(config.epochs):
-            order = _epoch_order(len(part_batches), config, it, epoch)
+        for epoch in range(config.epochs + passes - 1):  # U1: passes - 1 over stored parts
+            order = (_epoch_order(n_parts, config, it, epoch) if epoch < config.epochs
+                     else list(range(n_parts, len(part_batches))))
             for p in order:
                 mbs, d, part = part_batches[p]
                 optimizer.zero_grad(set_to_none=True)
@@ -842,20 +820,14 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                     logp, entropy = forward_logprobs(model, mb, with_entropy=True,
                                                      entropy_grad=config.entropy_coef > 0)
                     assert entropy is not None
-                    weight = None  # G8: w = pi_prox / mu (1 on fresh tokens)
-                    if config.reuse != "none":
-                        weight, over = behaviour_weight(mb.old_logp, mb.behav_logp,
-                                                        config.is_cap, config.is_mode)
-                        old = torch.tensor([part[b] >= len(trees) for b, _, _ in mb.keys],
-                                           dtype=torch.bool)
-                        w_sum += float(weight[old].sum())
-                        w_over += float(over[old].sum())
-                        w_tokens += float(old.sum())
+                    weight, old_logp = None, mb.old_logp  # G8: w = pi_prox / mu (1 fresh)
+                    if reuse is not None:  # stored tokens: mb.stored
+                        weight, old_logp = reuse.weight(mb, logp)
                     ref = None
                     if ref_model is not None:
                         with torch.no_grad():
                             ref = forward_logprobs(ref_model, mb)[0]
-                    out_t = token_loss(logp, mb.old_logp, mb.advantage, mb.clip_low,
+                    out_t = token_loss(logp, old_logp, mb.advantage, mb.clip_low,
                                        mb.clip_high, dual_clip=config.dual_clip, ref_logp=ref,
                                        kl_coef=config.kl_coef,
                                        kl_estimator=config.kl_estimator,
@@ -898,9 +870,11 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         t4 = time.perf_counter()
         n_steps = max(len(grad_norms), 1)
         leaves = [n for t in trees for n in t.nodes if n.reward is not None]
-        if config.reuse != "none":
-            metrics["is_weight_mean"] = w_sum / w_tokens if w_tokens else 1.0
-            metrics["is_over_cap_frac"] = w_over / w_tokens if w_tokens else 0.0
+        if reuse is not None:
+            metrics.update(reuse.loss_metrics())
+            metrics["reuse_stored_passes"] = float(passes)
+            metrics["reuse_extra_optimizer_steps"] = float(
+                (passes - 1) * (len(part_batches) - n_parts))
         metrics.update({
             "loss": sums["loss"] / n_steps,
             "clip_frac_low": sums["clip_low"] / max(n_loss_tokens, 1),
@@ -993,7 +967,7 @@ def _dynamic_sampling(trees: list[Tree], picks: Sequence[int], tasks: Sequence[T
         extra["ds_extra_tool_steps"] += sign * sum(n.tool_calls or 0 for n in tree.nodes)
 
     current = list(trees)
-    rounds = config.dynamic_rounds if config.dynamic_sampling == "resample" else 0
+    rounds = config.dynamic_rounds if config.dynamic_sampling_resamples else 0
     for r in range(1, rounds + 1):
         redo = [j for j, tree in enumerate(current) if not _mixed(tree)]
         if not redo:

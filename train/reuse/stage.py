@@ -1,0 +1,306 @@
+"""The reuse stage: the one object the trainer calls (docs/METHODS.md section 9).
+
+``make_reuse(config)`` is None for ``reuse none``, else a ``ReuseStage`` for the rule of
+``train.reuse.resolve.RULES``. Per iteration, ``ReuseStage.step`` takes the stored trees
+(``train.reuse.select``), scores their actions under the pre-update weights (D3; not for a
+rule with ``prox="interp"``, P1), resolves their comparisons by the rule, refreshes and
+commits what the rule refreshes, commits the stored trees' credit under
+``{credit}+{suffix}`` with the *current* policy version, and returns the sequences, credit,
+pi_prox and metrics to train on (``StoredBatch``). In the loss step,
+``ReuseStage.weight`` gives each token's behaviour weight (G8, or M2PO's mask M1, or the
+interpolated pi_prox of P1), reading which tokens are stored from the micro-batch
+(``MicroBatch.stored``), and counts its statistics for ``ReuseStage.loss_metrics``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from rollout_store.store import Store
+from rollout_store.tree import Tree
+from train.batches import MicroBatch, NodeCredit, ProxLogp, TreeSeqs, build_sequences
+from train.envs.base import Environment
+from train.loss import ISMode, behaviour_weight
+from train.policies.base import Policy
+from train.reuse.calibrate import gate_params
+from train.reuse.params import ReuseParams
+from train.reuse.refresh import refresh_routes
+from train.reuse.resolve import DECISIONS, Rule, get_rule, resolve_tree, tool_steps, with_returns
+from train.reuse.runfiles import log_line, read_record, write_params
+from train.reuse.score import score_actions
+from train.reuse.select import SKIP_REASONS, Selection, check_reuse, select_stored
+from train.sampling.base import mix_seed
+
+CreditFor = Callable[[Sequence[Tree]], tuple[pa.Table, dict[tuple[str, int], NodeCredit]]]
+"""The trainer's credit: trees -> (credit rows to commit, per-node token credit)."""
+
+
+@dataclass
+class StoredStep:
+    """One iteration's stored trees after resolution: ``credited`` (copies carrying the
+    rule's returns, for the credit estimator), ``refreshed`` (new trees to commit), pair
+    decisions per ``DECISIONS`` and the new tool steps the refreshes (and a D7
+    calibration, when one ran) spent."""
+
+    credited: list[Tree]
+    refreshed: list[Tree]
+    pairs: Counter[str]
+    new_tool_steps: int
+    calibration_tool_steps: int = 0
+    """Of ``new_tool_steps``, those the D7 calibration draws spent (0 but once)."""
+
+
+def resolve_stored(sel: Selection, rule: Rule | str, prox: ProxLogp, params: ReuseParams,
+                   env: Environment, policy: Policy, *, run_id: str, iteration: int,
+                   seed: int, max_new_tokens: int, temperature: float,
+                   log: Path | None = None) -> StoredStep:
+    """``resolve_tree`` then ``refresh_routes`` for every selected tree, returns composed
+    with the protocol's posterior means. Refresh tree ids are
+    ``RUN/itNNNNNN/refresh/JJJ``; draws are seeded by (seed, "refresh", iteration). With
+    a calibrating rule (``dsc``) the gate's params come from ``gate_params`` (the D7
+    calibration lives in ``log``'s directory, the run's OUT)."""
+    step = StoredStep([], [], Counter(), 0)
+    calibrated = False
+    rule = get_rule(rule)
+    if rule.calibrates:
+        params, spent, record = gate_params(
+            sel, params, env, policy, out=None if log is None else log.parent,
+            iteration=iteration, seed=seed, max_new_tokens=max_new_tokens,
+            temperature=temperature)
+        step.new_tool_steps += spent
+        step.calibration_tool_steps = spent
+        if log is not None and record is not None:
+            log_line(log, {"iteration": iteration, "calibration": record})
+        done = read_record(log.parent).get("calibration") if log is not None else None
+        calibrated = isinstance(done, dict) and done.get("status") == "calibrated"
+    for j, (old, stale) in enumerate(zip(sel.trees, sel.staleness, strict=True)):
+        res = resolve_tree(old, rule, prox, params)
+        step.pairs.update(res.pairs)
+        got = refresh_routes(old, res, env, policy,
+                             tree_id=f"{run_id}/it{iteration:06d}/refresh/{j:03d}",
+                             run_id=run_id, seed=mix_seed(seed, "refresh", iteration),
+                             params=params, max_new_tokens=max_new_tokens,
+                             temperature=temperature)
+        returns = res.compose(got.posterior)
+        step.credited.append(with_returns(old, returns))
+        step.new_tool_steps += got.steps
+        if got.tree is not None:
+            step.refreshed.append(got.tree)
+        if log is not None:
+            values = {str(r): float(np.mean([v for x, v in returns.items()
+                                             if res.route_of[x] == r]))
+                      for r in sorted(set(res.route_of.values()))}
+            record = {"iteration": iteration, "tree_id": old.tree_id, "staleness": stale,
+                      "pairs": dict(res.pairs), "refresh": res.refresh,
+                      "refreshed_nodes": sorted({n for n, _ in got.posterior}),
+                      "refresh_no_snapshot": got.no_snapshot, "refresh_steps": got.steps,
+                      "route_values": values, "mode": rule.name}
+            if rule.calibrates:
+                record.update({"kappas": params.kappas(), "calibrated": calibrated})
+            log_line(log, record)
+    return step
+
+
+def rename_method(rows: pa.Table, suffix: str, policy_version: str) -> pa.Table:
+    """``credits`` rows with method ``METHOD+suffix`` and the current policy version."""
+    n = rows.num_rows
+    methods = [f"{m}+{suffix}" for m in rows.column("method").to_pylist()]
+    i, j = rows.schema.get_field_index("method"), rows.schema.get_field_index("policy_version")
+    rows = rows.set_column(i, rows.schema.field(i), pa.array(methods, pa.string()))
+    return rows.set_column(j, rows.schema.field(j), pa.array([policy_version] * n, pa.string()))
+
+
+
+
+def m2po_mask(log_ratio: torch.Tensor, threshold: float) -> torch.Tensor:
+    """(M1) (K,) bool, True for the tokens kept: drop the tokens with the largest
+    (log pi_prox - log mu)^2 until the mean of the rest is at most ``threshold`` (the
+    fewest tokens dropped that do it; none when the mean already is)."""
+    sq = log_ratio.double() ** 2
+    keep = torch.ones_like(sq, dtype=torch.bool)
+    if not sq.numel():
+        return keep
+    order = torch.argsort(sq, descending=True, stable=True)
+    ranked = sq[order]
+    n = ranked.numel()
+    # mean of the tokens left after dropping the first j: suffix sums over n - j
+    suffix = torch.flip(torch.cumsum(torch.flip(ranked, [0]), 0), [0])  # (n,) sum of j..n-1
+    counts = torch.arange(n, 0, -1, dtype=torch.float64)
+    ok = torch.nonzero(suffix / counts <= threshold).flatten()
+    drop = int(ok[0]) if ok.numel() else n
+    keep[order[:drop]] = False
+    return keep
+
+
+def interp_prox(behav_logp: torch.Tensor, logp: torch.Tensor,
+                staleness: torch.Tensor) -> torch.Tensor:
+    """(P1, A-3PO) log pi_prox ~ log mu + alpha (log pi_theta - log mu), alpha = s / (s + 1)
+    for a token of staleness s (versions behind; s = 0: alpha = 0, pi_prox = mu), with
+    log pi_theta the training forward's logprobs (detached): no extra forward pass."""
+    alpha = staleness / (staleness + 1.0)
+    return behav_logp + alpha * (logp.detach() - behav_logp)
+
+
+@dataclass
+class StoredBatch:
+    """What one iteration's stored trees add to the batch: trees (stored, then refreshed)
+    and their sequences, token credit, log pi_prox, staleness per tree id and metrics."""
+
+    trees: list[Tree]
+    seqs: list[TreeSeqs]
+    credit: dict[tuple[str, int], NodeCredit]
+    prox: dict[tuple[str, int], np.ndarray]
+    staleness: dict[str, int]
+    metrics: dict[str, float]
+
+
+@dataclass
+class ReuseStage:
+    """Stored-tree reuse under one ``rule`` (module docstring)."""
+
+    rule: Rule
+    params: ReuseParams
+    reuse_from: str
+    per_step: int
+    max_staleness: int
+    is_cap: float
+    is_mode: ISMode
+    _w: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("sum", "over", "tokens", "masked"), 0.0))
+
+    @property
+    def stored_passes(self) -> int:
+        """U1: optimizer passes over the stored trees per fresh iteration."""
+        return self.params.stored_passes
+
+    def check(self, store: Store, run_id: str) -> None:
+        """Refuse a bad ``reuse_from`` before training (``ReuseError``)."""
+        check_reuse(store, self.reuse_from, run_id)
+
+    def start(self, out: Path) -> None:
+        """Record the knobs (and a pending or kept D7 calibration) in the run directory."""
+        write_params(out, self.params)
+
+    def step(self, store: Store, model: Any, policy: Any, env: Environment, *, env_name: str,
+             it: int,
+             run_id: str, seed: int, out: Path, credit_for: CreditFor, layout: Any,
+             micro_tokens: int, row_tokens: int | None, max_new_tokens: int,
+             temperature: float) -> StoredBatch:
+        """Iteration ``it``'s stored trees: select, score, resolve, refresh, commit their
+        credit (module docstring)."""
+        sel = select_stored(store, reuse_from=self.reuse_from, run_id=run_id, env=env_name,
+                            iteration=it, max_staleness=self.max_staleness,
+                            per_step=self.per_step, seed=seed,
+                            need_snapshots=self.rule.needs_snapshots,
+                            tokenizer_dir=policy.policy_ref)
+        return self._after_select(sel, store, model, policy, env, it=it, run_id=run_id,
+                                  seed=seed, out=out, credit_for=credit_for, layout=layout,
+                                  micro_tokens=micro_tokens, row_tokens=row_tokens,
+                                  max_new_tokens=max_new_tokens, temperature=temperature)
+
+    def _after_select(self, sel: Selection, store: Store, model: Any, policy: Any,
+                      env: Environment, *, it: int, run_id: str, seed: int, out: Path,
+                      credit_for: CreditFor, layout: Any, micro_tokens: int,
+                      row_tokens: int | None, max_new_tokens: int,
+                      temperature: float) -> StoredBatch:
+        old_seqs = [build_sequences(t, policy.prompt_ids) for t in sel.trees]
+        metrics: dict[str, float] = {}
+        if self.rule.prox == "forward":
+            prox = score_actions(model, old_seqs, layout, micro_tokens, policy.pad_id,
+                                 row_tokens)
+        else:  # P1: no forward; pi_prox = mu for the resolution (every rule of P1 reuses)
+            prox = {(ts.tree_id, n.node_id): np.asarray(n.old_logp, np.float64)
+                    for ts in old_seqs for n in ts.nodes}
+            metrics["reuse_prox_forward_tokens_saved"] = float(
+                sum(len(n.full) for ts in old_seqs for n in ts.nodes))
+        step = resolve_stored(sel, self.rule, prox, self.params, env, policy, run_id=run_id,
+                              iteration=it, seed=seed, max_new_tokens=max_new_tokens,
+                              temperature=temperature, log=out / "reuse.jsonl")
+        refreshed = step.refreshed
+        if refreshed:
+            store.append_trees(refreshed, key=f"{run_id}:refresh-trees:{it}")
+        old_rows, old_credit = credit_for(step.credited) if sel.trees else (None, {})
+        new_rows, new_credit = credit_for(refreshed) if refreshed else (None, {})
+        if old_rows is not None:
+            store.append_credits(rename_method(old_rows, self.rule.method_suffix,
+                                               policy.policy_version),
+                                 key=f"{run_id}:reuse-credit:{it}")
+        if new_rows is not None:
+            store.append_credits(new_rows, key=f"{run_id}:refresh-credit:{it}")
+        new_seqs = [build_sequences(t, policy.prompt_ids) for t in refreshed]
+        prox = dict(prox)
+        prox.update(score_actions(model, new_seqs, layout, micro_tokens, policy.pad_id,
+                                  row_tokens))
+        credit = {**old_credit, **new_credit}
+        staleness = {t.tree_id: s for t, s in zip(sel.trees, sel.staleness, strict=True)}
+        staleness.update({t.tree_id: 0 for t in refreshed})
+        metrics.update({
+            "reuse_trees": float(len(sel.trees)), "reuse_refreshed_trees": float(len(refreshed)),
+            **{f"reuse_pairs_{k}": float(step.pairs.get(k, 0)) for k in DECISIONS},
+            "reuse_new_tool_steps": float(step.new_tool_steps),
+            "reuse_calibration_tool_steps": float(step.calibration_tool_steps),
+            "reuse_refresh_all_tool_steps": float(sum(tool_steps(t) for t in sel.trees)),
+            "reuse_staleness_mean": float(np.mean(sel.staleness)) if sel.staleness else 0.0,
+            "reuse_staleness_max": float(max(sel.staleness, default=0)),
+            **{f"reuse_skip_{k}": float(sel.skipped.get(k, 0)) for k in SKIP_REASONS}})
+        self._w = dict.fromkeys(self._w, 0.0)
+        return StoredBatch(list(sel.trees) + refreshed, old_seqs + new_seqs, credit, prox,
+                           staleness, metrics)
+
+    def weight(self, mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss step's (K,) behaviour weight and (K,) log pi_prox (the PPO ratio's
+        denominator) of ``mb``; 1 and ``mb.old_logp`` on fresh tokens (``mb.stored``
+        False). G8 caps w = pi_prox / mu by ``is_cap`` (``is_mode``); M1 (``m2po``)
+        instead zeroes the weight of the stored tokens ``m2po_mask`` drops, w otherwise
+        uncapped; P1 (``prox-interp``) takes log pi_prox from ``interp_prox``."""
+        k = mb.n_loss_tokens
+        stored = mb.stored if mb.stored is not None else torch.zeros(k, dtype=torch.bool)
+        old = mb.old_logp
+        if self.rule.prox == "interp":
+            s = mb.staleness if mb.staleness is not None else torch.zeros(k)
+            old = torch.where(stored, interp_prox(mb.behav_logp, logp, s), old)
+        if self.rule.weight == "m2po":
+            ratio = old - mb.behav_logp
+            keep = torch.ones_like(stored)
+            keep[stored] = m2po_mask(ratio[stored], self.params.m2po_threshold)
+            w = torch.where(stored, torch.exp(ratio.clamp(-20.0, 20.0)), torch.ones_like(old))
+            w = (w * keep).detach()
+            over = ~keep
+            self._w["masked"] += float(over.sum())
+        else:
+            w, over = behaviour_weight(old, mb.behav_logp, self.is_cap, self.is_mode)
+            w = torch.where(stored, w, torch.ones_like(w))  # fresh: pi_old = mu, w = 1
+        self._w["sum"] += float(w[stored].sum())
+        self._w["over"] += float(over[stored].sum())
+        self._w["tokens"] += float(stored.sum())
+        return w, old
+
+    def loss_metrics(self) -> dict[str, float]:
+        """The behaviour-weight statistics of the iteration's loss steps."""
+        n = self._w["tokens"]
+        out = {"is_weight_mean": self._w["sum"] / n if n else 1.0,
+               "is_over_cap_frac": self._w["over"] / n if n else 0.0}
+        if self.rule.weight == "m2po":
+            out["m2po_masked_frac"] = self._w["masked"] / n if n else 0.0
+        return out
+
+
+def make_reuse(config: Any) -> ReuseStage | None:
+    """The reuse stage of a ``TrainConfig`` (None for ``reuse none``)."""
+    if config.reuse == "none":
+        return None
+    return ReuseStage(get_rule(config.reuse), ReuseParams.parse(config.reuse_params),
+                      config.reuse_from, config.reuse_per_step, config.max_staleness,
+                      config.is_cap, config.is_mode)
+
+
+__all__ = ["CreditFor", "ReuseStage", "StoredBatch", "StoredStep", "interp_prox",
+           "m2po_mask", "make_reuse", "rename_method", "resolve_stored"]
