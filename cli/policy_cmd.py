@@ -47,13 +47,14 @@ def init(
     from train.policies import PolicyUnavailableError
     from train.policies.tiny import default_cache_dir, find_checkpoint, read_meta
     from train.policies.tiny_train import TINY_ENVS, init_policy
+    from train.sampling.evaluation import success_report
 
     if env not in TINY_ENVS:
         fail(f"tiny policies exist for {', '.join(TINY_ENVS)}, not {env!r}", 2)
     require(minutes is None or minutes > 0, f"--minutes must be positive, got {minutes}")
     try:
         result = init_policy(env, seed=seed, out=out, minutes=minutes, force=force,
-                             log=console.print)
+                             log=console.print, evaluate=success_report)
     except (ValueError, PolicyUnavailableError) as exc:
         fail(str(exc), 2)
     if result is None:  # reused: show what was measured when it was trained

@@ -4,7 +4,7 @@
 --credit elpo --steps N --store DIR --out DIR [--resume] [--reuse none|all|transport|dsc|
 refresh|m2po|prox-interp --reuse-from SQL --reuse-per-step N --max-staleness V --is-cap C
 --is-mode M]
-[--nproc N]``; ``--nproc N`` runs N data-parallel ranks (``train.distributed.launch``; the
+[--nproc N]``; ``--nproc N`` runs N data-parallel ranks (``train.launch.launch``; the
 same run as ``torchrun --nproc-per-node N -m cli.main train ...``).
 Every option is optional and passed on only when given: the defaults live in
 ``train.config.TrainConfig`` alone (``--set FIELD=VALUE`` reaches any field;
@@ -73,7 +73,8 @@ def train_command(
 ) -> None:
     """Train a policy on-policy on rollout trees (sample, commit, credit, PPO, publish)."""
     from train.config import ConfigError, apply_overrides, field_docs, load_config, read_config
-    from train.distributed import DistributedError, launch
+    from train.distributed import DistributedError
+    from train.launch import launch
     from train.trainer import TrainError
 
     if fields:

@@ -12,7 +12,8 @@ import numpy as np
 
 from train.policies import load_policy
 from train.policies.base import STOP_STRINGS, SampleConfig
-from train.policies.tiny_train import make_tasks, success_report
+from train.policies.tiny_train import make_tasks
+from train.sampling.evaluation import success_report
 
 
 def main() -> int:

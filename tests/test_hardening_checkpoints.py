@@ -221,7 +221,7 @@ def test_no_unpickling_anywhere_a_user_file_is_read() -> None:
             code = line.split("#")[0]
             if ("torch.load(" in code and "weights_only=True" not in code) or \
                     "allow_pickle=True" in code or "pickle.load(" in code or (
-                    "pickle.loads(" in code and path.name != "distributed.py"):
+                    "pickle.loads(" in code and path.name != "launch.py"):
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert hits == []
 

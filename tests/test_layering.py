@@ -16,11 +16,19 @@ module counts, wherever it sits (top level, inside a function, under
   no ``cli`` module imports ``rollout_store.tree`` (the in-memory ``Tree``/``Node``).
   Loops over a literal tuple or list (an option list, table columns) and over report
   rows stay allowed.
+* no import circle anywhere (issue 28): the graph of every module of ``train``,
+  ``rollout_store``, ``analysis`` and ``cli`` (edges: every import, lazy ones and
+  relative ones included; importing ``a.b.c`` from outside ``a.b`` also runs
+  ``a.b/__init__.py``, so that is an edge too) has no cycle, nor has the graph of
+  ``train``'s subpackages and top-level modules (``train.sampling`` -> ``train.policies``
+  one way only); ``train/distributed.py`` (collectives) imports nothing of the trainer
+  (``train/launch.py`` starts the ranks).
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -80,6 +88,168 @@ def test_analysis_reads_only() -> None:
 
 def test_only_jobs_imports_analysis() -> None:
     assert _hits("train", ("analysis",), skip=("train/jobs.py",)) == []
+
+
+# ----------------------------------------------------------------------------- circles
+
+PACKAGES = ("train", "rollout_store", "analysis", "cli")
+
+
+def _module_files(root: Path, packages: tuple[str, ...]) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is a package ``__init__``)."""
+    out: dict[str, tuple[Path, bool]] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_pkg = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES
+                 ) -> dict[str, dict[str, int]]:
+    """module -> {imported module of ours: first line}, over every Import / ImportFrom
+    anywhere in the file (functions, ``TYPE_CHECKING`` blocks), relative ones resolved
+    against the module's package. ``from a import b`` names module ``a.b`` when that is
+    a module, else ``a``; an import of ``a.b.c`` from outside package ``a.b`` also runs
+    ``a.b`` (and ``a``), so those count too."""
+    files = _module_files(root, packages)
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, int]] = {}
+    for module, (path, is_pkg) in files.items():
+        package = module if is_pkg else module.rpartition(".")[0]
+        targets: dict[str, int] = {}
+
+        def add(name: str | None, line: int, module: str = module,
+                targets: dict[str, int] = targets) -> None:
+            if name is None or name == module:
+                return
+            targets.setdefault(name, line)
+            parts = name.split(".")
+            for i in range(1, len(parts)):  # the packages on the way are run too
+                parent = ".".join(parts[:i])
+                if parent in files and not (module == parent or module.startswith(parent + ".")):
+                    targets.setdefault(parent, line)
+
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    add(known(alias.name), node.lineno)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    sub = known(f"{source}.{alias.name}")
+                    add(sub if sub != known(source) else known(source), node.lineno)
+        graph[module] = targets
+    return graph
+
+
+def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path ``[a, b, ..., a]``, or None (iterative DFS in
+    sorted order, so the report is stable)."""
+    state: dict[str, int] = {}  # 1: on the DFS stack, 2: done
+    for start in sorted(graph):
+        if start in state:
+            continue
+        stack: list[tuple[str, list[str]]] = [(start, sorted(graph[start]))]
+        path = [start]
+        state[start] = 1
+        while stack:
+            node, todo = stack[-1]
+            if not todo:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+                continue
+            nxt = todo.pop(0)
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, sorted(graph[nxt])))
+    return None
+
+
+def _describe(graph: dict[str, dict[str, int]], cycle: list[str]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in itertools.pairwise(cycle)) + \
+        f" -> {cycle[-1]}"
+
+
+def package_graph(graph: dict[str, dict[str, int]], package: str = "train"
+                  ) -> dict[str, dict[str, int]]:
+    """``graph`` collapsed to ``package``'s subpackages and top-level modules
+    (``train.sampling.collect`` -> ``train.sampling``); the line is the first import."""
+    def unit(m: str) -> str | None:
+        parts = m.split(".")
+        return ".".join(parts[:2]) if parts[0] == package and len(parts) > 1 else None
+
+    out: dict[str, dict[str, int]] = {}
+    for a, targets in graph.items():
+        ua = unit(a)
+        if ua is None:
+            continue
+        out.setdefault(ua, {})
+        for b, line in targets.items():
+            ub = unit(b)
+            if ub is not None and ub != ua:
+                out[ua].setdefault(ub, line)
+    return out
+
+
+def test_the_cycle_checker(tmp_path: Path) -> None:
+    """It sees a circle through a lazy, relative import and through a package's
+    ``__init__``, names the path, and passes an acyclic package."""
+    pkg = tmp_path / "p"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .b import g\n")
+    (pkg / "b.py").write_text("from p import a\n")
+    (pkg / "sub" / "__init__.py").write_text("from p.sub import c\n")
+    (pkg / "sub" / "c.py").write_text("from p.sub import d\n")  # inside: no edge to p.sub
+    (pkg / "sub" / "d.py").write_text("import p.b\n")
+    graph = import_graph(tmp_path, ("p",))
+    assert graph["p.a"] == {"p.b": 2} and graph["p.b"] == {"p.a": 1}
+    assert find_cycle(graph) == ["p.a", "p.b", "p.a"]
+    assert _describe(graph, ["p.a", "p.b", "p.a"]) == "p.a (line 2) -> p.b (line 1) -> p.a"
+    (pkg / "b.py").write_text("def g():\n    pass\n")
+    assert find_cycle(import_graph(tmp_path, ("p",))) is None
+    (pkg / "b.py").write_text("def g():\n    from p.sub.d import x\n")  # runs p.sub
+    graph = import_graph(tmp_path, ("p",))
+    assert "p.sub" in graph["p.b"]
+    assert find_cycle(graph) == ["p.b", "p.sub", "p.sub.c", "p.sub.d", "p.b"]
+
+
+def test_no_import_circle_between_modules() -> None:
+    graph = import_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import circle: {_describe(graph, cycle)}"
+
+
+def test_no_import_circle_between_train_packages() -> None:
+    graph = package_graph(import_graph())
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import circle: {_describe(graph, cycle)}"
+
+
+def test_distributed_imports_nothing_of_the_trainer() -> None:
+    """The collectives know nothing of the training loop; ``train/launch.py`` (the
+    launcher) is what imports the trainer."""
+    graph = import_graph()
+    assert not [m for m in graph["train.distributed"] if m.startswith("train.trainer")
+                or m in ("train.launch", "train.jobs", "cli")]
+    assert "train.launch" not in graph["train.trainer"]
 
 
 def _names(expr: ast.AST) -> list[str]:

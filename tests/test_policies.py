@@ -58,13 +58,8 @@ from train.policies.tiny import (
     save_checkpoint,
     warm_start_model,
 )
-from train.policies.tiny_train import (
-    encode_episode,
-    expert_episode,
-    make_tasks,
-    rollout_rewards,
-    success_report,
-)
+from train.policies.tiny_train import encode_episode, expert_episode, make_tasks
+from train.sampling.evaluation import rollout_rewards, success_report
 
 GREEDY = 1e-9  # top_p this small keeps only the most likely token: greedy decoding
 CALC_CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "(5-10)*19"}}</tool_call>'

@@ -23,7 +23,8 @@ import torch
 
 from rollout_store.reader import connect, read_trees
 from train.config import ConfigError, TrainConfig, load_config
-from train.distributed import DistributedError, World, gather_shards, launch
+from train.distributed import DistributedError, World, gather_shards
+from train.launch import launch
 from train.policies import load_policy
 from train.trainer import check_config, latest_checkpoint, read_metrics, train
 

@@ -312,12 +312,13 @@ def _publish_start(config: DemoConfig, console: Console) -> Path:
     if config.policy == "tiny":
         from train.policies.tiny import find_checkpoint
         from train.policies.tiny_train import init_policy
+        from train.sampling.evaluation import success_report
 
         if find_checkpoint(config.env, config.seed) is None:
             console.print(f"[bold]policy[/]: no tiny {config.env} checkpoint yet; training "
                           f"one (up to {config.init_minutes:g} min)")
             init_policy(config.env, seed=config.seed, minutes=config.init_minutes,
-                        log=console.print)
+                        log=console.print, evaluate=success_report)
     ref = load_policy(config.policy, config.env).policy_ref
     if ref is None or not Path(ref).is_dir():
         raise JobError(f"policy {config.policy!r} has no checkpoint directory to train from "

@@ -13,6 +13,10 @@ weights' ``policy_version`` and records, under ``"files"``, the sha256 of every 
      (an existing one moved aside first and removed after), and the parent is fsynced.
   A reader never sees half a checkpoint; an interrupted write leaves the old one intact.
 
+  ``begin_checkpoint`` / ``publish_checkpoint`` are these steps apart, for a checkpoint
+  written by several ranks (a sharded save: every rank fills the one staging directory
+  rank 0 made; rank 0 publishes after a barrier). Files may lie in subdirectories.
+
 ``verify_checkpoint(path, require)``
   ``META_FILE`` must parse as a JSON object; every file it lists must exist with that
   digest (truncated, edited, flipped or replaced files fail here), and every name in
@@ -71,18 +75,30 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(path: Path, fill: Callable[[Path], None], meta: dict[str, Any],
-                     mode: int | None = None) -> Path:
-    """Write the checkpoint ``path`` atomically (module docstring): ``fill(tmp)`` writes
-    its files, ``meta`` plus their digests becomes ``META_FILE``. ``mode``: permissions
-    set on every file (e.g. 0o644 for a shared cache; safetensors writes 0600)."""
+def staging_dir(path: Path, token: int | None = None) -> Path:
+    """The temporary sibling ``.NAME.tmp-TOKEN`` a checkpoint ``path`` is written in
+    (``token``: the writer's pid by default; the ranks of a sharded save agree on rank
+    0's, so every rank writes its shard into one directory)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid() if token is None else token}")
+
+
+def begin_checkpoint(path: Path, token: int | None = None) -> Path:
+    """Step 1 of ``write_checkpoint`` without the filling: an empty ``staging_dir``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = staging_dir(path, token)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    fill(tmp)
+    return tmp
+
+
+def publish_checkpoint(path: Path, tmp: Path, meta: dict[str, Any],
+                       mode: int | None = None) -> Path:
+    """Steps 2-3 of ``write_checkpoint`` on a filled ``tmp`` (``begin_checkpoint``): the
+    digests and ``META_FILE``, fsync, the rename into place."""
+    path = Path(path)
     record = {**meta, DIGESTS_KEY: file_digests(tmp)}
     (tmp / META_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     for file in tmp.rglob("*"):
@@ -90,6 +106,8 @@ def write_checkpoint(path: Path, fill: Callable[[Path], None], meta: dict[str, A
             if mode is not None:
                 file.chmod(mode)
             _fsync(file)
+    for sub in sorted((d for d in tmp.rglob("*") if d.is_dir()), reverse=True):
+        _fsync(sub)
     _fsync(tmp)
     if path.exists():  # a rewrite of the same checkpoint: move the old one aside first
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -102,6 +120,18 @@ def write_checkpoint(path: Path, fill: Callable[[Path], None], meta: dict[str, A
         tmp.rename(path)
     _fsync(path.parent)
     return path
+
+
+def write_checkpoint(path: Path, fill: Callable[[Path], None], meta: dict[str, Any],
+                     mode: int | None = None) -> Path:
+    """Write the checkpoint ``path`` atomically (module docstring): ``fill(tmp)`` writes
+    its files, ``meta`` plus their digests becomes ``META_FILE``. ``mode``: permissions
+    set on every file (e.g. 0o644 for a shared cache; safetensors writes 0600). A writer
+    whose files come from several processes (``train.fsdp``: each rank's shard) calls
+    ``begin_checkpoint`` and ``publish_checkpoint`` itself, with a barrier between."""
+    tmp = begin_checkpoint(path)
+    fill(tmp)
+    return publish_checkpoint(path, tmp, meta, mode)
 
 
 def read_meta(path: Path) -> dict[str, Any] | None:
@@ -274,6 +304,6 @@ def load_state(json_file: Path, tensor_file: Path) -> Any:
         raise bad("nested too deeply") from None
 
 
-__all__ = ["DIGESTS_KEY", "META_FILE", "STATE_FORMAT", "CheckpointError", "file_digests",
-           "load_state", "read_meta", "save_state", "sha256_file",
-           "verify_checkpoint", "write_checkpoint"]
+__all__ = ["DIGESTS_KEY", "META_FILE", "STATE_FORMAT", "CheckpointError", "begin_checkpoint",
+           "file_digests", "load_state", "publish_checkpoint", "read_meta", "save_state",
+           "sha256_file", "staging_dir", "verify_checkpoint", "write_checkpoint"]

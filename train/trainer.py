@@ -600,7 +600,7 @@ def open_run_dir(out: Path, config: TrainConfig, store: Store, resume: bool) -> 
 def train(config: TrainConfig, resume: bool = False) -> TrainReport:
     """Run (or with ``resume``, continue) the training run described by ``config``.
 
-    Under ``torchrun`` / ``train.distributed.launch`` every rank runs this function; the
+    Under ``torchrun`` / ``train.launch.launch`` every rank runs this function; the
     lines marked ``DDP`` are the data-parallel ones (``train.distributed``); with one
     process they do nothing. The run directory is locked (``open_run_dir``) from the
     moment it is written until this function returns."""

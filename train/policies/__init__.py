@@ -38,22 +38,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from train.policies.errors import INSTALL_HINT, PolicyRefError, PolicyUnavailableError
+
 if TYPE_CHECKING:
     from train.policies.base import Policy
 
-INSTALL_HINT = "pip install 'rollout-trees[gpu]'"
 SPECS = ("tiny", "hf:PATH", "vllm:PATH", "tabular")
-
-
-class PolicyUnavailableError(RuntimeError):
-    """A backend whose optional dependency (vLLM) or checkpoint is missing; the message
-    says what to install or run."""
-
-
-class PolicyRefError(PolicyUnavailableError, ValueError):
-    """A stored ``policy_ref`` that no longer reloads the weights that made the trees
-    (the checkpoint is gone, damaged, or holds other weights); the message names the
-    version. A ``ValueError`` too: bad input, which the CLI prints as a one-line error."""
 
 
 def env_tools(env: str) -> list[dict[str, Any]] | None:

@@ -398,7 +398,7 @@ def load_tiny_policy(env: str, seed: int = 0, checkpoint: str | Path | None = No
     """The trained tiny policy of ``env``: ``checkpoint`` if given, else
     ``find_checkpoint(env, seed)``; ``PolicyUnavailableError`` (with the command that
     trains one) when there is none."""
-    from train.policies import PolicyUnavailableError
+    from train.policies.errors import PolicyUnavailableError
 
     if env not in ENVS:
         raise ValueError(f"tiny policies exist for {', '.join(ENVS)}, not {env!r}")

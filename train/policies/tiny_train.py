@@ -64,7 +64,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 
@@ -72,8 +72,8 @@ from train.envs import Task
 from train.envs.calc import CalcEnv
 from train.envs.sgls import SglsEnv
 from train.envs.workflow import WorkflowEnv
-from train.policies import PolicyUnavailableError
 from train.policies.base import Policy, Transcript, Turn
+from train.policies.errors import PolicyUnavailableError
 from train.policies.hf import HFPolicy, weights_version
 from train.policies.tiny import (
     COMMITTED_DIR,
@@ -205,17 +205,6 @@ DEFAULT_MINUTES: dict[str, float] = {"calc": 10.0, "workflow": 10.0, "sgls": 40.
 
 # ---------------------------------------------------------------------------
 # Data
-
-
-GROUP_NAMES: dict[str, str] = {"calc": "difficulty", "workflow": "horizon", "sgls": "kind"}
-
-
-def task_group(task: Task) -> int | str:
-    """The reporting group of a task: calc difficulty, workflow horizon or sgls kind."""
-    if task.env == "sgls":
-        return str(task.config["kind"])
-    key = "difficulty" if task.env == "calc" else "horizon"
-    return int(task.config[key])
 
 
 def make_tasks(env: str, n: int, seed: int) -> list[Task]:
@@ -360,57 +349,29 @@ def build_dataset(config: SFTConfig, tokenizer: Any, exclude_prompts: set[str]) 
 # Evaluation
 
 
-@dataclass(frozen=True)
-class SuccessReport:
-    """Sampled success on a task set: per group (difficulty / horizon) and overall."""
-
-    per_group: dict[int | str, tuple[int, int]]  # group -> (successes, tasks)
-    group_name: str
+class HeldOutReport(Protocol):
+    """Sampled success on a task set (``train.sampling.evaluation.SuccessReport``)."""
 
     @property
-    def overall(self) -> float:
-        wins = sum(s for s, _ in self.per_group.values())
-        total = sum(n for _, n in self.per_group.values())
-        return wins / total if total else 0.0
+    def per_group(self) -> dict[int | str, tuple[int, int]]:
+        """group -> (successes, tasks)."""
+        ...
 
-    def rate(self, group: int | str) -> float:
-        wins, total = self.per_group[group]
-        return wins / total if total else 0.0
+    @property
+    def overall(self) -> float: ...
 
-    def lines(self) -> list[str]:
-        out = [f"  {self.group_name} {g}: {self.rate(g):6.1%}  ({s}/{n})"
-               for g, (s, n) in sorted(self.per_group.items())]
-        total = sum(n for _, n in self.per_group.values())
-        return [*out, f"  overall: {self.overall:6.1%}  ({total} tasks)"]
+    def lines(self) -> list[str]: ...
 
-    def to_json(self) -> dict[str, Any]:
-        return {"group": self.group_name, "overall": self.overall,
-                "per_group": {str(g): {"successes": s, "tasks": n, "rate": s / n if n else 0.0}
-                              for g, (s, n) in sorted(self.per_group.items())}}
+    def to_json(self) -> dict[str, Any]: ...
 
 
-def rollout_rewards(policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
-                    max_new_tokens: int = 48, temperature: float = 1.0) -> list[float]:
-    """One sampled episode per task through the rollout engine (the house's one
-    evaluation, ``train.sampling.evaluation.run_episodes``: all episodes batched, the
-    task's step limit, environments closed); returns each episode's final reward."""
-    from train.sampling.evaluation import run_episodes
+class Evaluate(Protocol):
+    """The held-out check of SFT (``train.sampling.evaluation.success_report``): passed
+    in by the caller, so this module, below the samplers, imports nothing of
+    ``train.sampling`` (issue 28: the policies -> sampling circle)."""
 
-    return run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens,
-                        temperature=temperature).rewards
-
-
-def success_report(policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
-                   max_new_tokens: int = 48) -> SuccessReport:
-    """Sampled (temperature 1) success rate per difficulty / horizon."""
-    from train.sampling.evaluation import run_episodes
-
-    episodes = run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens)
-    groups: dict[int | str, tuple[int, int]] = {}
-    for task, success in zip(tasks, episodes.successes, strict=True):
-        wins, total = groups.get(task_group(task), (0, 0))
-        groups[task_group(task)] = (wins + success, total + 1)
-    return SuccessReport(groups, GROUP_NAMES[env_name])
+    def __call__(self, policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
+                 max_new_tokens: int = 48) -> HeldOutReport: ...
 
 
 # ---------------------------------------------------------------------------
@@ -426,7 +387,7 @@ class SFTResult:
     train_seconds: float
     stop_reason: str
     checks: list[tuple[int, float]]  # (step, held-out success) of each stopping check
-    test: SuccessReport
+    test: HeldOutReport
     parameters: int
 
 
@@ -438,20 +399,22 @@ def _lr_at(step: int, config: SFTConfig) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def train_sft(config: SFTConfig, out: Path, log: Log = print) -> SFTResult:
-    """Train a tiny policy from scratch by SFT and save it to ``out`` (module docstring)."""
+def train_sft(config: SFTConfig, out: Path, evaluate: Evaluate, log: Log = print
+              ) -> SFTResult:
+    """Train a tiny policy from scratch by SFT and save it to ``out`` (module docstring);
+    ``evaluate`` measures the held-out success (the stopping checks and the report)."""
     start = time.perf_counter()
     deadline = start + config.minutes * 60.0
     threads_before = torch.get_num_threads()
     torch.set_num_threads(max(1, min(config.threads, len(os.sched_getaffinity(0)))))
     try:
-        return _train(config, out, log, start, deadline)
+        return _train(config, out, evaluate, log, start, deadline)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _train(config: SFTConfig, out: Path, log: Log, start: float, deadline: float
-           ) -> SFTResult:
+def _train(config: SFTConfig, out: Path, evaluate: Evaluate, log: Log, start: float,
+           deadline: float) -> SFTResult:
     tokenizer = build_tokenizer(config.env)
     source = None
     if config.init_from is None:
@@ -498,7 +461,7 @@ def _train(config: SFTConfig, out: Path, log: Log, start: float, deadline: float
         if step % config.eval_every == 0:
             model.eval()
             t0 = time.perf_counter()
-            rate = success_report(policy, config.env, eval_tasks, seed=config.seed + step,
+            rate = evaluate(policy, config.env, eval_tasks, seed=config.seed + step,
                                   max_new_tokens=config.max_new_tokens).overall
             last_check_seconds = time.perf_counter() - t0
             checks.append((step, rate))
@@ -516,7 +479,7 @@ def _train(config: SFTConfig, out: Path, log: Log, start: float, deadline: float
     model.eval()
     log(f"stopped after {step} steps ({reason}), {train_seconds:.0f} s; "
         f"evaluating on {len(test_tasks)} held-out tasks")
-    test = success_report(policy, config.env, test_tasks, seed=TEST_SEED_OFFSET + config.seed,
+    test = evaluate(policy, config.env, test_tasks, seed=TEST_SEED_OFFSET + config.seed,
                           max_new_tokens=config.max_new_tokens)
     meta = {
         "env": config.env, "seed": config.seed, "config": asdict(config),
@@ -543,9 +506,11 @@ def _repo_relative(path: Path) -> str:
 
 
 def init_policy(env: str, seed: int = 0, out: Path | None = None, minutes: float | None = None,
-                force: bool = False, log: Log = print, **overrides: Any) -> SFTResult | None:
+                force: bool = False, log: Log = print, *, evaluate: Evaluate,
+                **overrides: Any) -> SFTResult | None:
     """``rtrees policy init``: train into ``out`` (default: the cache directory) unless a
-    checkpoint is already there (``force`` retrains). Returns None when one was reused."""
+    checkpoint is already there (``force`` retrains). Returns None when one was reused.
+    ``evaluate``: the held-out success check (``train_sft``)."""
     target = Path(out) if out is not None else default_cache_dir(env, seed)
     config = default_config(env, seed=seed, minutes=minutes, **overrides)
     if not force:
@@ -563,4 +528,4 @@ def init_policy(env: str, seed: int = 0, out: Path | None = None, minutes: float
     except OSError as exc:
         raise ValueError(f"cannot write the checkpoint to {target}: "
                          f"{exc.strerror or exc}") from None
-    return train_sft(config, target, log)
+    return train_sft(config, target, evaluate, log)

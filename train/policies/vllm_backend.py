@@ -47,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from train.policies import INSTALL_HINT, PolicyUnavailableError
 from train.policies.base import STOP_STRINGS, Continuation, Rows, SampleConfig, Transcript
+from train.policies.errors import INSTALL_HINT, PolicyUnavailableError
 from train.policies.hf import ChatRenderer, ObservationRole, weights_version
 from train.rundir import DIGESTS_KEY, read_meta, verify_checkpoint
 

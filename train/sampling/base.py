@@ -72,7 +72,7 @@ from rollout_store.snapshots import decompress
 from rollout_store.tree import Node, Tree
 from train.envs.base import Environment, StepResult, Task, parse_action
 from train.policies.base import Continuation, Policy, Rows, SampleConfig, Turn
-from train.sampling.engine import Decode, Request, Work
+from train.sampling.engine import Decode, Engine, EnvSource, Request, TreeJob, Work
 from train.sampling.segments import action_segments, head_entropy, token_char_starts
 
 if TYPE_CHECKING:
@@ -593,11 +593,32 @@ class Sampler(ABC):
                     phase_seeds: Mapping[str, int] | None = None) -> Tree:
         """One tree of ``task`` with exactly ``n_total`` rollouts (``phase_seeds``: see
         ``TreeBuilder``): a one-tree ``Engine.sample_trees`` call."""
-        from train.sampling.engine import Engine, TreeJob
-
         job = TreeJob(self, env, task, n_total, seed, tree_id or f"{run_id}/{task.task_id}",
                       run_id, phase_seeds)
         return Engine(policy).sample_trees([job])[0]
+
+    def tree_program(self, job: TreeJob, policy: Policy) -> Generator[Request, Any, Tree]:
+        """The engine's program of one tree of this sampler: build its ``TreeBuilder``
+        (environment reset in the pool), run ``grow``, check the budget was spent,
+        finish."""
+        owned = not isinstance(job.env, Environment)
+        source: EnvSource = job.env
+        env: Environment = yield Work(source if owned else lambda: source)  # type: ignore[arg-type]
+        try:
+            def build() -> TreeBuilder:
+                return TreeBuilder(env, policy, job.task, job.n_total, sampler=self.name,
+                                   config=self.config, seed=job.seed, tree_id=job.tree_id,
+                                   run_id=job.run_id, phase_seeds=job.phase_seeds)
+
+            builder: TreeBuilder = yield Work(build)
+            yield from self.grow(builder)
+            if builder.budget.remaining:
+                raise BudgetError(f"{self.name} left {builder.budget.remaining} of "
+                                  f"{job.n_total} rollouts unspent")
+            return builder.finish()
+        finally:
+            if owned:
+                env.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"

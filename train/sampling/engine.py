@@ -11,7 +11,9 @@ the engine interleaves every program in flight:
   bounded thread pool (the python sandbox's calls are subprocess-bound, so they overlap
   with decoding and with each other) and its return value is sent back.
 
-A tree program is ``Sampler.grow`` wrapped by ``tree_program``; ``TreeBuilder.run`` (one
+A tree program is ``Sampler.grow`` wrapped by ``Sampler.tree_program``
+(``train.sampling.base``, which imports this module and not the other way: the engine
+sees a job's sampler only through ``TreeSampler``); ``TreeBuilder.run`` (one
 lockstep round per ``Decode``, the round's steps in one ``Work``) is the only place that
 yields, so samplers only write ``leaves = yield from builder.run(starts)``. Why
 generators rather than threads blocking on futures: a sampler's decisions stay plain
@@ -49,14 +51,11 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rollout_store.tree import Tree
 from train.envs.base import Environment, Task
 from train.policies.base import Continuation, Policy, Rows, SampleConfig, sample_rows
-
-if TYPE_CHECKING:
-    from train.sampling.base import Sampler, TreeBuilder
 
 
 @dataclass(frozen=True)
@@ -247,7 +246,7 @@ class Engine:
             s.begin_wave()
         try:
             trees: list[Tree] = self.run(
-                [partial(tree_program, job, self.policy) for job in jobs], on_tree)
+                [partial(job.sampler.tree_program, job, self.policy) for job in jobs], on_tree)
         finally:
             for s in samplers:
                 s.end_wave()
@@ -263,12 +262,24 @@ def _new_waiting(program: int, decode: Decode) -> _Waiting:
 EnvSource = Environment | Callable[[], Environment]
 
 
+class TreeSampler(Protocol):
+    """What the engine needs of a job's sampler (``train.sampling.base.Sampler``)."""
+
+    def begin_wave(self) -> None: ...
+
+    def end_wave(self) -> None: ...
+
+    def tree_program(self, job: TreeJob, policy: Policy) -> Generator[Request, Any, Tree]:
+        """The program of one tree (``Sampler.tree_program``)."""
+        ...
+
+
 @dataclass(frozen=True)
 class TreeJob:
     """One tree to sample: ``Sampler.sample_tree``'s arguments. ``env`` is an environment
     (owned by the caller) or a factory (the engine makes one and closes it after)."""
 
-    sampler: Sampler
+    sampler: TreeSampler
     env: EnvSource
     task: Task
     n_total: int
@@ -278,30 +289,6 @@ class TreeJob:
     phase_seeds: Mapping[str, int] | None = None
 
 
-def tree_program(job: TreeJob, policy: Policy) -> Generator[Request, Any, Tree]:
-    """The program of one tree: build its ``TreeBuilder`` (environment reset in the
-    pool), run ``Sampler.grow``, check the budget was spent, finish."""
-    from train.sampling.base import BudgetError, TreeBuilder
-
-    owned = not isinstance(job.env, Environment)
-    env: Environment = yield Work(job.env if owned else lambda: job.env)  # type: ignore[arg-type]
-    try:
-        def build() -> TreeBuilder:
-            return TreeBuilder(env, policy, job.task, job.n_total, sampler=job.sampler.name,
-                               config=job.sampler.config, seed=job.seed, tree_id=job.tree_id,
-                               run_id=job.run_id, phase_seeds=job.phase_seeds)
-
-        builder: TreeBuilder = yield Work(build)
-        yield from job.sampler.grow(builder)
-        if builder.budget.remaining:
-            raise BudgetError(f"{job.sampler.name} left {builder.budget.remaining} of "
-                              f"{job.n_total} rollouts unspent")
-        return builder.finish()
-    finally:
-        if owned:
-            env.close()
-
-
 __all__ = ["DEFAULT_MAX_PROGRAMS", "DEFAULT_MAX_ROWS", "Decode", "Engine", "EngineStats",
-           "EnvSource", "Program", "Request", "TreeJob", "Work", "default_tool_threads",
-           "tree_program"]
+           "EnvSource", "Program", "Request", "TreeJob", "TreeSampler", "Work",
+           "default_tool_threads"]

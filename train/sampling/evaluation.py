@@ -1,7 +1,8 @@
 """Held-out evaluation through the rollout engine: one episode per task, all together (issue 22).
 
 The one evaluation of the house (the trainer's held-out metrics, ``rtrees policy init``'s
-success report): each task gets one episode from ``reset``, continued by the
+success report, ``success_report``, which the tiny policy's SFT receives as its held-out
+check): each task gets one episode from ``reset``, continued by the
 continuation primitive (``train.sampling.base.Continuing``) under the one step limit,
 ``Task.max_steps`` (an episode cut there ends with reward 0), and the one success rule,
 final reward >= ``success_threshold``. Every episode is a program of
@@ -73,4 +74,66 @@ def run_episodes(policy: Policy, env: str | Callable[[], Environment], tasks: Se
     return Episodes(rewards, [r >= success_threshold for r in rewards], [s for _, s in got])
 
 
-__all__ = ["GREEDY_TOP_P", "Episodes", "episode_program", "run_episodes"]
+GROUP_NAMES: dict[str, str] = {"calc": "difficulty", "workflow": "horizon", "sgls": "kind"}
+
+
+def task_group(task: Task) -> int | str:
+    """The reporting group of a task: calc difficulty, workflow horizon or sgls kind."""
+    if task.env == "sgls":
+        return str(task.config["kind"])
+    key = "difficulty" if task.env == "calc" else "horizon"
+    return int(task.config[key])
+
+
+@dataclass(frozen=True)
+class SuccessReport:
+    """Sampled success on a task set: per group (difficulty / horizon) and overall."""
+
+    per_group: dict[int | str, tuple[int, int]]  # group -> (successes, tasks)
+    group_name: str
+
+    @property
+    def overall(self) -> float:
+        wins = sum(s for s, _ in self.per_group.values())
+        total = sum(n for _, n in self.per_group.values())
+        return wins / total if total else 0.0
+
+    def rate(self, group: int | str) -> float:
+        wins, total = self.per_group[group]
+        return wins / total if total else 0.0
+
+    def lines(self) -> list[str]:
+        out = [f"  {self.group_name} {g}: {self.rate(g):6.1%}  ({s}/{n})"
+               for g, (s, n) in sorted(self.per_group.items())]
+        total = sum(n for _, n in self.per_group.values())
+        return [*out, f"  overall: {self.overall:6.1%}  ({total} tasks)"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group_name, "overall": self.overall,
+                "per_group": {str(g): {"successes": s, "tasks": n, "rate": s / n if n else 0.0}
+                              for g, (s, n) in sorted(self.per_group.items())}}
+
+
+def rollout_rewards(policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
+                    max_new_tokens: int = 48, temperature: float = 1.0) -> list[float]:
+    """One sampled episode per task through the rollout engine (``run_episodes``: all
+    episodes batched, the task's step limit, environments closed); returns each
+    episode's final reward."""
+    return run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens,
+                        temperature=temperature).rewards
+
+
+def success_report(policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
+                   max_new_tokens: int = 48) -> SuccessReport:
+    """Sampled (temperature 1) success rate per difficulty / horizon / kind (the held-out
+    check ``rtrees policy init`` passes to ``tiny_train.train_sft``)."""
+    episodes = run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens)
+    groups: dict[int | str, tuple[int, int]] = {}
+    for task, success in zip(tasks, episodes.successes, strict=True):
+        wins, total = groups.get(task_group(task), (0, 0))
+        groups[task_group(task)] = (wins + success, total + 1)
+    return SuccessReport(groups, GROUP_NAMES[env_name])
+
+
+__all__ = ["GREEDY_TOP_P", "GROUP_NAMES", "Episodes", "SuccessReport", "episode_program",
+           "rollout_rewards", "run_episodes", "success_report", "task_group"]

@@ -1,6 +1,8 @@
 """Collection on Ray (issue 16): ``collect(..., ray=ADDRESS, workers=N)``.
 
-Ray is one more executor of the chunks ``collect`` makes (``collect.py``): ``workers``
+Ray is one more executor of the chunks ``collect`` makes (``collect.py``; a chunk's work is
+``train/sampling/chunks.py``, which both import, so ``collect`` importing this module
+lazily closes no circle): ``workers``
 actors, each holding its own environment, policy and sampler (``CollectWorker``), run
 ``sample_and_commit_chunk`` on one chunk at a time and commit it themselves, under the
 chunk's ``commit_key``, with the store's concurrent appends. The driver only hands out
@@ -37,7 +39,7 @@ from typing import Any
 from rollout_store import Store
 from train.envs import Task, make_env
 from train.sampling import Sampler
-from train.sampling.collect import (
+from train.sampling.chunks import (
     ChunkResult,
     PolicySpec,
     resolve_policy,

@@ -1,0 +1,180 @@
+"""Sharded training with torch's FSDP2 and distributed checkpoints (issue 27).
+
+Built on ``torch.distributed.fsdp.fully_shard`` and ``torch.distributed.checkpoint``
+(DCP), not a home-made sharding. What runs here, on CPU and gloo (torch 2.13):
+
+* ``shard_model(model, world)``: every decoder layer is its own FSDP unit, the token
+  embeddings and the LM head one unit (the tiny policy ties them: one parameter, so one
+  unit with both modules), the decoder's remaining parameters (the final norm) the
+  outer unit. ``train.batches.forward_logprobs`` calls the decoder and the head directly
+  (the head at loss columns only), never ``model.forward``; each of those calls is an
+  FSDP unit's forward, so its parameters are gathered there. Gradients are SUMMED over
+  ranks (``set_gradient_divide_factor(1)`` with sum-only collectives: gloo has no
+  PREMUL_SUM), so, as in the data-parallel path (``train/distributed.py``), every rank's
+  loss is normalised by the GLOBAL denominator and
+
+    g = sum_r sum_{t in rank r} w_t * grad l_t / D,   D = sum_r D_r,
+
+  is the single-rank gradient up to float summation order; each rank keeps 1/W of it.
+* Every rank must run the same number of forward/backward passes per optimizer step
+  (each is a collective): ``passes_needed`` agrees on the count BEFORE the first pass
+  (a reduction between passes would meet another rank's all-gather: a deadlock, seen
+  here), and ``dummy_backward`` runs a zero-weight pass on a rank with fewer
+  micro-batches (no tokens of its own).
+* Mixed precision (``mixed_precision``): bf16 parameters with fp32 gradient reduction on
+  CUDA devices that support bf16; none on CPU (fp32 throughout): CPU bf16 matmuls are
+  slow and would break the 1e-5 equality with one unsharded rank.
+* Checkpoints: ``save_sharded`` writes the model and optimizer state as a DCP checkpoint
+  (each rank its shard, ``dcp/``), the HF directory of the FULL weights from rank 0
+  (``full_state_dict``: ``hf:PATH`` and ``policy_ref`` load it as before) and the caller's
+  files, all in one staging directory published atomically by rank 0
+  (``train.rundir.begin_checkpoint`` / ``publish_checkpoint``, the one atomic writer).
+  ``load_sharded`` reads the DCP state into a model sharded over ANY number of ranks
+  (DCP reshards on load): a run saved by 2 ranks resumes on 1 or 3.
+
+Not built here: the trainer's ``--shard fsdp`` flag (docs/SCALE.md says what runs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from train.distributed import World, all_max, barrier
+from train.rundir import begin_checkpoint, publish_checkpoint, staging_dir
+
+DCP_DIR = "dcp"  # the sharded model + optimizer state inside a checkpoint
+
+
+class ShardError(RuntimeError):
+    """A model FSDP cannot shard as asked; the message names what is missing."""
+
+
+def mixed_precision(device: torch.device | str) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``device``: bf16 parameters, fp32 reduction on a
+    CUDA device with bf16; None (fp32) on CPU (module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_bf16_supported():
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def shard_model(model: torch.nn.Module, world: World,
+                device: torch.device | str = "cpu") -> list[Any]:
+    """Wrap a Hugging Face causal LM with ``fully_shard`` in place (module docstring);
+    returns the FSDP units. One rank: nothing is wrapped (the unsharded model)."""
+    if world.size == 1:
+        return []
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    lm: Any = model  # a Hugging Face PreTrainedModel (get_decoder, get_output_embeddings)
+    base = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    layers = getattr(base, "layers", None)
+    embed = getattr(base, "embed_tokens", None)
+    if base is None or head is None or layers is None or embed is None:
+        raise ShardError(f"{type(model).__name__} has no decoder layers, token embeddings "
+                         "and LM head to shard (a Llama-style Hugging Face model is needed)")
+    mp = mixed_precision(device)
+    kw: dict[str, Any] = {} if mp is None else {"mp_policy": mp}
+    for layer in layers:
+        fully_shard(layer, **kw)
+    tied = head.weight is embed.weight
+    fully_shard([embed, head] if tied else embed, **kw)
+    if not tied:
+        fully_shard(head, **kw)
+    fully_shard(base, **kw)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # sum over ranks, as all_reduce_grads does
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return units
+
+
+def passes_needed(world: World, n_mine: int) -> int:
+    """The number of forward/backward passes every rank runs in one optimizer step: the
+    most micro-batches any rank holds (a rank with fewer runs ``dummy_backward``)."""
+    return int(all_max(world, [float(n_mine)])[0])
+
+
+def dummy_backward(model: torch.nn.Module, pad_id: int = 0) -> None:
+    """A forward and backward of one pad token through the decoder and the head with
+    weight 0: this rank's part of every unit's all-gather and reduce-scatter, no
+    gradient of its own."""
+    base = model.get_decoder()  # type: ignore[operator]
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    ids = torch.full((1, 1), pad_id, dtype=torch.long)
+    hidden = base(input_ids=ids, use_cache=False).last_hidden_state  # (1, 1, H)
+    (head(hidden[:, 0]).float().sum() * 0.0).backward()
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) weights on CPU; a collective on every rank, the tensors are
+    rank 0's to use (others get an empty dict). One rank: the model's own state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    return {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def save_sharded(path: Path, world: World, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+                 fill: Callable[[Path, dict[str, torch.Tensor]], None] | None = None) -> Path:
+    """Checkpoint ``path`` written by every rank (module docstring): each rank's shard of
+    the model and optimizer under ``dcp/``; rank 0's ``fill(tmp, full_weights)`` (the HF
+    export, trainer state); ``meta`` and the digests, published atomically by rank 0.
+    Called on every rank; a rank killed before the publish leaves no checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    token = [os.getpid()]  # rank 0's pid names the one staging directory
+    if world.size > 1:
+        dist.broadcast_object_list(token, src=0)
+    tmp = staging_dir(path, token[0])
+    if world.is_main:
+        begin_checkpoint(path, token[0])
+    barrier(world)  # the staging directory exists before any rank writes its shard
+    dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(tmp / DCP_DIR))
+    full = full_state_dict(model)
+    barrier(world)  # every shard is written
+    if world.is_main:
+        if fill is not None:
+            fill(tmp, full)
+        publish_checkpoint(path, tmp, meta)
+    barrier(world)  # published before any rank goes on (a resume may read it at once)
+    return Path(path)
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Restore the model and optimizer state of a ``save_sharded`` checkpoint into
+    ``model`` (sharded over any number of ranks, or unsharded) in place; every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state_dicts(model, optimizer)
+    if dist.is_initialized():
+        dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR))
+    else:  # one process, no group: DCP reads without collectives
+        dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR), no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+__all__ = ["DCP_DIR", "ShardError", "dummy_backward", "full_state_dict", "load_sharded",
+           "mixed_precision", "passes_needed", "save_sharded", "shard_model"]
