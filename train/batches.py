@@ -360,7 +360,7 @@ def _tree_row(b: int, ts: TreeSeqs, members: set[int], loss_nodes: set[int],
     row = _empty_row(b)
     packed_start: dict[int, int] = {}
     chain_kids: dict[int, list[int]] = {i: [] for i in members}
-    tops = []
+    tops: list[int] = []
     for i in sorted(members):  # preorder
         cp = ts.nodes[i].chain_parent
         (chain_kids[cp] if cp >= 0 else tops).append(i)
