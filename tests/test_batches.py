@@ -264,7 +264,8 @@ def _qwen2_model(vocab: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, attn_implementation="sdpa")
+                         max_position_embeddings=4096)
+    config._attn_implementation = "sdpa"
     return Qwen2ForCausalLM(config).float()
 
 
@@ -296,7 +297,7 @@ def test_hf_qwen2_tree_equals_paths(sampled: tuple[HFPolicy, list[Tree]]) -> Non
         logps[name] = got
         grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()
                                  if p.grad is not None])
-    assert model.config._attn_implementation == "sdpa"  # restored after the tree forward
+    assert model.config._attn_implementation == "sdpa"  # type: ignore[union-attr]  # restored
     for name in ("tree", "tree+packed"):
         assert logps[name].keys() == logps["paths"].keys()
         worst = max(abs(logps[name][k] - v) for k, v in logps["paths"].items())
