@@ -23,8 +23,10 @@ Targets (issue 25): at a tree token ratio >= 4, tree >= 85% of the ratio faster 
 paths for both architectures; tree's saved bytes <= paths'; linear growth in row length.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_train_layout.py
-        [--trees 2] [--n-total 12] [--system-prompt-chars 1500] [--repeats 3]
-        [--sizes 2048,8192,32768]
+        [--trees 2] [--n-total 12] [--system-prompt-chars 1500] [--repeats 2]
+        [--sizes 2048,8192]   # about 3-4 minutes of one core
+
+The recorded numbers (README) come from ``--repeats 3 --sizes 2048,8192,32768``.
 """
 
 from __future__ import annotations
@@ -118,10 +120,11 @@ def main() -> None:
     ap.add_argument("--trees", type=int, default=2)
     ap.add_argument("--n-total", type=int, default=12)
     ap.add_argument("--system-prompt-chars", type=int, default=1500)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--pack-tokens", type=int, default=8192)
-    ap.add_argument("--sizes", default="2048,8192,32768",
-                    help="tokens per row of the synthetic memory rows (empty: skip)")
+    ap.add_argument("--sizes", default="2048,8192",
+                    help="tokens per row of the synthetic memory rows (empty: skip; "
+                         "2048,8192,32768 adds about a minute and 4 GiB)")
     ap.add_argument("--archs", default="tiny,qwen2")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -191,6 +194,9 @@ def main() -> None:
         print_timings(list(timings.values()), timings["paths"])
         print_table(["", "saved for backward (max micro-batch)", "x paths"],
                     [[k, mib(v), f"{v / memory['paths']:.2f}"] for k, v in memory.items()])
+        n_traj = sum(s.paths_tokens() for s in seqs)
+        print(f"tokens/s {arch} (paths tokens per loss-step second): " + ", ".join(
+            f"{k} {n_traj / t.min:.0f}" for k, t in timings.items()))
         best = min((t for k, t in timings.items() if k != "paths"), key=lambda t: t.min)
         speed = timings["paths"].min / best.min
         summary.append((arch, best.name, speed, min(memory["tree"], memory["tree+pack"])
