@@ -16,13 +16,13 @@ Two consumers of (1):
 
 * ``block_mask``: a FlexAttention ``BlockMask`` (``torch.nn.attention.flex_attention``)
   built from the intervals in O((L/B)^2) per row (B = 128): a (q-block, kv-block) pair is
-  *empty* when ``k0 > q1 - 1`` or ``max tout < = q0``, *full* when ``k1 - 1 <= q0`` and
+  *empty* when ``k0 > q1 - 1`` or ``max tout <= q0``, *full* when ``k1 - 1 <= q0`` and
   ``min tout >= q1``, partial otherwise; ``mask_mod`` is (1).
 * ``tree_attention_forward``: the attention that training runs on CPU, registered as the
   transformers attention implementation ``"rtrees_tree"``. FlexAttention has no CPU
   backward in torch 2.13 (``NotImplementedError: FlexAttention does not support backward
   on CPU``), eager flex materialises the full (L, L) score matrix, and compiling its
-  forward alone took more than 5 minutes on one core here, so training uses a
+  forward alone did not finish within 5 minutes on one core here, so training uses a
   block-sparse SDPA: for each block of 128 queries, exactly the keys that (1) lets some
   query of the block see are gathered (``k < q1`` and ``tout[k] > q0``) and
   ``scaled_dot_product_attention`` runs on that (128, n_sel) block with (1) as its boolean
