@@ -24,9 +24,8 @@ Two consumers of (1):
   on CPU``) and eager flex materialises the full (L, L) score matrix. Compiled flex does
   run forward on CPU here (L = 1,024, 4 heads: first call 80 s of inductor compilation,
   then 0.07 s against 6.7 s eager), usable for no-grad logprobs but not for training; so
-  training uses a
-  block-sparse SDPA: for each block of 128 queries, exactly the keys that (1) lets some
-  query of the block see are gathered (``k < q1`` and ``tout[k] > q0``) and
+  training uses a block-sparse SDPA: for each block of 128 queries, exactly the keys that
+  (1) lets some query of the block see are gathered (``k < q1`` and ``tout[k] > q0``) and
   ``scaled_dot_product_attention`` runs on that (128, n_sel) block with (1) as its boolean
   mask. Memory and work are O(sum over blocks of 128 * n_sel), linear in the row length
   for trees of bounded depth, never L^2.
