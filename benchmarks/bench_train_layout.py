@@ -1,13 +1,32 @@
-"""Loss-step throughput of the ``tree`` layout vs the ``paths`` layout on BEL trees.
+"""Loss-step speed and memory of the ``tree`` layout vs ``paths`` on trees that share
+a long system prompt (issues 11 and 25).
 
-Samples BEL trees (n_total 16) with the tiny calc policy, commits them to a temporary
-store and reads them back (``--store DIR`` uses that store's trees instead), then times
-one loss step (forward, loss, backward over every micro-batch) of each layout,
-alternately, several times. Throughput counts the same work for both: the trajectory
-tokens (paths tokens). Target (issue 11): tree >= 1.5x paths and >= 70% of the tree
-token ratio (paths tokens / tree tokens, the FLOP bound).
+Samples BEL calc trees (``--n-total``) with the tiny calc policy from
+``make_env("calc", system_prompt_chars=N)`` (a shared system prompt with the tool schema
+ahead of every task: real agent trees share 1-2k tokens), commits them to a temporary
+store and reads them back, then times one loss step (forward, loss, backward over every
+micro-batch) of each layout, alternately, ``--repeats`` times, for two architectures:
+the tiny Llama (``tiny``) and a transformers Qwen2 with random weights of the same size
+(``qwen2``: 4 layers, hidden 128, 4 query / 2 key-value heads), both through the tree
+attention of ``train.policies.tree_attention``. ``tree`` is one row per tree (no shared
+token forwarded twice); ``tree+pack`` packs the trees' rows into rows of at most
+``--pack-tokens``.
 
-    .venv/bin/python benchmarks/bench_train_layout.py [--trees 6] [--repeats 5]
+Memory: the bytes autograd saves for backward (every tensor a forward stores, counted
+once per storage), the largest over a step's micro-batches: the part of peak memory that
+grows with the row, measured without a CUDA allocator. Then one synthetic tree row of 2k,
+8k and 32k tokens (a shared 1,500-token prompt, then random branches of 20-80 tokens,
+depth at most 8) is forwarded through the tiny model with the tree layout, and its saved
+bytes per token are printed beside the (L, L) float mask the dense layout needed.
+
+Targets (issue 25): at a tree token ratio >= 4, tree >= 85% of the ratio faster than
+paths for both architectures; tree's saved bytes <= paths'; linear growth in row length.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_train_layout.py
+        [--trees 2] [--n-total 12] [--system-prompt-chars 1500] [--repeats 2]
+        [--sizes 2048,8192]   # about 3-4 minutes of one core
+
+The recorded numbers (README) come from ``--repeats 3 --sizes 2048,8192,32768``.
 """
 
 from __future__ import annotations
@@ -16,21 +35,27 @@ import argparse
 import copy
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import Timings, print_timings, timed, verdict
+from benchmarks._common import Timings, mib, print_table, print_timings, timed, verdict
 from rollout_store.reader import read_trees
 from rollout_store.store import open_store
 from train.batches import (
     MicroBatch,
+    NodeSeq,
+    TreeSeqs,
     build_sequences,
     forward_logprobs,
     make_rows,
     micro_batches,
+    pack_rows,
     tree_token_ratio,
 )
 from train.config import TrainConfig
@@ -41,76 +66,175 @@ from train.sampling import make_sampler
 from train.trainer import credit_for
 
 
+def saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """``fn()`` and the bytes of the storages autograd saved for backward meanwhile."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def qwen2_like(vocab: int) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=352,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=65_536, tie_word_embeddings=True)
+    config._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(config).float()
+
+
+def synthetic_tree(n_tokens: int, rng: np.random.Generator, prompt: int = 1500) -> TreeSeqs:
+    """A tree of about ``n_tokens`` tree tokens: a ``prompt``-token root, then nodes of
+    20-80 tokens under random parents of depth < 8 (preorder kept by appending each new
+    node under the last node or one of its ancestors)."""
+    nodes = [NodeSeq(0, tuple(int(x) for x in rng.integers(8, 90, prompt)), 0, prompt, -1,
+                     -1, (), 1, 1.0)]
+    depth = [0]
+    total = prompt
+    while total < n_tokens:
+        anc = [len(nodes) - 1]
+        while nodes[anc[-1]].parent >= 0:
+            anc.append(nodes[anc[-1]].parent)
+        anc = [a for a in anc if depth[a] < 8]
+        p = anc[int(rng.integers(0, len(anc)))]
+        own = tuple(int(x) for x in rng.integers(8, 90, int(rng.integers(20, 81))))
+        full = (*nodes[p].full, *own)
+        nodes.append(NodeSeq(len(nodes), full, len(nodes[p].full), len(nodes[p].full), p, p,
+                             (), 1, 1.0))
+        depth.append(depth[p] + 1)
+        total += len(own)
+    parents = {n.parent for n in nodes}
+    return TreeSeqs("syn", tuple(nodes), tuple(i for i in range(len(nodes))
+                                               if i not in parents))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--trees", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--store", type=Path, default=None)
-    ap.add_argument("--row-tokens", default="none,512,256",
-                    help="tree-layout max_row_tokens values to time (none = one row per tree)")
+    ap.add_argument("--trees", type=int, default=2)
+    ap.add_argument("--n-total", type=int, default=12)
+    ap.add_argument("--system-prompt-chars", type=int, default=1500)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--pack-tokens", type=int, default=8192)
+    ap.add_argument("--sizes", default="2048,8192",
+                    help="tokens per row of the synthetic memory rows (empty: skip; "
+                         "2048,8192,32768 adds about a minute and 4 GiB)")
+    ap.add_argument("--archs", default="tiny,qwen2")
     args = ap.parse_args()
     torch.manual_seed(0)
     policy = load_policy("tiny", "calc")
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        if args.store is None:
-            env = make_env("calc")
-            tasks = type(env).generate_tasks(args.trees, seed=123)
-            sampler = make_sampler("bel")
-            trees = [sampler.sample_tree(env, policy, t, 16, seed=i, run_id="bench")
-                     for i, t in enumerate(tasks)]
-            store = open_store(Path(tmp) / "store", create=True)
-            store.append_trees(trees)
-            trees = read_trees(store)
-        else:
-            trees = [t for t in read_trees(open_store(args.store)) if t.sampler == "bel"]
-            trees = trees[:args.trees]
+        env = make_env("calc", system_prompt_chars=args.system_prompt_chars)
+        tasks = type(env).generate_tasks(args.trees, seed=123)
+        sampler = make_sampler("bel")
+        trees = [sampler.sample_tree(env, policy, t, args.n_total, seed=i, run_id="bench")
+                 for i, t in enumerate(tasks)]
+        store = open_store(Path(tmp) / "store", create=True)
+        store.append_trees(trees)
+        trees = read_trees(store)
+    sample_s = time.perf_counter() - t0
     _, credit = credit_for(trees, TrainConfig(store="x", out="x", credit="elpo"))
     seqs = [build_sequences(t, policy.prompt_ids) for t in trees]  # type: ignore[attr-defined]
     ratio = tree_token_ratio(seqs)
-    model = copy.deepcopy(policy.model).train()  # type: ignore[attr-defined]
-    n_traj_tokens = 0
-    steps = {}
-    variants: list[tuple[str, str, int | None]] = [("paths", "paths", None)]
-    for v in args.row_tokens.split(","):
-        cap = None if v == "none" else int(v)
-        variants.append((f"tree@{v}", "tree", cap))
-    forwarded: dict[str, int] = {}
-    padded: dict[str, int] = {}
-    for name, layout, cap in variants:
-        rows = make_rows(seqs, credit, layout, max_row_tokens=cap)  # type: ignore[arg-type]
-        mbs = micro_batches(rows, layout, 16_384)  # type: ignore[arg-type]
-        n_tok = sum(float(mb.traj_count.sum()) for mb in mbs)
-        forwarded[name] = sum(mb.n_tokens for mb in mbs)
-        padded[name] = sum(mb.input_ids.numel() for mb in mbs)
-        n_traj_tokens = forwarded[name] if layout == "paths" else n_traj_tokens
-        d = denominator("token-mean", n_tok, sum(len(s.leaves) for s in seqs), 1)
+    per_tree = [tree_token_ratio([s]) for s in seqs]
+    print(f"{len(trees)} BEL calc trees (n_total {args.n_total}, system prompt "
+          f"{args.system_prompt_chars} chars, sampled in {sample_s:.1f} s): paths tokens "
+          f"{sum(s.paths_tokens() for s in seqs)}, tree tokens "
+          f"{sum(s.tree_tokens() for s in seqs)}, tree token ratio {ratio:.2f} (per tree "
+          + ", ".join(f"{r:.2f}" for r in per_tree) + ")")
+    models = {"tiny": policy.model,  # type: ignore[attr-defined]
+              "qwen2": qwen2_like(len(policy.tokenizer))}  # type: ignore[attr-defined]
+    n_seqs = sum(len(s.leaves) for s in seqs)
+    variants = {"paths": make_rows(seqs, credit, "paths"), "tree": make_rows(seqs, credit, "tree")}
+    variants["tree+pack"] = pack_rows(variants["tree"], args.pack_tokens)
+    summary = []
+    for arch in args.archs.split(","):
+        model = copy.deepcopy(models[arch]).train()
+        steps: dict[str, Callable[[], None]] = {}
+        memory: dict[str, int] = {}
+        for name, rows in variants.items():
+            layout = "paths" if name == "paths" else "tree"
+            mbs = micro_batches(rows, layout, 16_384)  # type: ignore[arg-type]
+            n_tok = sum(float(mb.traj_count.sum()) for mb in mbs)
+            d = denominator("token-mean", n_tok, n_seqs, 1)
 
-        def step(mbs: list[MicroBatch] = mbs, d: float = d) -> None:
-            model.zero_grad(set_to_none=True)
-            for mb in mbs:
-                lp, _ = forward_logprobs(model, mb)
-                out = token_loss(lp, mb.old_logp, mb.advantage, mb.clip_low, mb.clip_high)
-                w = token_weights("token-mean", mb.traj_count, mb.inv_len_sum)
-                aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, d).backward()
-        steps[name] = step
-    timings = {k: Timings(k) for k in steps}
-    for k in steps:
-        steps[k]()  # warm-up
-    for _ in range(args.repeats):
-        for k, fn in steps.items():
-            timings[k].seconds.append(timed(fn))
-    print(f"{len(trees)} BEL trees (n_total 16), {n_traj_tokens} paths tokens, "
-          f"tree token ratio {ratio:.2f}; forwarded tokens: "
-          + ", ".join(f"{k} {v} ({padded[k]} padded)" for k, v in forwarded.items()))
-    print_timings(list(timings.values()), timings["paths"])
-    best = min((t for k, t in timings.items() if k != "paths"), key=lambda t: t.min)
-    speed = timings["paths"].min / best.min
-    print("tokens/s (paths tokens per loss-step second): " + ", ".join(
-        f"{k} {n_traj_tokens / t.min:.0f}" for k, t in timings.items()))
-    print(f"best tree variant {best.name}: speed-up {speed:.2f}x = {speed / ratio:.0%} of the "
-          f"tree token ratio {ratio:.2f}")
-    verdict("tree vs paths loss step", speed, speed >= 1.5 and speed >= 0.7 * ratio,
-            ">= 1.5x and >= 70% of the tree token ratio")
+            def step(mbs: list[MicroBatch] = mbs, d: float = d, peak: list[int] | None = None,
+                     model: torch.nn.Module = model) -> None:
+                model.zero_grad(set_to_none=True)
+                for mb in mbs:
+                    def loss(mb: MicroBatch = mb, model: torch.nn.Module = model
+                             ) -> torch.Tensor:
+                        lp, _ = forward_logprobs(model, mb)
+                        out = token_loss(lp, mb.old_logp, mb.advantage, mb.clip_low,
+                                         mb.clip_high)
+                        w = token_weights("token-mean", mb.traj_count, mb.inv_len_sum)
+                        return aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, d)
+                    if peak is None:
+                        loss().backward()
+                    else:
+                        value, n_bytes = saved_bytes(loss)
+                        peak.append(n_bytes)
+                        value.backward()
+            peak: list[int] = []
+            step(peak=peak)  # warm-up, and the memory of each micro-batch
+            memory[name] = max(peak)
+            steps[name] = step
+        timings = {k: Timings(k) for k in steps}
+        for _ in range(args.repeats):
+            for k, fn in steps.items():
+                timings[k].seconds.append(timed(fn))
+        print(f"\n[{arch}] loss step, seconds:")
+        print_timings(list(timings.values()), timings["paths"])
+        print_table(["", "saved for backward (max micro-batch)", "x paths"],
+                    [[k, mib(v), f"{v / memory['paths']:.2f}"] for k, v in memory.items()])
+        n_traj = sum(s.paths_tokens() for s in seqs)
+        print(f"tokens/s {arch} (paths tokens per loss-step second): " + ", ".join(
+            f"{k} {n_traj / t.min:.0f}" for k, t in timings.items()))
+        best = min((t for k, t in timings.items() if k != "paths"), key=lambda t: t.min)
+        speed = timings["paths"].min / best.min
+        summary.append((arch, best.name, speed, min(memory["tree"], memory["tree+pack"])
+                        / memory["paths"]))
+        print(f"[{arch}] best tree variant {best.name}: speed-up {speed:.2f}x = "
+              f"{speed / ratio:.0%} of the tree token ratio {ratio:.2f}")
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if sizes:
+        rng = np.random.default_rng(0)
+        model = copy.deepcopy(models["tiny"]).train()
+        table = []
+        for n in sizes:
+            ts = synthetic_tree(n, rng)
+            rows = make_rows([ts], {}, "tree")  # no action tokens: one loss token set here
+            rows[0].cols, rows[0].targets = [len(rows[0].ids) - 2], [rows[0].ids[-1]]
+            for name in ("old_logp", "behav_logp", "advantage", "clip_low", "clip_high",
+                         "traj_count", "inv_len_sum", "action_len"):
+                setattr(rows[0], name, [1.0])
+            rows[0].keys = [(0, 0, 0)]
+            mb = micro_batches(rows, "tree", 10**9)[0]
+            t = time.perf_counter()
+            def forward(mb: MicroBatch = mb, model: torch.nn.Module = model) -> torch.Tensor:
+                return forward_logprobs(model, mb)[0].sum()
+            lp, n_bytes = saved_bytes(forward)
+            lp.backward()
+            secs = time.perf_counter() - t
+            length = mb.input_ids.shape[1]
+            table.append([f"{length} tokens", mib(n_bytes), f"{n_bytes / length:,.0f}",
+                          mib(4 * length * length), f"{secs:.2f}"])
+        print("\n[tiny] one synthetic tree row, forward + backward:")
+        print_table(["row", "saved for backward", "bytes/token", "dense (L, L) fp32 mask",
+                     "seconds"], table)
+    print()
+    for arch, name, speed, mem in summary:
+        verdict(f"{arch} {name} vs paths loss step", speed,
+                ratio >= 4 and speed >= 0.85 * ratio and mem <= 1.0,
+                f"tree token ratio >= 4 ({ratio:.2f}), >= 85% of it ({0.85 * ratio:.2f}x), "
+                f"memory <= paths ({mem:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ def stage_query(root: Path, trees: int, files: int, repeat: int) -> None:
 
 def stage_train(trees: int) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_train_layout.py"), "--trees",
-           str(trees), "--repeats", "1", "--row-tokens", "256"]
+           str(trees), "--repeats", "1", "--archs", "tiny", "--sizes", ""]
     wall, _, proc = clocked(lambda: subprocess.run(cmd, cwd=ROOT, capture_output=True,
                                                    text=True, timeout=600))
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("tokens/s")), "")
@@ -178,7 +178,7 @@ def stage_train(trees: int) -> None:
         return
     print(f"train ({' '.join(cmd[1:])}, {wall:.0f} s): {line}")
     record("train_tokens_per_s_paths", float(found["paths"]))
-    record("train_tokens_per_s_tree", float(found["tree@256"]))
+    record("train_tokens_per_s_tree", float(found["tree"]))
 
 
 def main() -> None:

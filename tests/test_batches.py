@@ -14,11 +14,16 @@ from rollout_store.tree import Tree
 from train.batches import (
     BatchError,
     NodeCredit,
+    NodeSeq,
+    TreeSeqs,
     build_sequences,
+    collate,
+    dense_tree_mask,
     forward_logprobs,
     make_rows,
     micro_batches,
     node_credit,
+    pack_rows,
     tree_token_ratio,
 )
 from train.credit import ESTIMATORS
@@ -27,6 +32,12 @@ from train.envs import make_env
 from train.loss import aggregate, denominator, token_loss, token_weights
 from train.policies import load_policy
 from train.policies.hf import HFPolicy
+from train.policies.tree_attention import (
+    BLOCK,
+    TreeAttention,
+    dense_allowed,
+    tree_attention_forward,
+)
 from train.sampling import make_sampler
 
 
@@ -170,3 +181,126 @@ def test_tree_token_ratio_and_weights(sampled: tuple[HFPolicy, list[Tree]]) -> N
         make_rows(seqs, credit, "paths", node_weight="once")
     with pytest.raises(BatchError, match="unknown layout"):
         make_rows(seqs, credit, "flat")  # type: ignore[arg-type]
+
+
+# --- issue 25: intervals instead of a dense mask -------------------------------------------
+
+def _random_seqs(rng: np.random.Generator, n_nodes: int, tree_id: str) -> TreeSeqs:
+    """A random tree's sequences: random parents (preorder), random own lengths, some
+    chain breaks (a node that does not extend its parent owns its whole sequence)."""
+    nodes: list[NodeSeq] = []
+    for i in range(n_nodes):
+        parent = -1 if i == 0 else int(rng.integers(0, i))
+        # preorder needs a parent that is the previous node or one of its ancestors
+        if i > 0:
+            anc = [i - 1]
+            while nodes[anc[-1]].parent >= 0:
+                anc.append(nodes[anc[-1]].parent)
+            parent = anc[int(rng.integers(0, len(anc)))]
+        breaks = parent >= 0 and rng.random() < 0.2
+        base = () if parent < 0 else nodes[parent].full
+        own = tuple(int(x) for x in rng.integers(3, 50, int(rng.integers(1, 9))))
+        full = own if breaks else (*base, *own)
+        own_start = 0 if breaks else len(base)
+        nodes.append(NodeSeq(i, full, own_start, own_start, -1 if breaks or parent < 0
+                             else parent, parent, (), 1, 1.0))
+    kids = {n.parent for n in nodes}
+    return TreeSeqs(tree_id, tuple(nodes), tuple(i for i in range(1, n_nodes) if i not in kids))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_interval_mask_equals_dense_oracle(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    seqs = [_random_seqs(rng, int(rng.integers(2, 25)), f"t{k}") for k in range(4)]
+    rows = make_rows(seqs, {}, "tree", max_row_tokens=None if seed % 2 else 60)
+    packed = pack_rows(rows, 150)
+    assert len(packed) < len(rows)  # some rows hold several trees
+    for batch in (rows, packed):
+        mb = collate(batch, "tree")
+        assert mb.tree_tout is not None
+        oracle = dense_tree_mask(batch)[:, 0] == 0  # (R, L, L) allowed
+        assert torch.equal(dense_allowed(mb.tree_tout), oracle)
+        # the BlockMask's blocks cover every allowed pair; its mask_mod is the relation
+        dense_blocks = mb.attention_mask.to_dense().bool()  # (R, 1, nQ, nK)
+        nq = dense_blocks.shape[2]
+        covered = dense_blocks[:, 0].repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)
+        width = oracle.shape[1]
+        assert not (oracle & ~covered[:, :width, :width]).any()
+        assert nq == -(-width // BLOCK)
+
+
+def test_block_sparse_attention_equals_dense_and_flex() -> None:
+    from torch.nn.attention.flex_attention import flex_attention
+    rng = np.random.default_rng(3)
+    seqs = [_random_seqs(rng, 40, f"t{k}") for k in range(3)]
+    rows = pack_rows(make_rows(seqs, {}, "tree"), 400)
+    mb = collate(rows, "tree")
+    assert mb.tree_tout is not None
+    n, length = mb.tree_tout.shape
+    assert length > 2 * BLOCK  # several query blocks
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, 4, length, 8, generator=g, requires_grad=True)
+    k = torch.randn(n, 2, length, 8, generator=g, requires_grad=True)  # GQA: 2 kv heads
+    v = torch.randn(n, 2, length, 8, generator=g, requires_grad=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+        attn_mask=dense_tree_mask(rows))
+    got, _ = tree_attention_forward(torch.nn.Module(), q, k, v, mb.attention_mask,
+                                    tree_attention=TreeAttention.of(mb.tree_tout))
+    torch.testing.assert_close(got.transpose(1, 2), ref, rtol=0, atol=1e-5)
+    g_ref = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    g_got = torch.autograd.grad(got.square().sum(), (q, k, v))
+    for a, b in zip(g_got, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    with torch.no_grad():  # FlexAttention with the BlockMask (eager; no CPU backward)
+        flex = flex_attention(q.detach(), k.detach(), v.detach(), block_mask=mb.attention_mask,
+                              enable_gqa=True)
+    assert isinstance(flex, torch.Tensor)
+    torch.testing.assert_close(flex, ref.detach(), rtol=0, atol=1e-5)
+
+
+def _qwen2_model(vocab: int) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096)
+    config._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(config).float()
+
+
+def test_hf_qwen2_tree_equals_paths(sampled: tuple[HFPolicy, list[Tree]]) -> None:
+    """A transformers Qwen2 (random weights, GQA) through its attention hook: the tree
+    layout's logprobs and gradients equal those of paths within 1e-5."""
+    policy, trees = sampled
+    model = _qwen2_model(len(policy.tokenizer)).train()
+    rng = np.random.default_rng(1)
+    credit = {(t.tree_id, n.node_id): NodeCredit(np.full(len(n.action_token_ids),
+                                                         rng.normal()))
+              for t in trees for n in t.nodes}
+    seqs = [build_sequences(t, policy.prompt_ids) for t in trees]
+    logps, grads = {}, {}
+    for layout, packed in (("paths", False), ("tree", False), ("tree", True)):
+        rows = make_rows(seqs, credit, layout)  # type: ignore[arg-type]
+        if packed:
+            rows = pack_rows(rows, 10_000)
+            assert len(rows) == 1 < len(trees)
+        model.zero_grad()
+        got: dict[tuple[int, int, int], float] = {}
+        for mb in micro_batches(rows, layout, 400):  # type: ignore[arg-type]
+            lp, _ = forward_logprobs(model, mb)
+            got.update(zip(mb.keys, lp.tolist(), strict=True))
+            out = token_loss(lp, mb.old_logp, mb.advantage, mb.clip_low, mb.clip_high)
+            w = token_weights("token-mean", mb.traj_count, mb.inv_len_sum)
+            aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, 100.0).backward()
+        name = f"{layout}{'+packed' if packed else ''}"
+        logps[name] = got
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()
+                                 if p.grad is not None])
+    assert model.config._attn_implementation == "sdpa"  # type: ignore[union-attr]  # restored
+    for name in ("tree", "tree+packed"):
+        assert logps[name].keys() == logps["paths"].keys()
+        worst = max(abs(logps[name][k] - v) for k, v in logps["paths"].items())
+        assert worst < 1e-5, (name, worst)
+        assert grads[name].abs().max() > 1e-4
+        torch.testing.assert_close(grads[name], grads["paths"], rtol=0, atol=1e-5)

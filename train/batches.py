@@ -19,10 +19,14 @@ Layouts (``make_rows``):
 
 * ``paths``: every root-to-leaf trajectory as one row ``S_leaf`` (one row per chain
   piece where a chain breaks), right-padded, causal attention: the verl/TRL baseline;
-* ``tree``: one row per tree, each node's own tokens once, in preorder, with an
-  additive 4D attention mask (token i attends token j iff j <= i and j's node is i's
-  node or a chain ancestor of it) and position ids = the token's index in its node's
-  full sequence ``S_v``, so a shared prefix is forwarded and back-propagated once.
+* ``tree``: one row per tree, each node's own tokens once, in a DFS order of the chain
+  forest (preorder when no chain breaks), token i attending token j iff j <= i and j's
+  node is i's node or a chain ancestor of it, and position ids = the token's index in
+  its node's full sequence ``S_v`` (its depth), so a shared prefix is forwarded and
+  back-propagated once. The relation is kept as intervals, never as an (L, L) mask:
+  ``Row.tout[j]`` is the end column of j's node's chain subtree and i sees j iff
+  ``j <= i < tout[j]`` (``train.policies.tree_attention``; ``dense_tree_mask`` is the
+  test oracle). ``pack_rows`` packs several trees' rows into one row.
 
 Loss tokens are the action tokens only (prompt, observation, template and padding
 tokens never carry loss). Each carries its stored sampling logprob (``old_logp``),
@@ -36,6 +40,7 @@ once (c_t = 1, s_t = the mean of 1/n_i over its trajectories: METHODS E7 note).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -46,6 +51,7 @@ import torch
 from rollout_store.tree import Tree
 from train.credit.base import Credit, TreeArrays
 from train.policies.base import Turn
+from train.policies.tree_attention import IMPLEMENTATION, TreeAttention, block_mask, register
 
 Layout = Literal["paths", "tree"]
 LAYOUTS: tuple[Layout, ...] = ("paths", "tree")
@@ -222,6 +228,7 @@ class Row:
     inv_len_sum: list[float]
     keys: list[tuple[int, int, int]]  # (tree, node index, k-th action token)
     ancestors: np.ndarray | None = None  # (n_nodes, n_nodes) bool, tree layout only
+    tout: list[int] = field(default_factory=list)  # tree layout: j visible to i iff j<=i<tout[j]
     behav_logp: list[float] = field(default_factory=list)  # log mu (G8); = old_logp if fresh
     action_len: list[float] = field(default_factory=list)  # L_t: tokens of t's action (F6)
     stored: list[bool] = field(default_factory=list)  # the node is in ``prox`` (G8)
@@ -361,13 +368,31 @@ def _tree_row(b: int, ts: TreeSeqs, members: set[int], loss_nodes: set[int],
               clip_low: float, clip_high: float, prox: ProxLogp | None = None) -> Row:
     row = _empty_row(b)
     packed_start: dict[int, int] = {}
-    for i in sorted(members):  # preorder: ancestors first
+    chain_kids: dict[int, list[int]] = {i: [] for i in members}
+    tops: list[int] = []
+    for i in sorted(members):  # preorder
+        cp = ts.nodes[i].chain_parent
+        (chain_kids[cp] if cp >= 0 else tops).append(i)
+    subtree_end: dict[int, int] = {}
+    order: list[int] = []
+
+    def place(i: int) -> None:  # DFS of the chain forest: a chain subtree is contiguous
         node = ts.nodes[i]
+        order.append(i)
         packed_start[i] = len(row.ids)
         own = node.full[node.own_start:]
         row.ids.extend(own)
         row.positions.extend(range(node.own_start, len(node.full)))
         row.token_node.extend([i] * len(own))
+        for kid in chain_kids[i]:
+            place(kid)
+        subtree_end[i] = len(row.ids)
+
+    for top in tops:
+        place(top)
+    for i in order:
+        n_own = len(ts.nodes[i].full) - ts.nodes[i].own_start
+        row.tout.extend([subtree_end[i]] * n_own)
 
     def col_in(i: int) -> Callable[[int], int]:
         def col_of(q: int) -> int:  # packed column of position q of S_i
@@ -399,7 +424,7 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # (R, L) long, right padded
     position_ids: torch.Tensor  # (R, L) long
-    attention_mask: torch.Tensor  # (R, L) long padding mask (paths) or (R, 1, L, L) additive
+    attention_mask: Any  # (R, L) long padding mask (paths) or a FlexAttention BlockMask (tree)
     loss_row: torch.Tensor  # (K,) long
     loss_col: torch.Tensor  # (K,) long
     targets: torch.Tensor  # (K,) long
@@ -415,6 +440,7 @@ class MicroBatch:
     action_len: torch.Tensor | None = None  # (K,) L_t: tokens of the token's action (F6)
     stored: torch.Tensor | None = None  # (K,) bool: a stored tree's token (G8)
     staleness: torch.Tensor | None = None  # (K,) float32: its versions behind (P1)
+    tree_tout: torch.Tensor | None = None  # (R, L) long, tree layout: the intervals of (1)
 
     @property
     def n_loss_tokens(self) -> int:
@@ -423,7 +449,8 @@ class MicroBatch:
 
 def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
             dtype: torch.dtype = torch.float32) -> MicroBatch:
-    """Pad ``rows`` to one ``MicroBatch`` (tree layout: the 4D tree mask, module docstring)."""
+    """Pad ``rows`` to one ``MicroBatch`` (tree layout: the intervals ``tree_tout`` and
+    their FlexAttention ``BlockMask``, module docstring; no (L, L) tensor is built)."""
     width = max(len(r.ids) for r in rows)
     n = len(rows)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -433,18 +460,15 @@ def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
         ids[r, :len(row.ids)] = torch.tensor(row.ids, dtype=torch.long)
         pos[r, :len(row.ids)] = torch.tensor(row.positions, dtype=torch.long)
         pad[r, :len(row.ids)] = 1
+    tout: torch.Tensor | None = None
+    mask: Any = pad
     if layout == "tree":
-        allowed = np.zeros((n, width, width), bool)
+        tout = torch.arange(1, width + 1).repeat(n, 1)  # padding sees itself only
         for r, row in enumerate(rows):
-            assert row.ancestors is not None
-            tn = np.asarray(row.token_node)
-            m = row.ancestors[tn][:, tn] & np.tril(np.ones((len(tn), len(tn)), bool))
-            allowed[r, :len(tn), :len(tn)] = m
-            allowed[r, len(tn):, 0] = True  # padding rows attend somewhere (no NaN)
-        mask = torch.zeros((n, 1, width, width), dtype=dtype)
-        mask.masked_fill_(~torch.from_numpy(allowed)[:, None], torch.finfo(dtype).min)
-    else:
-        mask = pad
+            if len(row.tout) != len(row.ids):
+                raise BatchError(f"tree-layout row {r} has no intervals (tout)")
+            tout[r, :len(row.tout)] = torch.tensor(row.tout, dtype=torch.long)
+        mask = block_mask(tout)
     cat = np.concatenate
 
     def f(name: str) -> torch.Tensor:
@@ -463,7 +487,54 @@ def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
         keys=[k for row in rows for k in row.keys], n_tokens=int(pad.sum()),
         action_len=f("action_len"),
         stored=torch.tensor(cat([np.asarray(row.stored, bool) for row in rows]), dtype=torch.bool),
-        staleness=f("staleness"))
+        staleness=f("staleness"), tree_tout=tout)
+
+
+def dense_tree_mask(rows: Sequence[Row], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tree layout's additive (R, 1, L, L) mask from the node ancestor matrices (the
+    pre-issue-25 construction): the test oracle of the intervals, never used to train."""
+    width = max(len(r.ids) for r in rows)
+    allowed = np.zeros((len(rows), width, width), bool)
+    for r, row in enumerate(rows):
+        assert row.ancestors is not None
+        tn = np.asarray(row.token_node)
+        m = row.ancestors[tn][:, tn] & np.tril(np.ones((len(tn), len(tn)), bool))
+        allowed[r, :len(tn), :len(tn)] = m
+        allowed[r, len(tn):, :] = np.eye(width, dtype=bool)[len(tn):]  # padding: itself
+    mask = torch.zeros((len(rows), 1, width, width), dtype=dtype)
+    mask.masked_fill_(~torch.from_numpy(allowed)[:, None], torch.finfo(dtype).min)
+    return mask
+
+
+def pack_rows(rows: Sequence[Row], max_tokens: int) -> list[Row]:
+    """Tree-layout rows concatenated greedily (in order) into rows of at most
+    ``max_tokens`` tokens (a longer row stays alone): each part keeps its own intervals,
+    shifted, so no token attends across parts. ``Row.tree`` of a packed row is its first
+    part's; ``keys`` keep each token's own tree; ``ancestors`` becomes block diagonal."""
+    out: list[Row] = []
+    for row in rows:
+        if len(row.tout) != len(row.ids):
+            raise BatchError("pack_rows needs tree-layout rows")
+        last = out[-1] if out else None
+        if last is None or len(last.ids) + len(row.ids) > max_tokens:
+            out.append(copy.deepcopy(row))
+            continue
+        shift, n_nodes = len(last.ids), 0 if last.ancestors is None else len(last.ancestors)
+        last.ids += row.ids
+        last.positions += row.positions
+        last.token_node += [t + n_nodes for t in row.token_node]
+        last.tout += [t + shift for t in row.tout]
+        last.cols += [c + shift for c in row.cols]
+        for name in ("targets", "old_logp", "advantage", "clip_low", "clip_high",
+                     "traj_count", "inv_len_sum", "keys", "behav_logp", "action_len",
+                     "stored", "staleness"):
+            getattr(last, name).extend(getattr(row, name))
+        if last.ancestors is not None and row.ancestors is not None:
+            a, b = last.ancestors, row.ancestors
+            anc = np.zeros((len(a) + len(b),) * 2, bool)
+            anc[:len(a), :len(a)], anc[len(a):, len(a):] = a, b
+            last.ancestors = anc
+    return out
 
 
 def micro_batches(rows: Sequence[Row], layout: Layout, max_tokens: int, pad_id: int = 0,
@@ -498,9 +569,24 @@ def forward_logprobs(model: Any, mb: MicroBatch, with_entropy: bool = False,
     The LM head runs at the K loss columns only."""
     device = next(model.parameters()).device
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    mask = mb.attention_mask.to(device)
-    hidden = base(input_ids=mb.input_ids.to(device), position_ids=mb.position_ids.to(device),
-                  attention_mask=mask, use_cache=False).last_hidden_state  # (R, L, H)
+    if mb.tree_tout is None:
+        hidden = base(input_ids=mb.input_ids.to(device),
+                      position_ids=mb.position_ids.to(device),
+                      attention_mask=mb.attention_mask.to(device),
+                      use_cache=False).last_hidden_state  # (R, L, H)
+    else:  # through the model's own attention hook: "rtrees_tree" (tree_attention)
+        register()
+        config = base.config
+        saved = config._attn_implementation
+        config._attn_implementation = IMPLEMENTATION
+        try:
+            hidden = base(input_ids=mb.input_ids.to(device),
+                          position_ids=mb.position_ids.to(device),
+                          attention_mask=mb.attention_mask.to(device), use_cache=False,
+                          tree_attention=TreeAttention.of(mb.tree_tout, device)
+                          ).last_hidden_state  # (R, L, H)
+        finally:
+            config._attn_implementation = saved
     picked = hidden[mb.loss_row.to(device), mb.loss_col.to(device)]  # (K, H)
     head = model.get_output_embeddings()
     assert head is not None
@@ -522,5 +608,5 @@ def tree_token_ratio(seqs: Sequence[TreeSeqs]) -> float:
 
 __all__ = ["LAYOUTS", "NODE_WEIGHTS", "BatchError", "Layout", "MicroBatch", "NodeCredit",
            "NodeSeq", "NodeWeight", "ProxLogp", "Row", "TreeSeqs", "build_sequences", "collate",
-           "forward_logprobs", "make_rows", "micro_batches", "node_credit",
-           "transcripts", "tree_token_ratio"]
+           "dense_tree_mask", "forward_logprobs", "make_rows", "micro_batches", "node_credit",
+           "pack_rows", "transcripts", "tree_token_ratio"]

@@ -147,7 +147,8 @@ class TrainConfig:
     tree_row_tokens: int = 256
     """Tree layout: a tree with more tokens is cut into rows of whole leaf paths of at most
     about this many tokens (shared nodes re-forwarded, their loss counted once); 0 keeps
-    one row per tree. Attention costs L^2 per row (benchmarks/bench_train_layout.py)."""
+    one row per tree (no shared token forwarded twice; attention memory is linear in the
+    row, benchmarks/bench_train_layout.py)."""
     node_weight: NodeWeight = "trajectories"
     """Loss weight of a tree node: trajectories through it (= paths) or ``once`` (E7 note)."""
     aggregation: Aggregation = "token-mean"

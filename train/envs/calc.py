@@ -65,6 +65,7 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from train.envs.base import OneToolEnv, Task, error_response, load_snapshot, tool_response
+from train.envs.preamble import system_preamble
 
 TOOL_NAME = "calc"
 TOOL_SCHEMA: dict[str, Any] = {
@@ -348,8 +349,10 @@ class CalcEnv(OneToolEnv[_State]):
     tool: ClassVar[dict[str, Any]] = TOOL_SCHEMA
     snapshot_format: ClassVar[str] = SNAPSHOT_FORMAT
 
-    def __init__(self) -> None:
+    def __init__(self, system_prompt_chars: int = 0) -> None:
         self._state: _State | None = None
+        # a long shared system prompt ahead of the task (train.envs.preamble; 0 = none)
+        self._preamble = system_preamble(self.name, [self.tool], system_prompt_chars)
 
     # -- episode -----------------------------------------------------------
 
@@ -362,7 +365,7 @@ class CalcEnv(OneToolEnv[_State]):
             raise ValueError(f"calc task {task.task_id!r} has a non-numeric answer "
                              f"{task.answer!r}")
         self._state = _State(task=task, expected=format_number(gold))
-        return task.prompt
+        return self._preamble + task.prompt
 
     def _act(self, s: _State, action_text: str) -> tuple[str, bool]:
         observation, is_error = super()._act(s, action_text)

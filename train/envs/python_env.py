@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from train.envs.base import OneToolEnv, Task, error_response, load_snapshot, tool_response
+from train.envs.preamble import system_preamble
 from train.envs.python_tasks import (
     DEFAULT_MAX_STEPS,
     answers_match,
@@ -128,6 +129,9 @@ class PythonEnvConfig(SandboxConfig):
     that needs a fresh interpreter does not wait for one to start."""
     max_code_chars: int = 65536
     """Longer ``code`` is refused with an error observation (bounds the replay cost)."""
+    system_prompt_chars: int = 0
+    """Characters of a shared system prompt rendered ahead of every task
+    (``train.envs.preamble``); 0 (the default) renders none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -238,7 +242,8 @@ class PythonEnv(OneToolEnv[_State]):
             self._discard_live()
         if self.config.prewarm and self._live is None and self._spare is None:
             self._spare = self._new_sandbox()
-        return task.prompt
+        return system_preamble(self.name, [self.tool], self.config.system_prompt_chars) \
+            + task.prompt
 
     def _grade(self, s: _State, answer: str) -> float:
         return 1.0 if answers_match(answer, s.task.answer) else 0.0

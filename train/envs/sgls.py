@@ -105,6 +105,7 @@ from train.envs.base import (
     error_response,
     tool_response,
 )
+from train.envs.preamble import system_preamble
 from train.envs.sgls_reward import (
     Call,
     HierR,
@@ -155,8 +156,13 @@ class SglsEnv(Environment):
 
     name: ClassVar[str] = "sgls"
 
-    def __init__(self, judge: Judge | None = None) -> None:
+    def __init__(self, judge: Judge | None = None, system_prompt_chars: int = 0) -> None:
         self.judge = judge
+        # a long shared system prompt ahead of the task (train.envs.preamble; 0 = none):
+        # every world's tool schemas, so trees of all worlds share it
+        self._preamble = system_preamble(
+            self.name, [t.schema() for w in WORLDS.values() for t in w.tools.values()],
+            system_prompt_chars)
         self._s: dict[str, Any] | None = None
         self._task: Task | None = None
 
@@ -182,7 +188,7 @@ class SglsEnv(Environment):
             "final": None,
             "hist": {"n_open": 0, "n_close": 0, "n_valid": 0, "pred": [], "responses": []},
         }))
-        return render_prompt(WORLDS[cfg["world"]], cfg["question"])
+        return self._preamble + render_prompt(WORLDS[cfg["world"]], cfg["question"])
 
     def step(self, action_text: str) -> StepResult:
         s = self._state()

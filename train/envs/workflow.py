@@ -98,6 +98,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from train.envs.base import Environment, StepResult, Task, error_response
+from train.envs.preamble import system_preamble
 from train.envs.workflow_model import (
     ACTION_TEXTS,
     TOOLS,
@@ -155,8 +156,11 @@ class WorkflowEnv(Environment):
 
     name = "workflow"
 
-    def __init__(self, deterministic: bool | None = None) -> None:
+    def __init__(self, deterministic: bool | None = None, system_prompt_chars: int = 0) -> None:
         self.deterministic_override = deterministic
+        # a long shared system prompt ahead of the task (train.envs.preamble; 0 = none)
+        self._preamble = system_preamble(
+            self.name, [{"name": t, "arguments": {}} for t in TOOLS], system_prompt_chars)
         self._model: WorkflowModel | None = None
         self._state = State(0, 0)
         self._task_id = ""
@@ -198,7 +202,7 @@ class WorkflowEnv(Environment):
         self._state = self._model.initial_state()
         self._key = _mix(spec.rng_seed)
         self._counter = 0
-        return self._model.prompt()
+        return self._preamble + self._model.prompt()
 
     def step(self, action_text: str) -> StepResult:
         if self._model is None:
