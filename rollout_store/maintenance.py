@@ -26,9 +26,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake.transaction import AddAction, CommitProperties, RemoveAction
 
+from rollout_store.attempts import attempt_rows
 from rollout_store.deltalog import fsync_commit, log_problems
 from rollout_store.objectstore import Lease
-from rollout_store.reader import committed_keys, iter_tree_batches, read_arrow, visible_files
+from rollout_store.reader import (
+    committed_keys,
+    connect,
+    iter_tree_batches,
+    read_arrow,
+    visible_files,
+)
 from rollout_store.schema import NODES, SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, TableName
 from rollout_store.store import (
     COMPACTED_PREFIX,
@@ -45,7 +52,9 @@ MIN_VACUUM_RETENTION_HOURS = 1
 
 
 def info(store: Store) -> dict[str, Any]:
-    """Tables, versions, row counts (committed rows) and bytes; JSON-serialisable."""
+    """Tables, versions, row counts (committed rows) and bytes, and the rows each recorded
+    attempt of a run wrote and how many of them later attempts superseded
+    (``attempts.attempt_rows``); JSON-serialisable."""
     version = store.version()
     keys = committed_keys(store, version)
     tables: dict[str, Any] = {}
@@ -69,6 +78,7 @@ def info(store: Store) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "commits": len(keys),
         "tables": tables,
+        "attempts": attempt_rows(connect(store, version)),
     }
 
 

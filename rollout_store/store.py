@@ -243,6 +243,7 @@ class Store:
         self.table_schema_version: dict[str, int] = {}
         self._lease = Lease()  # the append lock while held (checked before each commit)
         self._pinned: dict[tuple[str, int], DeltaTable] = {}  # remote: see delta_table
+        self._reading = 0  # > 0 inside pinned_reads (local stores cache pinned tables)
         if self.loc.remote:
             self._prepare_remote(create)
         else:
@@ -425,20 +426,45 @@ class Store:
         """The table at ``version`` (latest if None). On object storage a pinned version is
         loaded once per ``Store`` (a committed version never changes; loading one costs a
         listing and reads of the log)."""
-        if version is None or not self.loc.remote:
+        if version is None or not (self.loc.remote or self._reading):
             return open_delta(self._uri(name), version, f"{self.path}: table {name!r}",
                               self.loc)
-        dt = self._pinned.get((name, version))
-        if dt is None:
-            dt = open_delta(self._uri(name), version, f"{self.path}: table {name!r}", self.loc)
-            if len(self._pinned) >= 256:
+        found = self._pinned.get((name, version))
+        if found is None:
+            found = open_delta(self._uri(name), version, f"{self.path}: table {name!r}",
+                               self.loc)
+            self._remember(name, version, found)
+        return found
+
+    def _remember(self, name: TableName, version: int, dt: DeltaTable) -> None:
+        if len(self._pinned) >= 256:
+            self._pinned.clear()
+        self._pinned[(name, version)] = dt
+
+    @contextmanager
+    def pinned_reads(self) -> Iterator[None]:
+        """Within the block, each (table, version) of a local store is loaded from its
+        Delta log once (as on object storage, always): a reader resolving one version and
+        then listing files and columns of every table (``reader.connect``) opened each
+        table three times. Left, the local cache is dropped, so a later read sees the log
+        as it is then."""
+        self._reading += 1
+        try:
+            yield
+        finally:
+            self._reading -= 1
+            if not self._reading and not self.loc.remote:
                 self._pinned.clear()
-            self._pinned[(name, version)] = dt
-        return dt
 
     def version(self) -> StoreVersion:
         """The current version of every table; pass it to readers to pin a view."""
-        return StoreVersion({name: self.delta_table(name).version() for name in TABLE_NAMES})
+        out: dict[str, int] = {}
+        for name in TABLE_NAMES:
+            dt = self.delta_table(name)
+            out[name] = dt.version()
+            if self._reading:  # inside pinned_reads: the table at that version, loaded once
+                self._remember(name, out[name], dt)
+        return StoreVersion(out)
 
     def version_at(self, trees_version: int) -> StoreVersion:
         """Time travel: the store as it was when ``trees`` reached ``trees_version``.
