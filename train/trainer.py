@@ -1109,9 +1109,9 @@ def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, f
     (a value a resumed attempt re-computed replaces the earlier one)."""
     s = store if isinstance(store, Store) else open_store(store)
     con = connect(s)
-    rows = con.execute("SELECT name, step, value FROM metrics_latest WHERE run_id = $r AND NOT "
-                       "(name = $n AND step = $s) ORDER BY name, step",
-                       {"r": run_id, "n": OWNER_METRIC, "s": OWNER_STEP}).fetchall()
+    rows = con.execute("SELECT name, step, value FROM metrics_latest WHERE run_id = $r AND "
+                       "step > $s ORDER BY name, step",  # not the run token nor attempts
+                       {"r": run_id, "s": OWNER_STEP}).fetchall()
     out: dict[str, list[tuple[int, float]]] = {}
     for name, step, value in rows:
         out.setdefault(name, []).append((int(step), float(value)))
