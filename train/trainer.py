@@ -49,7 +49,11 @@ recomputed version is the recorded one, state in the current format); a damaged 
 foreign newer one is named in a one-line warning and skipped (``resume_checkpoint``),
 and none usable is a ``TrainError``. Every random choice is seeded from (seed,
 iteration, ...) and all state is restored, so on CPU a resumed run gives the same
-per-step losses and final weights as an uninterrupted one.
+per-step losses and final weights as an uninterrupted one. Each start is an attempt,
+recorded in ``metrics`` (``rollout_store.attempts``); an iteration whose replayed trees
+differ from what an earlier attempt committed (another device) is committed as this
+attempt's retry (``KEY@aN``, tree ids ``ID@aN``) and the store's ``*_latest`` views hide
+the rows it superseded.
 """
 
 from __future__ import annotations
