@@ -70,7 +70,9 @@ def _open(path: Path, create: bool = False) -> Store:
 def store_info(store: StoreOpt,
                as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False
                ) -> None:
-    """Tables, table versions, row counts, bytes and schema version."""
+    """Tables, table versions, row counts, bytes and schema version, and the rows each
+    recorded attempt of a run wrote (a resumed `rtrees train`) with how many a later attempt
+    superseded."""
     from rollout_store.maintenance import info
     from rollout_store.store import CorruptFileError
 
@@ -89,6 +91,17 @@ def store_info(store: StoreOpt,
         table.add_row(name, str(t["version"]), f"{t['rows']:,}", f"{t['uncommitted_rows']:,}",
                       str(t["files"]), f"{t['bytes']:,}", f"v{t['schema_version']}")
     console.print(table)
+    if data["attempts"]:  # runs that recorded attempts (a resumed `rtrees train`)
+        runs = Table(title="attempts: rows written (superseded by a later attempt)")
+        for col in ("run", "attempt", "from iteration", "started", "trees", "credits",
+                    "metrics"):
+            runs.add_column(col, justify="left" if col in ("run", "started") else "right")
+        for a in data["attempts"]:
+            start = "" if a["start_iteration"] is None else str(a["start_iteration"])
+            runs.add_row(a["run_id"], str(a["attempt"]), start, a["started_at"] or "",
+                         *(f"{a[t]['rows']:,} ({a[t]['superseded']:,})"
+                           for t in ("trees", "credits", "metrics")))
+        console.print(runs)
 
 
 @store_app.command("validate")

@@ -18,18 +18,27 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake.transaction import AddAction, CommitProperties, RemoveAction
 
+from rollout_store.attempts import ATTEMPT_METRIC, ATTEMPT_STEP, attempt_rows
 from rollout_store.deltalog import fsync_commit, log_problems
 from rollout_store.objectstore import Lease
-from rollout_store.reader import committed_keys, iter_tree_batches, read_arrow, visible_files
-from rollout_store.schema import NODES, SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, TableName
+from rollout_store.reader import (
+    committed_keys,
+    connect,
+    iter_tree_batches,
+    read_arrow,
+    visible_files,
+)
+from rollout_store.schema import METRICS, NODES, SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, TableName
 from rollout_store.store import (
     COMPACTED_PREFIX,
     CorruptFileError,
@@ -38,6 +47,7 @@ from rollout_store.store import (
     StoreError,
     StoreVersion,
     check_data_file,
+    now_utc,
 )
 from rollout_store.validate import TreeValidationError, validate_nodes
 
@@ -45,7 +55,9 @@ MIN_VACUUM_RETENTION_HOURS = 1
 
 
 def info(store: Store) -> dict[str, Any]:
-    """Tables, versions, row counts (committed rows) and bytes; JSON-serialisable."""
+    """Tables, versions, row counts (committed rows) and bytes, and the rows each recorded
+    attempt of a run wrote and how many of them later attempts superseded
+    (``attempts.attempt_rows``); JSON-serialisable."""
     version = store.version()
     keys = committed_keys(store, version)
     tables: dict[str, Any] = {}
@@ -69,6 +81,7 @@ def info(store: Store) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "commits": len(keys),
         "tables": tables,
+        "attempts": attempt_rows(connect(store, version)),
     }
 
 
@@ -324,4 +337,24 @@ def vacuum(store: Store, retention_hours: int = 168, dry_run: bool = False) -> l
             retention_hours=retention_hours, dry_run=dry_run, enforce_retention_duration=False
         )]
     return removed
+
+
+def record_attempt(store: Store, run_id: str, start_iteration: int,
+                   started_at: datetime | None = None) -> int:
+    """Record that an attempt of ``run_id`` starts now at ``start_iteration``; returns its
+    number (1 for the first recorded attempt of the run; ``rollout_store.attempts``)."""
+    rows = read_arrow(store, "metrics", columns=["run_id", "step", "name"])
+    prior = sum(1 for r, s, n in zip(rows.column("run_id").to_pylist(),
+                                     rows.column("step").to_pylist(),
+                                     rows.column("name").to_pylist(), strict=True)
+                if r == run_id and s == ATTEMPT_STEP and n == ATTEMPT_METRIC)
+    when = started_at or now_utc()
+    store.append_metrics(pa.table({
+        "run_id": pa.array([run_id], pa.string()), "step": pa.array([ATTEMPT_STEP], pa.int64()),
+        "name": pa.array([ATTEMPT_METRIC], pa.string()),
+        "value": pa.array([float(start_iteration)], pa.float64()),
+        "created_at": pa.array([when], METRICS.field("created_at").type)}, schema=METRICS),
+        key=f"{run_id}:attempt:{uuid.uuid4().hex}")
+    return prior + 1
+
 

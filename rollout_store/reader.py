@@ -15,6 +15,10 @@ DuckDB views (``connect``):
 * ``labels_latest``: the current labels, the last write per (``tree_id``, ``node_id``,
   ``key``) by ``created_at``, cleared keys (null value) left out; ``labels`` keeps the
   history.
+* ``trees_latest``, ``nodes_latest``, ``credits_latest``, ``metrics_latest``: the tables
+  without the rows a resumed or retried attempt of a run superseded, and ``attempts``
+  (``run_id``, ``attempt``, ``start_iteration``, ``started_at``): the recorded attempts
+  (``rollout_store.attempts``).
 * ``paths``: one row per root-to-leaf trajectory: ``tree_id``, ``leaf_id``,
   ``depth``, ``reward``. Leaves are exactly the nodes with a reward (a rule the
   writer enforces), so no anti-join is needed.
@@ -46,6 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from rollout_store.attempts import create_views
 from rollout_store.objectstore import Location
 from rollout_store.schema import SCHEMAS, TABLE_NAMES, TableName
 from rollout_store.snapshots import from_stored
@@ -268,9 +273,17 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
     Pair it with ``run_query``, which runs only SELECT and EXPLAIN statements, within
     ``limits.timeout_s``.
     """
+    s = as_store(store)
+    with s.pinned_reads():  # each table's log read once, not three times
+        return _connect(s, version, success_threshold, verify_checksums, con, restricted,
+                        limits)
+
+
+def _connect(s: Store, version: StoreVersion | int | None, success_threshold: float,
+             verify_checksums: bool, con: duckdb.DuckDBPyConnection | None, restricted: bool,
+             limits: QueryLimits | None) -> duckdb.DuckDBPyConnection:
     import duckdb
 
-    s = as_store(store)
     pinned = s.resolve(version)
     con = con or duckdb.connect()
     keys = committed_keys(s, pinned)
@@ -308,6 +321,7 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
                                          ORDER BY created_at DESC) AS _rank
             FROM labels)
         WHERE _rank = 1 AND value IS NOT NULL""")
+    create_views(con)  # trees_latest, nodes_latest, credits_latest, metrics_latest, attempts
     con.execute("""
         CREATE OR REPLACE VIEW paths AS
         SELECT tree_id, node_id AS leaf_id, depth, reward

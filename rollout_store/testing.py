@@ -10,7 +10,8 @@ samplers, audits) and users' own tests can draw random valid trees::
     def test_something(tree): ...
 
 Generated values round-trip exactly through the store: logprobs and
-entropies are float32-representable, timestamps have microsecond precision.
+entropies are float32 values already at the stored precision
+(``rollout_store.precision``), timestamps have microsecond precision.
 """
 
 from __future__ import annotations
@@ -19,16 +20,25 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 from hypothesis import strategies as st
 
+from rollout_store.precision import round_float32
 from rollout_store.schema import NODE_KINDS, SEGMENT_KINDS
 from rollout_store.tree import Node, Segment, Tree
 
 _text = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=20)
+
+
+def _stored(x: float) -> float:
+    """``x`` at the precision the store keeps logprobs and entropies at."""
+    return float(round_float32(np.array([x], np.float32))[0])
+
+
 _f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=-30.0,
-                 max_value=0.0)
+                 max_value=0.0).map(_stored)
 _ent = st.floats(width=32, allow_nan=False, allow_infinity=False, min_value=0.0,
-                 max_value=12.0)
+                 max_value=12.0).map(_stored)
 _reward = st.floats(allow_nan=False, allow_infinity=False, min_value=-10.0, max_value=10.0)
 _ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, max_size=12)
 

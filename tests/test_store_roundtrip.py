@@ -61,3 +61,36 @@ def test_all_readers_agree(tmp_path: Path, batch: list[Tree]) -> None:
     leaves = sum(1 for t in batch for node in t.nodes if node.reward is not None)
     assert con.sql("SELECT count(*) FROM paths").fetchall() == [(leaves,)]
     assert_trees_equal(batch, read_trees(store))
+
+
+def test_logprobs_stored_at_the_documented_precision(tmp_path: Path) -> None:
+    """Full-precision float32 logprobs and entropies come back rounded to
+    ``precision.MANTISSA_BITS`` bits: equal to ``round_float32`` of the input exactly,
+    within ``RELATIVE_ERROR`` of it, and nothing else about the tree changes."""
+    import numpy as np
+
+    from rollout_store.precision import RELATIVE_ERROR, round_float32
+    from rollout_store.synthetic import bel_shaped_batch
+
+    batch = bel_shaped_batch(20, rollouts=4, depth=3, seed=3)
+    store = _fresh(tmp_path)
+    store.append_trees(batch, key="k")
+    got = {t.tree_id: t for t in read_trees(store)}
+    sent = batch.to_trees()
+    n_changed = 0
+    for tree in sent:
+        for node in tree.nodes:
+            back = got[tree.tree_id].node(node.node_id)
+            for name in ("action_logprobs", "action_entropies"):
+                x = np.asarray(getattr(node, name) or [], np.float32)
+                y = np.asarray(getattr(back, name) or [], np.float32)
+                assert np.array_equal(y, round_float32(x))
+                assert np.all(np.abs(y - x) <= RELATIVE_ERROR * np.abs(x))
+                n_changed += int(np.sum(y != x))
+            node.action_logprobs = back.action_logprobs
+            node.action_entropies = back.action_entropies
+    assert n_changed > 0  # the synthetic values are full float32: rounding did happen
+    assert_trees_equal(sent, list(got.values()))
+    # rounding is idempotent: compacting (rewriting the rows) changes nothing
+    assert np.array_equal(round_float32(round_float32(np.float32([-0.123456789]))),
+                          round_float32(np.float32([-0.123456789])))

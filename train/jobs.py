@@ -58,6 +58,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from train.reuse.params import ReuseMode
+
 if TYPE_CHECKING:
     from analysis.ranking import RankingResult
     from analysis.report import BuildSummary
@@ -233,7 +235,7 @@ class DemoConfig:
     """Sampler of the fresh training trees."""
     train_credit: str = "grpo"
     """Credit of the training run (also applied to the reused stored trees)."""
-    reuse: str = "dsc"
+    reuse: ReuseMode = "dsc"
     """Stored-tree reuse rule of the training run (``TrainConfig.reuse``)."""
     reuse_per_step: int = 8
     """Stored trees drawn per iteration besides the fresh ones (a refreshed tree costs at

@@ -49,7 +49,11 @@ recomputed version is the recorded one, state in the current format); a damaged 
 foreign newer one is named in a one-line warning and skipped (``resume_checkpoint``),
 and none usable is a ``TrainError``. Every random choice is seeded from (seed,
 iteration, ...) and all state is restored, so on CPU a resumed run gives the same
-per-step losses and final weights as an uninterrupted one.
+per-step losses and final weights as an uninterrupted one. Each start is an attempt,
+recorded in ``metrics`` (``rollout_store.attempts``); an iteration whose replayed trees
+differ from what an earlier attempt committed (another device) is committed as this
+attempt's retry (``KEY@aN``, tree ids ``ID@aN``) and the store's ``*_latest`` views hide
+the rows it superseded.
 """
 
 from __future__ import annotations
@@ -74,9 +78,11 @@ import psutil
 import pyarrow as pa
 import torch
 
+from rollout_store.attempts import as_retry, retry_key
+from rollout_store.maintenance import record_attempt
 from rollout_store.reader import connect
 from rollout_store.schema import EVALUATIONS, METRICS
-from rollout_store.store import Store, now_utc, open_store
+from rollout_store.store import CommitKeyConflictError, Store, now_utc, open_store
 from rollout_store.tree import Tree
 from train import distributed as dp
 from train.batches import (
@@ -698,6 +704,12 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
     elif resumed is not None:
         current = policy.published(str(resumed.path), resumed.version)
 
+    # Each start of the run is an attempt, recorded with the iteration it starts from
+    # (rollout_store.attempts); a replayed iteration whose trees differ from what an
+    # earlier attempt committed is committed as this attempt's retry (KEY@aN, ids ID@aN),
+    # and the store's *_latest views hide what it superseded.
+    attempt = int(dp.all_max(world, [float(record_attempt(store, run_id, start))
+                                     if world.is_main else 0.0])[0])
     if start == 0 and config.eval_every and heldout and world.is_main:  # step -1
         initial, rows = _heldout(current, heldout, config, 0)
         _commit_heldout(store, run_id, -1, rows)
@@ -727,8 +739,24 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         t1 = time.perf_counter()
         # 3. commit with policy_version / policy_ref of these weights (DDP: rank 0 commits
         #    every rank's trees under the single-process key, so they land once)
+        retry = False
         if world.is_main:
-            store.append_trees(trees, key=f"{run_id}:trees:{it}")
+            try:
+                store.append_trees(trees, key=f"{run_id}:trees:{it}")
+            except CommitKeyConflictError:
+                if attempt < 2:
+                    raise
+                retry = True  # an earlier attempt committed other trees for this iteration
+        if dp.all_max(world, [float(retry)])[0]:  # DDP: every rank renames its trees
+            mine, trees = as_retry(mine, attempt), as_retry(trees, attempt)
+            if world.is_main:
+                store.append_trees(trees, key=retry_key(f"{run_id}:trees:{it}", attempt))
+
+        def key(name: str, step: int = it, retry: bool = retry) -> str:
+            """The commit key of this iteration's ``name`` rows (a retry's: KEY@aN)."""
+            plain = f"{run_id}:{name}:{step}"
+            return retry_key(plain, attempt) if retry else plain
+
         t2 = time.perf_counter()
         # 4. credit through the registry, committed; trace (T2) first scores the gold
         #    answer under the frozen initial policy (DDP: each rank its own trees)
@@ -738,7 +766,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             scores = pa.concat_tables(dp.gather_list(world, [score_trees(
                 mine, ref_policy, GOLD, policy_ref=config.policy, run_id=run_id)]))
             if world.is_main:
-                store.append_policy_scores(scores, key=f"{run_id}:scores:{it}")
+                store.append_policy_scores(scores, key=key("scores"))
         kinds = token_score_kinds(config.credit, resolve_method(config.credit, {
             k: str(v) for k, v in config.credit_params.items()})[1])
         if kinds:  # factor / sgcd (F3, Q3): teacher and student scores under these weights
@@ -746,10 +774,10 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                 mine, current, kind, policy_ref=current.policy_ref, run_id=run_id)
                 for kind in dict.fromkeys(kinds.values())]))
             if world.is_main:
-                store.append_policy_scores(scores, key=f"{run_id}:scores:{it}")
+                store.append_policy_scores(scores, key=key("scores"))
         credit_rows_, credit = credit_for(trees, config, scores, ref_version)
         if world.is_main:
-            store.append_credits(credit_rows_, key=f"{run_id}:credit:{it}")
+            store.append_credits(credit_rows_, key=key("credit"))
         # 4b. stored trees (issue 12; train.reuse): earlier versions, scored under the
         #     pre-update weights pi_prox (D3, G8), comparisons resolved by the reuse rule,
         #     refreshed routes re-sampled and committed, their credit committed
@@ -764,7 +792,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                              layout=config.layout, micro_tokens=config.micro_tokens,
                              row_tokens=config.tree_row_tokens or None,
                              max_new_tokens=config.max_new_tokens,
-                             temperature=config.temperature)
+                             temperature=config.temperature, key=key,
+                             rename=partial(as_retry, attempt=attempt) if retry else None)
             credit.update(got.credit)
             seqs += got.seqs
             batch_trees += got.trees
@@ -912,11 +941,11 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                                               it + 1 == config.steps):
             t5 = time.perf_counter()
             rates, rows = _heldout(current, heldout, config, it + 1)
-            _commit_heldout(store, run_id, it, rows)
+            _commit_heldout(store, run_id, it, rows, attempt if retry else 0)
             metrics.update(rates)
             metrics["seconds_eval"] = time.perf_counter() - t5
             report.heldout[it + 1] = metrics
-        _commit_metrics(store, run_id, it, metrics)
+        _commit_metrics(store, run_id, it, metrics, attempt if retry else 0)
         if writer is not None:
             for name, value in metrics.items():
                 writer.add_scalar(name, value, it)
@@ -1036,10 +1065,13 @@ def _heldout(policy: HFPolicy, heldout: Sequence[Task], config: TrainConfig, ver
     return metrics, pa.concat_tables(parts)
 
 
-def _commit_heldout(store: Store, run_id: str, step: int, rows: pa.Table) -> None:
+def _commit_heldout(store: Store, run_id: str, step: int, rows: pa.Table,
+                    retry: int = 0) -> None:
     """Commit one evaluation's per-task rows (idempotent per step: an exact resume that
-    repeats the evaluation writes the same rows under the same key)."""
-    store.append_evaluations(rows, key=f"{run_id}:evaluations:{step}")
+    repeats the evaluation writes the same rows under the same key; ``retry``: the attempt
+    that replayed the step with other trees, whose rows go under ``KEY@aN``)."""
+    plain = f"{run_id}:evaluations:{step}"
+    store.append_evaluations(rows, key=retry_key(plain, retry) if retry else plain)
 
 
 def _minibatch_parts(n_trees: int, config: TrainConfig, it: int) -> list[list[int]]:
@@ -1055,7 +1087,8 @@ def _epoch_order(n_parts: int, config: TrainConfig, it: int, epoch: int) -> list
     return torch.randperm(n_parts, generator=g).tolist()
 
 
-def _commit_metrics(store: Store, run_id: str, it: int, metrics: dict[str, float]) -> None:
+def _commit_metrics(store: Store, run_id: str, it: int, metrics: dict[str, float],
+                    retry: int = 0) -> None:
     names = sorted(k for k, v in metrics.items() if math.isfinite(v))
     now = now_utc()
     table = pa.table({
@@ -1065,16 +1098,18 @@ def _commit_metrics(store: Store, run_id: str, it: int, metrics: dict[str, float
         "value": pa.array([float(metrics[n]) for n in names], pa.float64()),
         "created_at": pa.array([now] * len(names), METRICS.field("created_at").type),
     }, schema=METRICS)
-    store.append_metrics(table, key=f"{run_id}:metrics:{it}")
+    plain = f"{run_id}:metrics:{it}"
+    store.append_metrics(table, key=retry_key(plain, retry) if retry else plain)
 
 
 def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, float]]]:
-    """``{name: [(step, value), ...]}`` of a run, from the store's ``metrics`` table."""
+    """``{name: [(step, value), ...]}`` of a run, from the store's ``metrics_latest`` view
+    (a value a resumed attempt re-computed replaces the earlier one)."""
     s = store if isinstance(store, Store) else open_store(store)
     con = connect(s)
-    rows = con.execute("SELECT name, step, value FROM metrics WHERE run_id = $r AND NOT "
-                       "(name = $n AND step = $s) ORDER BY name, step",
-                       {"r": run_id, "n": OWNER_METRIC, "s": OWNER_STEP}).fetchall()
+    rows = con.execute("SELECT name, step, value FROM metrics_latest WHERE run_id = $r AND "
+                       "step > $s ORDER BY name, step",  # not the run token nor attempts
+                       {"r": run_id, "s": OWNER_STEP}).fetchall()
     out: dict[str, list[tuple[int, float]]] = {}
     for name, step, value in rows:
         out.setdefault(name, []).append((int(step), float(value)))

@@ -193,9 +193,12 @@ class ReuseStage:
              it: int,
              run_id: str, seed: int, out: Path, credit_for: CreditFor, layout: Any,
              micro_tokens: int, row_tokens: int | None, max_new_tokens: int,
-             temperature: float) -> StoredBatch:
+             temperature: float, key: Callable[[str], str] | None = None,
+             rename: Callable[[list[Tree]], list[Tree]] | None = None) -> StoredBatch:
         """Iteration ``it``'s stored trees: select, score, resolve, refresh, commit their
-        credit (module docstring)."""
+        credit (module docstring). ``key(name)``: the commit key of this iteration's
+        ``name`` rows (default ``RUN:name:it``); ``rename``: applied to refreshed trees
+        before they are committed (the trainer's retry of a differing replay)."""
         sel = select_stored(store, reuse_from=self.reuse_from, run_id=run_id, env=env_name,
                             iteration=it, max_staleness=self.max_staleness,
                             per_step=self.per_step, seed=seed,
@@ -204,13 +207,19 @@ class ReuseStage:
         return self._after_select(sel, store, model, policy, env, it=it, run_id=run_id,
                                   seed=seed, out=out, credit_for=credit_for, layout=layout,
                                   micro_tokens=micro_tokens, row_tokens=row_tokens,
-                                  max_new_tokens=max_new_tokens, temperature=temperature)
+                                  max_new_tokens=max_new_tokens, temperature=temperature,
+                                  key=key, rename=rename)
 
     def _after_select(self, sel: Selection, store: Store, model: Any, policy: Any,
                       env: Environment, *, it: int, run_id: str, seed: int, out: Path,
                       credit_for: CreditFor, layout: Any, micro_tokens: int,
                       row_tokens: int | None, max_new_tokens: int,
-                      temperature: float) -> StoredBatch:
+                      temperature: float, key: Callable[[str], str] | None = None,
+                      rename: Callable[[list[Tree]], list[Tree]] | None = None
+                      ) -> StoredBatch:
+        def commit_key(name: str) -> str:
+            return key(name) if key is not None else f"{run_id}:{name}:{it}"
+
         old_seqs = [build_sequences(t, policy.prompt_ids) for t in sel.trees]
         metrics: dict[str, float] = {}
         if self.rule.prox == "forward":
@@ -225,16 +234,18 @@ class ReuseStage:
                               iteration=it, seed=seed, max_new_tokens=max_new_tokens,
                               temperature=temperature, log=out / "reuse.jsonl")
         refreshed = step.refreshed
+        if refreshed and rename is not None:
+            refreshed = rename(refreshed)
         if refreshed:
-            store.append_trees(refreshed, key=f"{run_id}:refresh-trees:{it}")
+            store.append_trees(refreshed, key=commit_key("refresh-trees"))
         old_rows, old_credit = credit_for(step.credited) if sel.trees else (None, {})
         new_rows, new_credit = credit_for(refreshed) if refreshed else (None, {})
         if old_rows is not None:
             store.append_credits(rename_method(old_rows, self.rule.method_suffix,
                                                policy.policy_version),
-                                 key=f"{run_id}:reuse-credit:{it}")
+                                 key=commit_key("reuse-credit"))
         if new_rows is not None:
-            store.append_credits(new_rows, key=f"{run_id}:refresh-credit:{it}")
+            store.append_credits(new_rows, key=commit_key("refresh-credit"))
         new_seqs = [build_sequences(t, policy.prompt_ids) for t in refreshed]
         prox = dict(prox)
         prox.update(score_actions(model, new_seqs, layout, micro_tokens, policy.pad_id,
