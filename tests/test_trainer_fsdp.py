@@ -54,7 +54,7 @@ def _batch(step: int, j: int) -> types.SimpleNamespace:
         position_ids=torch.arange(10).expand(2, 10), attention_mask=mask,
         loss_row=torch.tensor([0, 0, 1, 1]), loss_col=torch.tensor([3, 4, 5, 6]),
         targets=torch.randint(0, VOCAB, (4,), generator=g),
-        advantage=torch.randn(4, generator=g))
+        advantage=torch.randn(4, generator=g), tree_tout=None)
 
 
 def _rank(rank: int, size: int, port: int, job: dict[str, Any]) -> None:
