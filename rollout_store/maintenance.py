@@ -38,7 +38,14 @@ from rollout_store.reader import (
     read_arrow,
     visible_files,
 )
-from rollout_store.schema import METRICS, NODES, SCHEMA_VERSION, SCHEMAS, TABLE_NAMES, TableName
+from rollout_store.schema import (
+    NODES,
+    SCHEMA_VERSION,
+    SCHEMAS,
+    TABLE_NAMES,
+    TableName,
+    metrics_table,
+)
 from rollout_store.store import (
     COMPACTED_PREFIX,
     CorruptFileError,
@@ -348,13 +355,10 @@ def record_attempt(store: Store, run_id: str, start_iteration: int,
                                      rows.column("step").to_pylist(),
                                      rows.column("name").to_pylist(), strict=True)
                 if r == run_id and s == ATTEMPT_STEP and n == ATTEMPT_METRIC)
-    when = started_at or now_utc()
-    store.append_metrics(pa.table({
-        "run_id": pa.array([run_id], pa.string()), "step": pa.array([ATTEMPT_STEP], pa.int64()),
-        "name": pa.array([ATTEMPT_METRIC], pa.string()),
-        "value": pa.array([float(start_iteration)], pa.float64()),
-        "created_at": pa.array([when], METRICS.field("created_at").type)}, schema=METRICS),
-        key=f"{run_id}:attempt:{uuid.uuid4().hex}")
+    store.append_metrics(metrics_table(run_id, ATTEMPT_STEP,
+                                       {ATTEMPT_METRIC: float(start_iteration)},
+                                       started_at or now_utc()),
+                         key=f"{run_id}:attempt:{uuid.uuid4().hex}")
     return prior + 1
 
 

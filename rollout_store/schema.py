@@ -22,6 +22,8 @@ Column names are the public interface (issue 2): ``tree_id``, ``node_id``,
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from datetime import datetime
 from typing import Final, Literal, get_args
 
 import pyarrow as pa
@@ -165,6 +167,19 @@ METRICS = pa.schema([
     _f("value", pa.float64(), False),
     _f("created_at", TIMESTAMP, False),
 ])
+
+
+def metrics_table(run_id: str, step: int, values: Mapping[str, float],
+                  created_at: datetime) -> pa.Table:
+    """``METRICS`` rows of one run and step: one row per ``values`` item, in its order."""
+    n = len(values)
+    return pa.table({
+        "run_id": pa.array([run_id] * n, pa.string()), "step": pa.array([step] * n, pa.int64()),
+        "name": pa.array(list(values), pa.string()),
+        "value": pa.array([float(v) for v in values.values()], pa.float64()),
+        "created_at": pa.array([created_at] * n, METRICS.field("created_at").type),
+    }, schema=METRICS)
+
 
 # Log-probabilities a named policy gives stored text, computed once and reused (issue 10):
 # kind "gold_answer": TRACE T2, value = mean log-prob of the task's gold answer after the

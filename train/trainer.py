@@ -81,7 +81,7 @@ import torch
 from rollout_store.attempts import as_retry, retry_key
 from rollout_store.maintenance import record_attempt
 from rollout_store.reader import connect
-from rollout_store.schema import EVALUATIONS, METRICS
+from rollout_store.schema import EVALUATIONS, metrics_table
 from rollout_store.store import CommitKeyConflictError, Store, now_utc, open_store
 from rollout_store.tree import Tree
 from train import distributed as dp
@@ -551,13 +551,8 @@ def claim_run_id(store: Store, run_id: str, token: int, fresh: bool) -> None:
         raise _taken(store, run_id, where)
     if tokens:
         return
-    now = now_utc()
-    store.append_metrics(pa.table({
-        "run_id": pa.array([run_id], pa.string()), "step": pa.array([OWNER_STEP], pa.int64()),
-        "name": pa.array([OWNER_METRIC], pa.string()),
-        "value": pa.array([float(token)], pa.float64()),
-        "created_at": pa.array([now], METRICS.field("created_at").type)}, schema=METRICS),
-        key=f"{run_id}:owner")
+    store.append_metrics(metrics_table(run_id, OWNER_STEP, {OWNER_METRIC: float(token)},
+                                       now_utc()), key=f"{run_id}:owner")
     tokens, _, where = _run_rows(store, run_id)
     if not tokens or tokens[0] != token:
         raise _taken(store, run_id, where)
@@ -1089,15 +1084,8 @@ def _epoch_order(n_parts: int, config: TrainConfig, it: int, epoch: int) -> list
 
 def _commit_metrics(store: Store, run_id: str, it: int, metrics: dict[str, float],
                     retry: int = 0) -> None:
-    names = sorted(k for k, v in metrics.items() if math.isfinite(v))
-    now = now_utc()
-    table = pa.table({
-        "run_id": pa.array([run_id] * len(names), pa.string()),
-        "step": pa.array([it] * len(names), pa.int64()),
-        "name": pa.array(names, pa.string()),
-        "value": pa.array([float(metrics[n]) for n in names], pa.float64()),
-        "created_at": pa.array([now] * len(names), METRICS.field("created_at").type),
-    }, schema=METRICS)
+    finite = {k: metrics[k] for k in sorted(metrics) if math.isfinite(metrics[k])}
+    table = metrics_table(run_id, it, finite, now_utc())
     plain = f"{run_id}:metrics:{it}"
     store.append_metrics(table, key=retry_key(plain, retry) if retry else plain)
 
