@@ -10,12 +10,15 @@ the tiny Llama (``tiny``) and a transformers Qwen2 with random weights of the sa
 (``qwen2``: 4 layers, hidden 128, 4 query / 2 key-value heads), both through the tree
 attention of ``train.policies.tree_attention``. ``tree`` is one row per tree (no shared
 token forwarded twice); ``tree+pack`` packs the trees' rows into rows of at most
-``--pack-tokens``.
+``--pack-tokens``; ``tree+split`` (``--split-tokens N``) splits every tree over N tokens
+into a trunk row forwarded once and branch rows attending its keys
+(``train.batches.SplitTree``), each branch's activations freed by its own backward.
+``--env workflow --sampler caliper --task-param horizons=18`` gives the deeper trees.
 
-Memory: the bytes autograd saves for backward (every tensor a forward stores, counted
-once per storage), the largest over a step's micro-batches: the part of peak memory that
-grows with the row, measured without a CUDA allocator. Then one synthetic tree row of 2k,
-8k and 32k tokens (a shared 1,500-token prompt, then random branches of 20-80 tokens,
+Memory: the peak over a whole loss step of the bytes autograd holds saved for backward
+(every tensor a forward stores, counted once per storage while it lives): the part of
+peak memory that grows with the row, measured without a CUDA allocator. Then one synthetic
+tree row of 2k, 8k and 32k tokens (a shared 1,500-token prompt, then random branches of 20-80 tokens,
 depth at most 8) is forwarded through the tiny model with the tree layout, and its saved
 bytes per token are printed beside the (L, L) float mask the dense layout needed.
 
@@ -36,6 +39,7 @@ import copy
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,13 +55,16 @@ from train.batches import (
     MicroBatch,
     NodeSeq,
     TreeSeqs,
+    Unit,
     build_sequences,
     forward_logprobs,
+    loss_pieces,
     make_rows,
     micro_batches,
     pack_rows,
     tree_token_ratio,
 )
+from train.coerce import literal_value
 from train.config import TrainConfig
 from train.envs import make_env
 from train.loss import aggregate, denominator, token_loss, token_weights
@@ -78,6 +85,34 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(seen.values())
+
+
+def peak_saved_bytes(fn: Callable[[], None]) -> int:
+    """The largest number of bytes autograd holds saved for backward at any moment of
+    ``fn()`` (a storage counted once while any tensor saved on it lives): the part of peak
+    memory that grows with the rows, including what each backward releases."""
+    live: dict[int, list[int]] = {}  # storage -> [bytes, saved tensors alive]
+    total, peak = [0], [0]
+
+    def release(ptr: int) -> None:
+        live[ptr][1] -= 1
+        if live[ptr][1] == 0:
+            total[0] -= live.pop(ptr)[0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr not in live:
+            live[ptr] = [s.nbytes(), 0]
+            total[0] += s.nbytes()
+        live[ptr][1] += 1
+        weakref.finalize(t, release, ptr)
+        peak[0] = max(peak[0], total[0])
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return peak[0]
 
 
 def qwen2_like(vocab: int) -> torch.nn.Module:
@@ -126,14 +161,23 @@ def main() -> None:
                     help="tokens per row of the synthetic memory rows (empty: skip; "
                          "2048,8192,32768 adds about a minute and 4 GiB)")
     ap.add_argument("--archs", default="tiny,qwen2")
+    ap.add_argument("--split-tokens", type=int, default=0,
+                    help="also time tree+split: trees over this many tokens split into a "
+                         "trunk and branch rows (train.batches.SplitTree); 0: skip")
+    ap.add_argument("--env", default="calc", choices=("calc", "workflow"))
+    ap.add_argument("--sampler", default="bel", help="a registered sampler (bel, caliper, ...)")
+    ap.add_argument("--task-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="task-generator option, e.g. horizons=18 for workflow")
     args = ap.parse_args()
     torch.manual_seed(0)
-    policy = load_policy("tiny", "calc")
+    policy = load_policy("tiny", args.env)
+    task_params = {k: literal_value(v) for k, _, v in
+                   (p.partition("=") for p in args.task_param)}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        env = make_env("calc", system_prompt_chars=args.system_prompt_chars)
-        tasks = type(env).generate_tasks(args.trees, seed=123)
-        sampler = make_sampler("bel")
+        env = make_env(args.env, system_prompt_chars=args.system_prompt_chars)
+        tasks = type(env).generate_tasks(args.trees, seed=123, **task_params)
+        sampler = make_sampler(args.sampler)
         trees = [sampler.sample_tree(env, policy, t, args.n_total, seed=i, run_id="bench")
                  for i, t in enumerate(tasks)]
         store = open_store(Path(tmp) / "store", create=True)
@@ -144,7 +188,8 @@ def main() -> None:
     seqs = [build_sequences(t, policy.prompt_ids) for t in trees]  # type: ignore[attr-defined]
     ratio = tree_token_ratio(seqs)
     per_tree = [tree_token_ratio([s]) for s in seqs]
-    print(f"{len(trees)} BEL calc trees (n_total {args.n_total}, system prompt "
+    print(f"{len(trees)} {args.sampler} {args.env} trees {task_params or ''} "
+          f"(n_total {args.n_total}, system prompt "
           f"{args.system_prompt_chars} chars, sampled in {sample_s:.1f} s): paths tokens "
           f"{sum(s.paths_tokens() for s in seqs)}, tree tokens "
           f"{sum(s.tree_tokens() for s in seqs)}, tree token ratio {ratio:.2f} (per tree "
@@ -154,6 +199,9 @@ def main() -> None:
     n_seqs = sum(len(s.leaves) for s in seqs)
     variants = {"paths": make_rows(seqs, credit, "paths"), "tree": make_rows(seqs, credit, "tree")}
     variants["tree+pack"] = pack_rows(variants["tree"], args.pack_tokens)
+    if args.split_tokens:
+        variants["tree+split"] = make_rows(seqs, credit, "tree",
+                                           max_row_tokens=args.split_tokens)
     summary = []
     for arch in args.archs.split(","):
         model = copy.deepcopy(models[arch]).train()
@@ -161,30 +209,21 @@ def main() -> None:
         memory: dict[str, int] = {}
         for name, rows in variants.items():
             layout = "paths" if name == "paths" else "tree"
-            mbs = micro_batches(rows, layout, 16_384)  # type: ignore[arg-type]
-            n_tok = sum(float(mb.traj_count.sum()) for mb in mbs)
+            units = micro_batches(rows, layout, 16_384)  # type: ignore[arg-type]
+            n_tok = sum(float(u.traj_count.sum()) for u in units)
             d = denominator("token-mean", n_tok, n_seqs, 1)
 
-            def step(mbs: list[MicroBatch] = mbs, d: float = d, peak: list[int] | None = None,
+            def step(units: list[Unit] = units, d: float = d,
                      model: torch.nn.Module = model) -> None:
                 model.zero_grad(set_to_none=True)
-                for mb in mbs:
-                    def loss(mb: MicroBatch = mb, model: torch.nn.Module = model
-                             ) -> torch.Tensor:
-                        lp, _ = forward_logprobs(model, mb)
-                        out = token_loss(lp, mb.old_logp, mb.advantage, mb.clip_low,
-                                         mb.clip_high)
-                        w = token_weights("token-mean", mb.traj_count, mb.inv_len_sum)
-                        return aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, d)
-                    if peak is None:
-                        loss().backward()
-                    else:
-                        value, n_bytes = saved_bytes(loss)
-                        peak.append(n_bytes)
-                        value.backward()
-            peak: list[int] = []
-            step(peak=peak)  # warm-up, and the memory of each micro-batch
-            memory[name] = max(peak)
+                for piece in (p for u in units for p in loss_pieces(model, u)):
+                    mb = piece.mb
+                    out = token_loss(piece.logp, mb.old_logp, mb.advantage, mb.clip_low,
+                                     mb.clip_high)
+                    w = token_weights("token-mean", mb.traj_count, mb.inv_len_sum)
+                    piece.backward(aggregate(out.loss, torch.ones_like(w, dtype=torch.bool),
+                                             w, d))
+            memory[name] = peak_saved_bytes(step)  # warm-up, and the peak saved bytes
             steps[name] = step
         timings = {k: Timings(k) for k in steps}
         for _ in range(args.repeats):
@@ -192,7 +231,7 @@ def main() -> None:
                 timings[k].seconds.append(timed(fn))
         print(f"\n[{arch}] loss step, seconds:")
         print_timings(list(timings.values()), timings["paths"])
-        print_table(["", "saved for backward (max micro-batch)", "x paths"],
+        print_table(["", "peak saved for backward", "x paths"],
                     [[k, mib(v), f"{v / memory['paths']:.2f}"] for k, v in memory.items()])
         n_traj = sum(s.paths_tokens() for s in seqs)
         print(f"tokens/s {arch} (paths tokens per loss-step second): " + ", ".join(

@@ -15,11 +15,13 @@ from train.batches import (
     BatchError,
     NodeCredit,
     NodeSeq,
+    SplitTree,
     TreeSeqs,
     build_sequences,
     collate,
     dense_tree_mask,
     forward_logprobs,
+    loss_pieces,
     make_rows,
     micro_batches,
     node_credit,
@@ -140,15 +142,17 @@ def test_tree_layout_equals_paths_gradient(sampled: tuple[HFPolicy, list[Tree]],
                         if mb.action_len is not None)
         d = denominator(mode, n_tokens, n_seqs, 64, n_actions)  # type: ignore[arg-type]
         model.zero_grad()
-        for mb in mbs:
-            lp, _ = forward_logprobs(model, mb)
+        for piece in (p for unit in mbs for p in loss_pieces(model, unit)):  # the trainer's
+            mb, lp = piece.mb, piece.logp
             # a ratio away from 1 so the clip matters: old logprobs shifted per token key
             key = torch.tensor([1000 * b + 37 * i + k for b, i, k in mb.keys])
             old = mb.old_logp + 0.3 * torch.sin(key * 1.7)
             out = token_loss(lp, old, mb.advantage, mb.clip_low, mb.clip_high)
             w = token_weights(mode, mb.traj_count, mb.inv_len_sum,  # type: ignore[arg-type]
                               mb.action_len)
-            aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, d).backward()
+            piece.backward(aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, d))
+        if row_tokens is not None and layout == "tree":
+            assert any(isinstance(u, SplitTree) for u in mbs)  # the split is exercised
         grads[layout] = torch.cat([p.grad.flatten() for p in model.parameters()
                                    if p.grad is not None])
     assert grads["tree"].abs().max() > 1e-4
@@ -212,10 +216,11 @@ def _random_seqs(rng: np.random.Generator, n_nodes: int, tree_id: str) -> TreeSe
 def test_interval_mask_equals_dense_oracle(seed: int) -> None:
     rng = np.random.default_rng(seed)
     seqs = [_random_seqs(rng, int(rng.integers(2, 25)), f"t{k}") for k in range(4)]
-    rows = make_rows(seqs, {}, "tree", max_row_tokens=None if seed % 2 else 60)
+    rows = make_rows(seqs, {}, "tree", max_row_tokens=None if seed % 2 else 200)
     packed = pack_rows(rows, 150)
     assert len(packed) < len(rows)  # some rows hold several trees
     for batch in (rows, packed):
+        batch = [r for r in batch if not r.prefix_tin]  # (2) is checked in the next test
         mb = collate(batch, "tree")
         assert mb.tree_tout is not None
         oracle = dense_tree_mask(batch)[:, 0] == 0  # (R, L, L) allowed
@@ -227,6 +232,70 @@ def test_interval_mask_equals_dense_oracle(seed: int) -> None:
         width = oracle.shape[1]
         assert not (oracle & ~covered[:, :width, :width]).any()
         assert nq == -(-width // BLOCK)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_tree_rows_cover_the_tree_once(seed: int) -> None:
+    """A split tree (``max_row_tokens``): every node's own tokens in exactly one row, the
+    row's own relation (1) equal to the dense oracle, and a branch query seeing trunk
+    column j by (2) iff j's node is a chain ancestor of the query's node."""
+    rng = np.random.default_rng(100 + seed)
+    ts = _random_seqs(rng, 40, "t")
+    rows = make_rows([ts], {}, "tree", max_row_tokens=40 + 10 * seed)
+    trunk = [r for r in rows if r.trunk]
+    branches = [r for r in rows if r.prefix_tin]
+    assert len(trunk) == 1 and branches and len(rows) == 1 + len(branches)
+    seen = sorted((n, p) for r in rows for n, p in zip(r.token_node, r.positions, strict=True))
+    assert seen == sorted((i, p) for i, n in enumerate(ts.nodes)
+                          for p in range(n.own_start, len(n.full)))
+    anc = trunk[0].ancestors
+    assert anc is not None
+    for row in rows:
+        mb = collate([row], "tree")
+        assert mb.tree_tout is not None
+        assert torch.equal(dense_allowed(mb.tree_tout), dense_tree_mask([row])[:, 0] == 0)
+    tn = np.asarray(trunk[0].token_node)
+    for row in branches:
+        q = np.arange(len(row.ids))[:, None]
+        by_spans = (np.asarray(row.prefix_tin)[None, :] <= q) & (
+            q < np.asarray(row.prefix_tout)[None, :])
+        assert np.array_equal(by_spans, anc[np.asarray(row.token_node)][:, tn])
+
+
+def test_split_tree_pieces(sampled: tuple[HFPolicy, list[Tree]]) -> None:
+    """``loss_pieces`` on a split tree: one forward per branch micro-batch, each smaller
+    than the one-row layout, every loss token once, the trunk's piece last; the pieces'
+    gradient equals the one-row gradient (within 1e-5; memory is measured by
+    ``benchmarks/bench_train_layout.py --split-tokens``)."""
+    policy, trees = sampled
+    rng = np.random.default_rng(5)
+    credit = {(t.tree_id, n.node_id): NodeCredit(rng.normal(size=len(n.action_token_ids)))
+              for t in trees for n in t.nodes}
+    seqs = [build_sequences(t, policy.prompt_ids) for t in trees[:1]]
+    model = copy.deepcopy(policy.model).train()
+    grads, keys = {}, {}
+    for row_tokens in (None, 48):
+        units = micro_batches(make_rows(seqs, credit, "tree", max_row_tokens=row_tokens),
+                              "tree", 1)  # one row per micro-batch
+        model.zero_grad()
+        order, got = [], []
+        for unit in units:
+            for piece in loss_pieces(model, unit):
+                order.append(piece.mb is getattr(unit, "trunk", None))
+                got += piece.mb.keys
+                piece.backward((piece.logp * piece.mb.advantage).sum())
+        grads[row_tokens] = torch.cat([p.grad.flatten() for p in model.parameters()
+                                       if p.grad is not None])
+        keys[row_tokens] = sorted(got)
+        if row_tokens is not None:
+            (unit,) = units
+            assert isinstance(unit, SplitTree) and len(unit.branches) >= 2
+            assert order == [False] * len(unit.branches) + [True]  # the trunk's piece last
+            assert max(b.n_tokens for b in unit.branches) < seqs[0].tree_tokens()
+            assert unit.n_tokens == seqs[0].tree_tokens()  # no token forwarded twice
+    assert keys[None] == keys[48] and len(set(keys[48])) == len(keys[48])
+    assert grads[None].abs().max() > 1e-4
+    torch.testing.assert_close(grads[48], grads[None], rtol=0, atol=1e-5)
 
 
 def test_block_sparse_attention_equals_dense_and_flex() -> None:
@@ -280,25 +349,29 @@ def test_hf_qwen2_tree_equals_paths(sampled: tuple[HFPolicy, list[Tree]]) -> Non
               for t in trees for n in t.nodes}
     seqs = [build_sequences(t, policy.prompt_ids) for t in trees]
     logps, grads = {}, {}
-    for layout, packed in (("paths", False), ("tree", False), ("tree", True)):
-        rows = make_rows(seqs, credit, layout)  # type: ignore[arg-type]
-        if packed:
+    for layout, variant in (("paths", ""), ("tree", ""), ("tree", "+packed"),
+                            ("tree", "+split")):
+        rows = make_rows(seqs, credit, layout,  # type: ignore[arg-type]
+                         max_row_tokens=48 if variant == "+split" else None)
+        if variant == "+packed":
             rows = pack_rows(rows, 10_000)
             assert len(rows) == 1 < len(trees)
         model.zero_grad()
         got: dict[tuple[int, int, int], float] = {}
-        for mb in micro_batches(rows, layout, 400):  # type: ignore[arg-type]
-            lp, _ = forward_logprobs(model, mb)
+        units = micro_batches(rows, layout, 400)  # type: ignore[arg-type]
+        assert any(isinstance(u, SplitTree) for u in units) == (variant == "+split")
+        for piece in (p for unit in units for p in loss_pieces(model, unit)):
+            mb, lp = piece.mb, piece.logp
             got.update(zip(mb.keys, lp.tolist(), strict=True))
             out = token_loss(lp, mb.old_logp, mb.advantage, mb.clip_low, mb.clip_high)
             w = token_weights("token-mean", mb.traj_count, mb.inv_len_sum)
-            aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, 100.0).backward()
-        name = f"{layout}{'+packed' if packed else ''}"
+            piece.backward(aggregate(out.loss, torch.ones_like(w, dtype=torch.bool), w, 100.0))
+        name = f"{layout}{variant}"
         logps[name] = got
         grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()
                                  if p.grad is not None])
     assert model.config._attn_implementation == "sdpa"  # type: ignore[union-attr]  # restored
-    for name in ("tree", "tree+packed"):
+    for name in ("tree", "tree+packed", "tree+split"):
         assert logps[name].keys() == logps["paths"].keys()
         worst = max(abs(logps[name][k] - v) for k, v in logps["paths"].items())
         assert worst < 1e-5, (name, worst)

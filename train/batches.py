@@ -41,7 +41,7 @@ once (c_t = 1, s_t = the mean of 1/n_i over its trajectories: METHODS E7 note).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,7 +51,7 @@ import torch
 from rollout_store.tree import Tree
 from train.credit.base import Credit, TreeArrays
 from train.policies.base import Turn
-from train.policies.tree_attention import IMPLEMENTATION, TreeAttention, block_mask, register
+from train.policies.tree_attention import IMPLEMENTATION, KV, TreeAttention, block_mask, register
 
 Layout = Literal["paths", "tree"]
 LAYOUTS: tuple[Layout, ...] = ("paths", "tree")
@@ -233,6 +233,13 @@ class Row:
     action_len: list[float] = field(default_factory=list)  # L_t: tokens of t's action (F6)
     stored: list[bool] = field(default_factory=list)  # the node is in ``prox`` (G8)
     staleness: list[float] = field(default_factory=list)  # versions behind (stored, P1)
+    # split trees (``SplitTree``): the group, whether this is its trunk, and per trunk
+    # column j the span [prefix_tin[j], prefix_tout[j]) of this branch row's columns that
+    # see j (relation (2) of ``train.policies.tree_attention``)
+    split: int = -1
+    trunk: bool = False
+    prefix_tin: list[int] = field(default_factory=list)
+    prefix_tout: list[int] = field(default_factory=list)
 
 
 def make_rows(seqs: Sequence[TreeSeqs], credit: dict[tuple[str, int], NodeCredit],
@@ -242,7 +249,8 @@ def make_rows(seqs: Sequence[TreeSeqs], credit: dict[tuple[str, int], NodeCredit
               staleness: Mapping[str, int] | None = None) -> list[Row]:
     """Rows of ``layout`` for every tree (tree order kept; ``paths``: trajectories in leaf
     order). ``clip_low`` / ``clip_high`` apply where the credit sets no bounds.
-    ``max_row_tokens`` (tree layout) cuts a larger tree into rows of whole leaf paths.
+    ``max_row_tokens`` (tree layout) splits a larger tree into a trunk row and branch
+    rows that attend the trunk's keys (``SplitTree``): no token is forwarded twice.
     ``prox`` (stored trees, G8): a node found there trains against ``old_logp`` = its
     log pi_prox, with ``behav_logp`` = the stored log mu, and its tokens are ``stored``;
     elsewhere both are log mu. ``staleness``: tree id -> versions behind (default 0)."""
@@ -256,7 +264,7 @@ def make_rows(seqs: Sequence[TreeSeqs], credit: dict[tuple[str, int], NodeCredit
     for b, ts in enumerate(seqs):
         if layout == "tree":
             rows.extend(_tree_rows(b, ts, credit, node_weight, clip_low, clip_high,
-                                   max_row_tokens, prox))
+                                   max_row_tokens, prox, split=b))
         else:
             for leaf in ts.leaves:
                 inv = 1.0 / max(sum(len(ts.nodes[i].old_logp) for i in _path(ts, leaf)), 1)
@@ -331,53 +339,113 @@ def _path_row(b: int, ts: TreeSeqs, end: int, inv: float,
 
 def _tree_rows(b: int, ts: TreeSeqs, credit: dict[tuple[str, int], NodeCredit],
                node_weight: NodeWeight, clip_low: float, clip_high: float,
-               max_row_tokens: int | None, prox: ProxLogp | None = None) -> list[Row]:
-    """The tree as one row, or, past ``max_row_tokens``, as rows of whole leaf paths
-    (leaves in preorder, greedily): a node shared by two rows is forwarded in both but
-    carries its loss tokens in the first only, so every loss token counts once and sees
-    exactly its own context; attention cost drops from L^2 to the sum of the rows' L^2."""
+               max_row_tokens: int | None, prox: ProxLogp | None = None,
+               split: int = -1) -> list[Row]:
+    """The tree as one row, or, past ``max_row_tokens``, split (``SplitTree``): the
+    *trunk* is every node whose subtree holds more than ``max_row_tokens`` tree tokens
+    (with the root; closed towards the root), each remaining subtree hangs off a trunk
+    node and fits a row; subtrees are grouped greedily, in the order of their
+    attachment points, into *branch* rows of at most ``max_row_tokens`` tokens. Every
+    token is forwarded once (the trunk once for all its branches) and every loss token
+    counts once, in the row whose column predicts it: the first action token of a
+    branch node that directly extends a trunk node is predicted from the trunk's last
+    column there, so it belongs to the trunk row."""
+    everything = set(range(len(ts.nodes)))
     if max_row_tokens is None or ts.tree_tokens() <= max_row_tokens:
-        everything = set(range(len(ts.nodes)))
-        return [_tree_row(b, ts, everything, everything, credit, node_weight, clip_low,
-                          clip_high, prox)]
+        row, _ = _tree_row(b, ts, everything, credit, node_weight, clip_low, clip_high, prox)
+        return [row]
+    size = [len(n.full) - n.own_start for n in ts.nodes]
+    for i in range(len(ts.nodes) - 1, 0, -1):  # preorder: a child after its parent
+        if ts.nodes[i].parent >= 0:
+            size[ts.nodes[i].parent] += size[i]
+    trunk_nodes = {0} | {i for i in everything if size[i] > max_row_tokens}
+    trunk, place = _tree_row(b, ts, trunk_nodes, credit, node_weight, clip_low, clip_high,
+                             prox)
+    trunk.split, trunk.trunk = split, True
 
-    def size(nodes: set[int]) -> int:
-        return sum(len(ts.nodes[i].full) - ts.nodes[i].own_start for i in nodes)
+    def attach(i: int) -> int:  # DFS index of the trunk node i's chain extends, or -1
+        cp = ts.nodes[i].chain_parent
+        return place.dfs[cp] if cp in trunk_nodes else -1
 
-    groups: list[set[int]] = []
-    current: set[int] = set()
-    for leaf in ts.leaves:
-        path = set(_path(ts, leaf))
-        if current and size(current | path) > max_row_tokens:
-            groups.append(current)
-            current = path
+    tops = sorted((i for i in everything - trunk_nodes if ts.nodes[i].parent in trunk_nodes),
+                  key=lambda i: (attach(i), i))
+    members: list[set[int]] = []
+    used = 0  # tree tokens of the row being filled
+    for top in tops:
+        sub = {top} | {j for j in range(top + 1, len(ts.nodes)) if _descends(ts, j, top)}
+        if members and used + size[top] <= max_row_tokens:
+            members[-1] |= sub
+            used += size[top]
         else:
-            current |= path
-    groups.append(current)
-    rows = []
-    assigned: set[int] = set()
-    for group in groups:
-        rows.append(_tree_row(b, ts, group, group - assigned, credit, node_weight, clip_low,
-                              clip_high, prox))
-        assigned |= group
+            members.append(sub)
+            used = size[top]
+    rows = [trunk]
+    for group in members:
+        row, bplace = _tree_row(b, ts, group, credit, node_weight, clip_low, clip_high,
+                                prox, top_key=lambda i: (attach(i), i), spill=(trunk, place))
+        row.split = split
+        # (2): trunk column j (node u) is seen by this row's branch tops whose chain
+        # attaches inside u's chain subtree, a contiguous run of tops
+        span: dict[int, tuple[int, int]] = {}
+        for u in trunk_nodes:
+            lo, hi = place.dfs[u], place.dfs_end[u]
+            seen = [t for t in bplace.tops if lo <= attach(t) < hi]
+            if seen:
+                span[u] = (bplace.start[seen[0]], bplace.end[seen[-1]])
+        for u in trunk.token_node:
+            a, z = span.get(u, (0, 0))
+            row.prefix_tin.append(a)
+            row.prefix_tout.append(z)
+        rows.append(row)
     return rows
 
 
-def _tree_row(b: int, ts: TreeSeqs, members: set[int], loss_nodes: set[int],
+def _descends(ts: TreeSeqs, j: int, top: int) -> bool:
+    while j > top:
+        j = ts.nodes[j].parent
+    return j == top
+
+
+@dataclass
+class _Placement:
+    """Where ``_tree_row`` put each node: DFS index (and end of its chain subtree in DFS
+    indices), first column and end column of its chain subtree, the chain tops in order,
+    and the packed column of position q of ``S_i`` (``col``)."""
+
+    dfs: dict[int, int]
+    dfs_end: dict[int, int]
+    start: dict[int, int]
+    end: dict[int, int]
+    tops: list[int]
+    col: Callable[[int, int], int | None]
+
+
+def _tree_row(b: int, ts: TreeSeqs, members: set[int],
               credit: dict[tuple[str, int], NodeCredit], node_weight: NodeWeight,
-              clip_low: float, clip_high: float, prox: ProxLogp | None = None) -> Row:
+              clip_low: float, clip_high: float, prox: ProxLogp | None = None,
+              top_key: Callable[[int], Any] | None = None,
+              spill: tuple[Row, _Placement] | None = None) -> tuple[Row, _Placement]:
+    """``members`` as one row in a DFS order of their chain forest (chain tops in
+    ``top_key`` order, preorder by default), with every member's action tokens; a
+    loss token predicted from a column outside the row (a split tree's trunk) goes to
+    ``spill``'s row at its column there."""
     row = _empty_row(b)
     packed_start: dict[int, int] = {}
     chain_kids: dict[int, list[int]] = {i: [] for i in members}
     tops: list[int] = []
     for i in sorted(members):  # preorder
         cp = ts.nodes[i].chain_parent
-        (chain_kids[cp] if cp >= 0 else tops).append(i)
+        (chain_kids[cp] if cp in members else tops).append(i)
+    if top_key is not None:
+        tops.sort(key=top_key)
     subtree_end: dict[int, int] = {}
+    dfs: dict[int, int] = {}
+    dfs_end: dict[int, int] = {}
     order: list[int] = []
 
     def place(i: int) -> None:  # DFS of the chain forest: a chain subtree is contiguous
         node = ts.nodes[i]
+        dfs[i] = len(order)
         order.append(i)
         packed_start[i] = len(row.ids)
         own = node.full[node.own_start:]
@@ -387,6 +455,7 @@ def _tree_row(b: int, ts: TreeSeqs, members: set[int], loss_nodes: set[int],
         for kid in chain_kids[i]:
             place(kid)
         subtree_end[i] = len(row.ids)
+        dfs_end[i] = len(order)
 
     for top in tops:
         place(top)
@@ -394,28 +463,64 @@ def _tree_row(b: int, ts: TreeSeqs, members: set[int], loss_nodes: set[int],
         n_own = len(ts.nodes[i].full) - ts.nodes[i].own_start
         row.tout.extend([subtree_end[i]] * n_own)
 
-    def col_in(i: int) -> Callable[[int], int]:
-        def col_of(q: int) -> int:  # packed column of position q of S_i
-            j = i
-            while q < ts.nodes[j].own_start:
-                j = ts.nodes[j].chain_parent
-            return packed_start[j] + q - ts.nodes[j].own_start
-        return col_of
+    def col(i: int, q: int) -> int | None:  # packed column of position q of S_i
+        j = i
+        while q < ts.nodes[j].own_start:
+            j = ts.nodes[j].chain_parent
+            if j not in members:
+                return None
+        return packed_start[j] + q - ts.nodes[j].own_start
 
-    for i in sorted(loss_nodes):
+    placement = _Placement(dfs, dfs_end, packed_start, subtree_end, tops, col)
+    for i in sorted(members):
         node = ts.nodes[i]
         if node_weight == "trajectories":
             count, inv = float(node.n_leaves), node.inv_len_sum
         else:
             count, inv = 1.0, node.inv_len_sum / max(node.n_leaves, 1)
-        _add_actions(row, b, ts, i, col_in(i), credit, count, inv, clip_low, clip_high, prox)
+        if spill is None:  # members closed towards the root: every column is here
+            def inside(q: int, i: int = i) -> int:
+                c = col(i, q)
+                assert c is not None
+                return c
+            _add_actions(row, b, ts, i, inside, credit, count, inv, clip_low, clip_high,
+                         prox)
+            continue
+        # a split tree's branch row: tokens whose predicting column is in the trunk
+        # (the first action token of a node extending a trunk node) go to the trunk row
+        mine = _empty_row(b)
+        _add_actions(mine, b, ts, i, lambda q: q, credit, count, inv, clip_low, clip_high,
+                     prox)
+        trunk_row, trunk_place = spill
+        for t in range(len(mine.cols)):
+            here = col(i, mine.cols[t])
+            if here is not None:
+                _move_token(mine, t, row, here)
+                continue
+            cp = node.chain_parent  # only a chain top's first token reaches the trunk
+            there = trunk_place.col(cp, mine.cols[t]) if cp in trunk_place.dfs else None
+            if there is None:
+                raise BatchError(f"tree {ts.tree_id!r} node {node.node_id}: a loss token's "
+                                 "context is in neither its row nor the trunk")
+            _move_token(mine, t, trunk_row, there)
     anc = np.zeros((len(ts.nodes), len(ts.nodes)), bool)
     for i, node in enumerate(ts.nodes):
         if node.chain_parent >= 0:
             anc[i] = anc[node.chain_parent]
         anc[i, i] = True
     row.ancestors = anc
-    return row
+    return row, placement
+
+
+_TOKEN_FIELDS = ("targets", "old_logp", "advantage", "clip_low", "clip_high", "traj_count",
+                 "inv_len_sum", "keys", "behav_logp", "action_len", "stored")
+
+
+def _move_token(src: Row, t: int, dst: Row, col: int) -> None:
+    """Loss token ``t`` of ``src`` appended to ``dst`` at column ``col``."""
+    dst.cols.append(col)
+    for name in _TOKEN_FIELDS:
+        getattr(dst, name).append(getattr(src, name)[t])
 
 
 @dataclass
@@ -441,10 +546,62 @@ class MicroBatch:
     stored: torch.Tensor | None = None  # (K,) bool: a stored tree's token (G8)
     staleness: torch.Tensor | None = None  # (K,) float32: its versions behind (P1)
     tree_tout: torch.Tensor | None = None  # (R, L) long, tree layout: the intervals of (1)
+    prefix_tin: torch.Tensor | None = None  # (R, P) long: branch rows of a SplitTree, (2)
+    prefix_tout: torch.Tensor | None = None  # (R, P) long
 
     @property
     def n_loss_tokens(self) -> int:
         return int(self.targets.numel())
+
+
+@dataclass
+class SplitTree:
+    """One tree too long for a row (``make_rows``' ``max_row_tokens``): its ``trunk``
+    (one row, (1, P)) forwarded once, and ``branches``, micro-batches of branch rows
+    whose queries also attend the trunk's keys and values (relation (2) of
+    ``train.policies.tree_attention``). ``pieces`` is the order in which
+    ``loss_pieces`` and ``forward_logprobs`` return their loss tokens (the trunk last:
+    its backward pass carries its branches' gradients into its keys and values)."""
+
+    trunk: MicroBatch
+    branches: list[MicroBatch]
+
+    @property
+    def pieces(self) -> list[MicroBatch]:
+        return [*self.branches, self.trunk]
+
+    def cat(self, name: str) -> torch.Tensor:
+        """A (K,) loss-token field of every piece, in ``pieces`` order."""
+        return torch.cat([getattr(p, name) for p in self.pieces])
+
+    @property
+    def n_loss_tokens(self) -> int:
+        return sum(p.n_loss_tokens for p in self.pieces)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(p.n_tokens for p in self.pieces)
+
+    @property
+    def keys(self) -> list[tuple[int, int, int]]:
+        return [k for p in self.pieces for k in p.keys]
+
+    # the (K,) loss-token fields of MicroBatch, over every piece
+    old_logp = property(lambda self: self.cat("old_logp"))
+    behav_logp = property(lambda self: self.cat("behav_logp"))
+    targets = property(lambda self: self.cat("targets"))
+    advantage = property(lambda self: self.cat("advantage"))
+    clip_low = property(lambda self: self.cat("clip_low"))
+    clip_high = property(lambda self: self.cat("clip_high"))
+    traj_count = property(lambda self: self.cat("traj_count"))
+    inv_len_sum = property(lambda self: self.cat("inv_len_sum"))
+    action_len = property(lambda self: self.cat("action_len"))
+    stored = property(lambda self: self.cat("stored"))
+    staleness = property(lambda self: self.cat("staleness"))
+
+
+Unit = MicroBatch | SplitTree
+"""What ``micro_batches`` returns: a micro-batch, or a split tree's pieces."""
 
 
 def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
@@ -462,6 +619,7 @@ def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
         pad[r, :len(row.ids)] = 1
     tout: torch.Tensor | None = None
     mask: Any = pad
+    pre_in = pre_out = None
     if layout == "tree":
         tout = torch.arange(1, width + 1).repeat(n, 1)  # padding sees itself only
         for r, row in enumerate(rows):
@@ -469,6 +627,12 @@ def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
                 raise BatchError(f"tree-layout row {r} has no intervals (tout)")
             tout[r, :len(row.tout)] = torch.tensor(row.tout, dtype=torch.long)
         mask = block_mask(tout)
+        if rows[0].prefix_tin:  # branch rows of one split tree: one trunk, one P
+            if len({len(r.prefix_tin) for r in rows}) != 1 or any(not r.prefix_tin
+                                                                   for r in rows):
+                raise BatchError("branch rows of different trunks in one micro-batch")
+            pre_in = torch.tensor([r.prefix_tin for r in rows], dtype=torch.long)
+            pre_out = torch.tensor([r.prefix_tout for r in rows], dtype=torch.long)
     cat = np.concatenate
 
     def f(name: str) -> torch.Tensor:
@@ -487,7 +651,7 @@ def collate(rows: Sequence[Row], layout: Layout, pad_id: int = 0,
         keys=[k for row in rows for k in row.keys], n_tokens=int(pad.sum()),
         action_len=f("action_len"),
         stored=torch.tensor(cat([np.asarray(row.stored, bool) for row in rows]), dtype=torch.bool),
-        staleness=f("staleness"), tree_tout=tout)
+        staleness=f("staleness"), tree_tout=tout, prefix_tin=pre_in, prefix_tout=pre_out)
 
 
 def dense_tree_mask(rows: Sequence[Row], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -516,7 +680,11 @@ def pack_rows(rows: Sequence[Row], max_tokens: int) -> list[Row]:
         if len(row.tout) != len(row.ids):
             raise BatchError("pack_rows needs tree-layout rows")
         last = out[-1] if out else None
-        if last is None or len(last.ids) + len(row.ids) > max_tokens:
+        if row.split >= 0 and (row.trunk or row.prefix_tin):  # a split tree stays apart
+            out.append(copy.deepcopy(row))
+            continue
+        if (last is None or len(last.ids) + len(row.ids) > max_tokens
+                or (last.split >= 0 and (last.trunk or last.prefix_tin))):
             out.append(copy.deepcopy(row))
             continue
         shift, n_nodes = len(last.ids), 0 if last.ancestors is None else len(last.ancestors)
@@ -539,11 +707,26 @@ def pack_rows(rows: Sequence[Row], max_tokens: int) -> list[Row]:
 
 def micro_batches(rows: Sequence[Row], layout: Layout, max_tokens: int, pad_id: int = 0,
                   dtype: torch.dtype = torch.float32, max_padding: float = 0.25
-                  ) -> list[MicroBatch]:
+                  ) -> list[Unit]:
     """Rows sorted by length (stable), cut so that rows * longest row <= ``max_tokens``
     and padding stays under ``max_padding`` of a micro-batch (at least one row each),
-    collated. The order of rows does not change the loss: ``aggregate``'s denominators
-    are global."""
+    collated; a split tree's rows (``make_rows``' ``max_row_tokens``) become one
+    ``SplitTree`` whose branch rows are cut the same way. The order of rows does not
+    change the loss: ``aggregate``'s denominators are global."""
+    whole = [r for r in rows if not (r.trunk or r.prefix_tin)]
+    out: list[Unit] = list(_cut(whole, layout, max_tokens, pad_id, dtype, max_padding))
+    for row in rows:
+        if row.trunk:
+            branches = [r for r in rows if r.prefix_tin and r.split == row.split
+                        and r.tree == row.tree]
+            out.append(SplitTree(collate([row], layout, pad_id, dtype),
+                                 _cut(branches, layout, max_tokens, pad_id, dtype,
+                                      max_padding)))
+    return out
+
+
+def _cut(rows: Sequence[Row], layout: Layout, max_tokens: int, pad_id: int,
+         dtype: torch.dtype, max_padding: float) -> list[MicroBatch]:
     out: list[MicroBatch] = []
     chunk: list[Row] = []
     width = real = 0
@@ -562,11 +745,9 @@ def micro_batches(rows: Sequence[Row], layout: Layout, max_tokens: int, pad_id: 
     return out
 
 
-def forward_logprobs(model: Any, mb: MicroBatch, with_entropy: bool = False,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(target | prefix) of every loss token, (K,), and optionally the entropy (K,)
-    of the next-token distribution there (differentiable only with ``entropy_grad``).
-    The LM head runs at the K loss columns only."""
+def _forward(model: Any, mb: MicroBatch, with_entropy: bool, entropy_grad: bool,
+             prefix: dict[int, KV] | None = None, capture: dict[int, KV] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = next(model.parameters()).device
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
     if mb.tree_tout is None:
@@ -579,12 +760,16 @@ def forward_logprobs(model: Any, mb: MicroBatch, with_entropy: bool = False,
         config = base.config
         saved = config._attn_implementation
         config._attn_implementation = IMPLEMENTATION
+        tree = TreeAttention.of(
+            mb.tree_tout, device,
+            prefix_tin=None if prefix is None else mb.prefix_tin,
+            prefix_tout=None if prefix is None else mb.prefix_tout,
+            prefix=prefix, capture=capture)
         try:
             hidden = base(input_ids=mb.input_ids.to(device),
                           position_ids=mb.position_ids.to(device),
                           attention_mask=mb.attention_mask.to(device), use_cache=False,
-                          tree_attention=TreeAttention.of(mb.tree_tout, device)
-                          ).last_hidden_state  # (R, L, H)
+                          tree_attention=tree).last_hidden_state  # (R, L, H)
         finally:
             config._attn_implementation = saved
     picked = hidden[mb.loss_row.to(device), mb.loss_col.to(device)]  # (K, H)
@@ -600,6 +785,93 @@ def forward_logprobs(model: Any, mb: MicroBatch, with_entropy: bool = False,
     return logp, entropy
 
 
+def forward_logprobs(model: Any, unit: Unit, with_entropy: bool = False,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(target | prefix) of every loss token, (K,), and optionally the entropy (K,)
+    of the next-token distribution there (differentiable only with ``entropy_grad``).
+    The LM head runs at the K loss columns only. A ``SplitTree``'s tokens come in
+    ``pieces`` order, in one autograd graph (``loss_pieces`` is the pass that frees each
+    branch's activations after its backward)."""
+    if isinstance(unit, MicroBatch):
+        return _forward(model, unit, with_entropy, entropy_grad)
+    capture: dict[int, KV] = {}
+    t_logp, t_ent = _forward(model, unit.trunk, with_entropy, entropy_grad, capture=capture)
+    parts = [_forward(model, mb, with_entropy, entropy_grad, prefix=capture)
+             for mb in unit.branches] + [(t_logp, t_ent)]
+    ent = [e for _, e in parts if e is not None]
+    return (torch.cat([lp for lp, _ in parts]),
+            torch.cat(ent) if with_entropy else None)
+
+
+@dataclass
+class Piece:
+    """One forward of ``loss_pieces``: the micro-batch whose loss tokens it scored, their
+    logprobs (K,), entropies (K,) and reference logprobs (K,) when asked for, and the
+    ``backward`` to call on the loss built from them (exactly once)."""
+
+    mb: MicroBatch
+    logp: torch.Tensor
+    entropy: torch.Tensor | None
+    ref: torch.Tensor | None
+    backward: Callable[[torch.Tensor], None]
+
+
+def loss_pieces(model: Any, unit: Unit, with_entropy: bool = False,
+                entropy_grad: bool = False, ref_model: Any = None) -> Iterator[Piece]:
+    """The loss step's forwards of ``unit``. A micro-batch is one piece. A ``SplitTree``
+    forwards its trunk once, keeping its graph and each layer's keys and values K_l, V_l;
+    each branch micro-batch then attends detached copies K'_l, V'_l (leaves), and its
+    ``backward`` frees the branch's activations, accumulating dL/dK'_l and dL/dV'_l;
+    the trunk's piece comes last and its ``backward`` runs once through the trunk with
+    its own loss and ``sum over branches of dL/dK'_l`` into K_l (and V_l): the gradient
+    of the one-row layout, with peak activations of the trunk plus one branch. A trunk
+    without loss tokens yields no piece; its backward runs when the branches are done."""
+    def plain(loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def ref_of(mb: MicroBatch, prefix: dict[int, KV] | None = None,
+               capture: dict[int, KV] | None = None) -> torch.Tensor | None:
+        if ref_model is None:
+            return None
+        with torch.no_grad():
+            return _forward(ref_model, mb, False, False, prefix=prefix, capture=capture)[0]
+
+    if isinstance(unit, MicroBatch):
+        logp, ent = _forward(model, unit, with_entropy, entropy_grad)
+        yield Piece(unit, logp, ent, ref_of(unit), plain)
+        return
+    grad = torch.is_grad_enabled()
+    capture: dict[int, KV] = {}
+    ref_capture: dict[int, KV] = {}
+    t_logp, t_ent = _forward(model, unit.trunk, with_entropy, entropy_grad, capture=capture)
+    t_ref = ref_of(unit.trunk, capture=ref_capture)
+    leaves = {layer: (k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
+              for layer, (k, v) in capture.items()}
+    for mb in unit.branches:
+        logp, ent = _forward(model, mb, with_entropy, entropy_grad, prefix=leaves)
+        yield Piece(mb, logp, ent, ref_of(mb, prefix=ref_capture) if ref_model is not None
+                    else None, plain)
+
+    def finish(loss: torch.Tensor | None) -> None:
+        outs: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if loss is not None and loss.requires_grad:
+            outs.append(loss)
+            grads.append(None)
+        for layer, pair in capture.items():
+            for cap, leaf in zip(pair, leaves[layer], strict=True):
+                if leaf.grad is not None and cap.requires_grad:
+                    outs.append(cap)
+                    grads.append(leaf.grad)
+        if outs:
+            torch.autograd.backward(outs, grads)
+
+    if unit.trunk.n_loss_tokens:
+        yield Piece(unit.trunk, t_logp, t_ent, t_ref, finish)
+    elif grad:
+        finish(None)
+
+
 def tree_token_ratio(seqs: Sequence[TreeSeqs]) -> float:
     """paths tokens / tree tokens of a batch (>= 1; the FLOP bound of the tree layout)."""
     tree = sum(t.tree_tokens() for t in seqs)
@@ -607,6 +879,7 @@ def tree_token_ratio(seqs: Sequence[TreeSeqs]) -> float:
 
 
 __all__ = ["LAYOUTS", "NODE_WEIGHTS", "BatchError", "Layout", "MicroBatch", "NodeCredit",
-           "NodeSeq", "NodeWeight", "ProxLogp", "Row", "TreeSeqs", "build_sequences", "collate",
-           "dense_tree_mask", "forward_logprobs", "make_rows", "micro_batches", "node_credit",
-           "pack_rows", "transcripts", "tree_token_ratio"]
+           "NodeSeq", "NodeWeight", "Piece", "ProxLogp", "Row", "SplitTree", "TreeSeqs", "Unit",
+           "build_sequences", "collate", "dense_tree_mask", "forward_logprobs", "loss_pieces",
+           "make_rows", "micro_batches", "node_credit", "pack_rows", "transcripts",
+           "tree_token_ratio"]

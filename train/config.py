@@ -145,10 +145,12 @@ class TrainConfig:
     layout: Layout = "tree"
     """Token layout: ``tree`` (shared prefixes once) or ``paths`` (one row per trajectory)."""
     tree_row_tokens: int = 256
-    """Tree layout: a tree with more tokens is cut into rows of whole leaf paths of at most
-    about this many tokens (shared nodes re-forwarded, their loss counted once); 0 keeps
-    one row per tree (no shared token forwarded twice; attention memory is linear in the
-    row, benchmarks/bench_train_layout.py)."""
+    """Tree layout: a tree with more tokens is split into a trunk row (the nodes whose
+    subtree is larger) and branch rows of at most about this many tokens that attend the
+    trunk's keys (``train.batches.SplitTree``): the trunk is forwarded once, and each
+    branch's activations are freed by its backward before the next; 0 keeps one row per
+    tree. Either way no token is forwarded twice; attention memory is linear in the row
+    (benchmarks/bench_train_layout.py)."""
     node_weight: NodeWeight = "trajectories"
     """Loss weight of a tree node: trajectories through it (= paths) or ``once`` (E7 note)."""
     aggregation: Aggregation = "token-mean"

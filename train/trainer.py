@@ -87,8 +87,10 @@ from rollout_store.tree import Tree
 from train import distributed as dp
 from train.batches import (
     NodeCredit,
+    SplitTree,
     build_sequences,
     forward_logprobs,
+    loss_pieces,
     make_rows,
     micro_batches,
     tree_token_ratio,
@@ -819,6 +821,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             tokens, paths, actions = dp.all_sum(world, [n_tokens, n_seqs, n_actions])  # DDP
             d = denominator(config.aggregation, tokens, paths, config.norm_length, actions)
             part_batches.append((mbs, d, own))
+            metrics["split_trees"] = metrics.get("split_trees", 0.0) + sum(
+                isinstance(u, SplitTree) for u in mbs)  # trees over tree_row_tokens
         if config.check_logprobs:
             with torch.no_grad():
                 diffs = [float((forward_logprobs(model, mb)[0] - mb.old_logp).abs().max())
@@ -838,19 +842,18 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                 mbs, d, part = part_batches[p]
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
-                for mb in mbs:
-                    if not mb.n_loss_tokens:
-                        continue
-                    logp, entropy = forward_logprobs(model, mb, with_entropy=True,
-                                                     entropy_grad=config.entropy_coef > 0)
+                # a split tree (tree_row_tokens) is several pieces: its trunk forwarded
+                # once, each branch's backward before the next branch's forward
+                pieces = (piece for unit in mbs if unit.n_loss_tokens
+                          for piece in loss_pieces(model, unit, with_entropy=True,
+                                                   entropy_grad=config.entropy_coef > 0,
+                                                   ref_model=ref_model))
+                for piece in pieces:
+                    mb, logp, entropy, ref = piece.mb, piece.logp, piece.entropy, piece.ref
                     assert entropy is not None
                     weight, old_logp = None, mb.old_logp  # G8: w = pi_prox / mu (1 fresh)
                     if reuse is not None:  # stored tokens: mb.stored
                         weight, old_logp = reuse.weight(mb, logp)
-                    ref = None
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            ref = forward_logprobs(ref_model, mb)[0]
                     out_t = token_loss(logp, old_logp, mb.advantage, mb.clip_low,
                                        mb.clip_high, dual_clip=config.dual_clip, ref_logp=ref,
                                        kl_coef=config.kl_coef,
@@ -861,7 +864,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                                       mb.action_len)
                     mask = torch.ones_like(w, dtype=torch.bool)
                     loss = aggregate(out_t.loss, mask, w, d)
-                    loss.backward()
+                    piece.backward(loss)
                     step_loss += float(loss.detach())
                     k = mb.n_loss_tokens
                     n_loss_tokens += k
@@ -915,6 +918,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             if leaves else 0.0,
             "tokens_per_s": forward_tokens / max(t4 - t3, 1e-9),
             "loss_tokens": float(n_loss_tokens),
+            "forward_tokens": float(forward_tokens),  # real tokens through the model
             "tree_token_ratio": tree_token_ratio(seqs),
             "chain_breaks": float(sum(s.breaks() for s in seqs)),
             "env_steps": float(sum((t.meta or {}).get("env_steps", 0) for t in trees)),

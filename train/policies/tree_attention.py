@@ -30,6 +30,18 @@ Two consumers of (1):
   mask. Memory and work are O(sum over blocks of 128 * n_sel), linear in the row length
   for trees of bounded depth, never L^2.
 
+Split trees (``train.batches.SplitTree``). A tree too long for one row is forwarded as a
+*trunk* row once, then as *branch* rows whose queries also attend the trunk's keys and
+values (the trunk forward records them per layer, ``TreeAttention.capture``). Trunk column
+j is visible to query q of a branch row iff::
+
+    prefix_tin[j] <= q < prefix_tout[j]                              (2)
+
+(the branch row's columns that lie under j's node; branch subtrees are laid out in the
+order of their attachment points, so that span is contiguous). A branch block's keys are
+the trunk keys (2) admits, then the row's own keys (1), so each query attends exactly
+the keys it attends in the one-row layout.
+
 Keys and values with fewer heads than the queries (GQA) are repeated per group.
 """
 
@@ -96,12 +108,15 @@ class _Block:
     row: int
     q0: int
     q1: int
-    keys: torch.Tensor  # (n_sel,) long
-    allowed: torch.Tensor  # (q1 - q0, n_sel) bool
+    keys: torch.Tensor  # (n_sel,) long, columns of the row
+    allowed: torch.Tensor  # (q1 - q0, n_pre + n_sel) bool: prefix keys first
+    pre: torch.Tensor | None = None  # (n_pre,) long, prefix columns (split trees)
 
 
-def plan(tout: torch.Tensor, block: int = BLOCK) -> list[_Block]:
-    """Per block of ``block`` queries, the keys (1) can reach and the block's mask."""
+def plan(tout: torch.Tensor, block: int = BLOCK, prefix_tin: torch.Tensor | None = None,
+         prefix_tout: torch.Tensor | None = None) -> list[_Block]:
+    """Per block of ``block`` queries, the keys (1) can reach and the block's mask;
+    with a prefix (2), the prefix keys some query of the block sees come first."""
     n_rows, length = tout.shape
     col = torch.arange(length)
     out = []
@@ -112,23 +127,44 @@ def plan(tout: torch.Tensor, block: int = BLOCK) -> list[_Block]:
             keys = torch.nonzero((col < q1) & (t > q0)).squeeze(1)
             q = col[q0:q1, None]
             allowed = (keys[None, :] <= q) & (q < t[keys][None, :])
-            out.append(_Block(r, q0, q1, keys, allowed))
+            pre = None
+            if prefix_tin is not None and prefix_tout is not None:
+                lo, hi = prefix_tin[r], prefix_tout[r]
+                pre = torch.nonzero((lo < q1) & (hi > q0) & (lo < hi)).squeeze(1)
+                allowed = torch.cat([(lo[pre][None, :] <= q) & (q < hi[pre][None, :]),
+                                     allowed], dim=1)
+            out.append(_Block(r, q0, q1, keys, allowed, pre))
     return out
+
+
+KV = tuple[torch.Tensor, torch.Tensor]
+"""One layer's keys and values, each (1, H_kv, P, D), after the rotary embedding."""
 
 
 @dataclass
 class TreeAttention:
     """What ``tree_attention_forward`` needs of a micro-batch: ``tout`` and its plan
-    (computed once per forward, shared by every layer)."""
+    (computed once per forward, shared by every layer). A split tree's branch rows also
+    carry ``prefix``, the trunk's keys and values per layer index, visible to query q of
+    row r iff ``prefix_tin[r, j] <= q < prefix_tout[r, j]`` (2); a trunk forward that
+    fills ``capture`` records each layer's keys and values for its branches."""
 
     tout: torch.Tensor  # (R, L) long
     blocks: list[_Block]
+    prefix: dict[int, KV] | None = None
+    capture: dict[int, KV] | None = None
 
     @classmethod
-    def of(cls, tout: torch.Tensor, device: torch.device | str = "cpu") -> TreeAttention:
-        blocks = [_Block(b.row, b.q0, b.q1, b.keys.to(device), b.allowed.to(device))
-                  for b in plan(tout)]
-        return cls(tout.to(device), blocks)
+    def of(cls, tout: torch.Tensor, device: torch.device | str = "cpu",
+           prefix_tin: torch.Tensor | None = None, prefix_tout: torch.Tensor | None = None,
+           prefix: dict[int, KV] | None = None, capture: dict[int, KV] | None = None
+           ) -> TreeAttention:
+        blocks = [_Block(b.row, b.q0, b.q1, b.keys.to(device), b.allowed.to(device),
+                         None if b.pre is None else b.pre.to(device))
+                  for b in plan(tout, prefix_tin=prefix_tin, prefix_tout=prefix_tout)]
+        if (prefix is None) != (prefix_tin is None):
+            raise ValueError("a prefix needs its intervals (prefix_tin, prefix_tout) and back")
+        return cls(tout.to(device), blocks, prefix, capture)
 
 
 def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -137,21 +173,32 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            ) -> tuple[torch.Tensor, None]:
     """Attention implementation ``"rtrees_tree"``: query (R, H, L, D), key/value
     (R, H_kv, L, D) -> (R, L, H, D). With ``tree_attention=TreeAttention`` in the
-    kwargs it runs the block-sparse SDPA of (1); otherwise it is transformers' SDPA."""
+    kwargs it runs the block-sparse SDPA of (1) (and (2) over a split tree's trunk
+    keys); otherwise it is transformers' SDPA."""
     tree: TreeAttention | None = kwargs.pop("tree_attention", None)
     if tree is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    layer = int(getattr(module, "layer_idx", -1))
+    if tree.capture is not None:
+        tree.capture[layer] = (key, value)
+    pre_kv = None if tree.prefix is None else tree.prefix[layer]
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+        if pre_kv is not None:
+            pre_kv = (pre_kv[0].repeat_interleave(groups, dim=1),
+                      pre_kv[1].repeat_interleave(groups, dim=1))
     rows: list[list[torch.Tensor]] = [[] for _ in range(query.shape[0])]
     for blk in tree.blocks:
         q = query[blk.row:blk.row + 1, :, blk.q0:blk.q1]  # (1, H, nq, D)
         k = key[blk.row:blk.row + 1, :, blk.keys]  # (1, H, n_sel, D)
         v = value[blk.row:blk.row + 1, :, blk.keys]
+        if pre_kv is not None and blk.pre is not None:  # (2): the trunk's keys first
+            k = torch.cat([pre_kv[0][:, :, blk.pre], k], dim=2)
+            v = torch.cat([pre_kv[1][:, :, blk.pre], v], dim=2)
         rows[blk.row].append(F.scaled_dot_product_attention(
             q, k, v, attn_mask=blk.allowed, dropout_p=dropout if module.training else 0.0,
             scale=scaling))
@@ -168,5 +215,5 @@ def register() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, sdpa_mask)
 
 
-__all__ = ["BLOCK", "IMPLEMENTATION", "TreeAttention", "block_mask", "dense_allowed",
+__all__ = ["BLOCK", "IMPLEMENTATION", "KV", "TreeAttention", "block_mask", "dense_allowed",
            "mask_mod_of", "plan", "register", "tree_attention_forward"]
