@@ -19,8 +19,8 @@ Memory: the peak over a whole loss step of the bytes autograd holds saved for ba
 (every tensor a forward stores, counted once per storage while it lives): the part of
 peak memory that grows with the row, measured without a CUDA allocator. Then one synthetic
 tree row of 2k, 8k and 32k tokens (a shared 1,500-token prompt, then random branches of
-20-80 tokens, depth at most 8) is forwarded through the tiny model with the tree layout, and its saved
-bytes per token are printed beside the (L, L) float mask the dense layout needed.
+20-80 tokens, depth at most 8) is forwarded through the tiny model with the tree layout,
+and its saved bytes per token are printed beside the (L, L) float mask the dense layout needed.
 
 Targets (issue 25): at a tree token ratio >= 4, tree >= 85% of the ratio faster than
 paths for both architectures; tree's saved bytes <= paths'; linear growth in row length.
