@@ -144,11 +144,12 @@ class TrainConfig:
     """Padded tokens per forward pass (gradient accumulation; does not change the update)."""
     layout: Layout = "tree"
     """Token layout: ``tree`` (shared prefixes once) or ``paths`` (one row per trajectory)."""
-    tree_row_tokens: int = 256
-    """Tree layout: a tree with more tokens is cut into rows of whole leaf paths of at most
-    about this many tokens (shared nodes re-forwarded, their loss counted once); 0 keeps
-    one row per tree (no shared token forwarded twice; attention memory is linear in the
-    row, benchmarks/bench_train_layout.py)."""
+    tree_row_tokens: int = 0
+    """Tree layout: 0 (the default) keeps one row per tree (no shared token, the prompt
+    included, forwarded twice; attention memory is linear in the row,
+    benchmarks/bench_train_layout.py); N > 0 cuts a tree with more tokens into rows of
+    whole leaf paths of at most about N tokens (shared nodes re-forwarded in every row,
+    their loss counted once: the bound the dense mask needed)."""
     node_weight: NodeWeight = "trajectories"
     """Loss weight of a tree node: trajectories through it (= paths) or ``once`` (E7 note)."""
     aggregation: Aggregation = "token-mean"
