@@ -338,6 +338,11 @@ class TreeBuilder:
     (their rollouts' reseed keys and their policy calls) with its seed instead of
     ``seed``: trees that share ``seed`` then share their other phases and differ in
     those (the localization study: one explore phase, independent probes).
+
+    ``graft`` starts a builder from a stored tree (its root and copies of stored paths)
+    instead of ``reset``, and ``run(forced=...)`` replays a stored action as a rollout's
+    first step: the reuse refresh grows its trees this way (``train.sampling.refresh``),
+    so they follow the same node and leaf rules as every sampled tree.
     """
 
     def __init__(self, env: Environment, policy: Policy, task: Task, n_total: int, *,
