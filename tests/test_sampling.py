@@ -21,6 +21,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Generator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -762,24 +763,76 @@ def test_phase_seeds_share_the_explore_phase() -> None:
         assert all(t.seed == 5 for t in trees)
 
 
-def test_policy_refresh_forces_the_route_and_is_reproducible() -> None:
-    from train.policies.tabular import TabularBackend
-    from train.sampling.refresh import PolicyRefresh, RefreshSampler, refresh_protocol
+def _refresh_of(tree: Tree, env: Any, policy: Any, *, seed: int = 1, max_rows: int = 128,
+                cap: int = 40) -> Any:
+    """``refresh_program`` on the root comparison of ``tree`` (flat priors) in an engine."""
+    from functools import partial
 
-    env = WorkflowEnv()
+    from train.sampling.engine import Engine
+    from train.sampling.refresh import Site, refresh_program
+
+    root = tree.root().node_id
+    children = tuple(tree.children()[root])
+    site = Site(root, children, tuple((0.5, 0.05, 4.0) for _ in children))
+    return Engine(policy, max_rows=max_rows).run([partial(
+        refresh_program, tree, [site], env, policy, config=SamplerConfig(), seed=seed,
+        tree_id="fresh", run_id="r", cap=cap)])[0]
+
+
+def test_refresh_program_forces_the_route_and_is_reproducible() -> None:
+    """Every draw starts with a stored root child's action, forced with its tokens and
+    logprobs; the protocol observes the draws in order (counts, cost); the same seed
+    gives the same tree whatever the row budget."""
     task = _stochastic_task(5)
-    prompt = env.reset(task)
-    snapshot = env.snapshot()
-    actions = env.valid_actions()
-    draw = PolicyRefresh(env, TabularBackend(), [("prompt", prompt)], snapshot, actions,
-                         max_steps=task.max_steps, seed=1)
-    first, again = draw(0, 3), draw(0, 3)
-    assert first == again and first.turns[1] == ("action", actions[0])
-    assert 1 <= first.steps <= task.max_steps and first.reward in (0.0, 1.0)
-    assert {draw(1, k).turns[1][1] for k in range(3)} == {actions[1]}
-    sampler = RefreshSampler(draw)
-    res = refresh_protocol(np.full(len(actions), 0.5), np.full(len(actions), 0.05),
-                           np.full(len(actions), 4), range(len(actions)), sampler,
-                           cap_steps=60)
-    assert res.steps == sum(t.steps for t in sampler.cache.values()) or res.incomplete
-    assert res.n_new.sum() == len(sampler.cache) > 0
+    policy = TabularAdapter(tabular_policies([task]))
+    stored = make_sampler("group").sample_tree(WorkflowEnv(), policy, task, 4, seed=3,
+                                               tree_id="s")
+    out = _refresh_of(stored, WorkflowEnv, policy)
+    again = _refresh_of(stored, WorkflowEnv, policy, max_rows=1)
+    tree, other = out.builder.finish(), again.builder.finish()
+    assert [(n.action_text, n.observation_text, n.reward) for n in tree.nodes] == [
+        (n.action_text, n.observation_text, n.reward) for n in other.nodes]
+    draws = out.draws[0]
+    assert draws and out.results[0].n_new.sum() <= len(draws)
+    assert {d.first for d in draws} == set(tree.children()[0])
+    for d in draws:
+        first = tree.node(d.first)
+        stored_child = stored.node(stored.children()[0][d.route])
+        assert (first.action_text, first.action_token_ids, first.action_logprobs) == (
+            stored_child.action_text, stored_child.action_token_ids,
+            stored_child.action_logprobs)
+    assert out.steps == sum(n.tool_calls or 0 for n in tree.nodes)
+    assert out.results[0].steps <= out.steps
+    assert tree.rollouts_by_phase == {"refresh": len(draws)}
+
+
+class _ProgressWorkflow(WorkflowEnv):
+    """The workflow with a progress reward on every step (``reward`` 0.25 until the end),
+    so a leaf cut by the step limit has a non-zero ``reward_parts["reward"]``."""
+
+    def step(self, action: str) -> Any:
+        result = super().step(action)
+        if result.done:
+            return result
+        return type(result)(result.observation, False, {**result.reward_parts, "reward": 0.25})
+
+
+def test_a_refreshed_truncated_leaf_has_the_reward_tree_builder_gives() -> None:
+    """Stored tree and refresh share ``TreeBuilder``'s leaf rule: a leaf cut by the step
+    limit keeps its last step's ``reward_parts["reward"]`` (the refresh's own builder
+    used to write 0 there); the protocol observes that same reward."""
+    task = replace(_stochastic_task(5), max_steps=2)
+    policy = TabularAdapter(tabular_policies([task]))
+    stored = make_sampler("group").sample_tree(_ProgressWorkflow(), policy, task, 4, seed=3,
+                                               tree_id="s")
+    cut = [n for n in stored.nodes if (n.meta or {}).get("truncated")]
+    assert cut and all(n.reward == 0.25 for n in cut)
+    out = _refresh_of(stored, _ProgressWorkflow, policy)
+    tree = out.builder.finish()
+    leaves = [n for n in tree.nodes if n.reward is not None]
+    refreshed_cut = [n for n in leaves if (n.meta or {}).get("truncated")]
+    assert refreshed_cut
+    for n in refreshed_cut:
+        assert n.reward == n.reward_parts["reward"] == 0.25 and not n.terminal
+    by_leaf = {d.leaf: d.reward for d in out.draws[0]}
+    assert by_leaf and all(by_leaf[n.node_id] == n.reward for n in leaves)

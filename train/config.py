@@ -144,13 +144,14 @@ class TrainConfig:
     """Padded tokens per forward pass (gradient accumulation; does not change the update)."""
     layout: Layout = "tree"
     """Token layout: ``tree`` (shared prefixes once) or ``paths`` (one row per trajectory)."""
-    tree_row_tokens: int = 256
+    tree_row_tokens: int = 2048
     """Tree layout: a tree with more tokens is split into a trunk row (the nodes whose
     subtree is larger) and branch rows of at most about this many tokens that attend the
     trunk's keys (``train.batches.SplitTree``): the trunk is forwarded once, and each
     branch's activations are freed by its backward before the next; 0 keeps one row per
-    tree. Either way no token is forwarded twice; attention memory is linear in the row
-    (benchmarks/bench_train_layout.py)."""
+    tree. Either way no token is forwarded twice; attention memory is linear in the row,
+    and the split bounds what deep trees save for backward
+    (benchmarks/bench_train_layout.py --split-tokens)."""
     node_weight: NodeWeight = "trajectories"
     """Loss weight of a tree node: trajectories through it (= paths) or ``once`` (E7 note)."""
     aggregation: Aggregation = "token-mean"

@@ -712,7 +712,6 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         _commit_heldout(store, run_id, -1, rows)
         _commit_metrics(store, run_id, -1, initial)
         report.heldout[0] = initial
-    env = make_env(config.env)
     for it in range(start, config.steps):
         metrics: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -783,7 +782,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         staleness: dict[str, int] = {}
         batch_trees = list(trees)
         if reuse is not None:
-            got = reuse.step(store, model, current, env, env_name=config.env, it=it,
+            got = reuse.step(store, model, current, partial(make_env, config.env),
+                             env_name=config.env, it=it,
                              run_id=run_id, seed=config.seed, out=out,
                              credit_for=partial(credit_for, config=config),
                              layout=config.layout, micro_tokens=config.micro_tokens,

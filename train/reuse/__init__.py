@@ -29,7 +29,7 @@ _WHERE = {
                 "dsc_extras", "get_rule", "resolve_tree", "tool_steps", "with_returns"),
     "score": ("score_actions",),
     "calibrate": ("calibrate_gate", "gate_params"),
-    "refresh": ("Refreshed", "forced", "node_draws", "refresh_routes"),
+    "refresh": ("Refreshed", "engine_for", "has_snapshot", "refresh_routes", "refresh_trees"),
     "runfiles": ("log_line", "read_record", "write_params"),
     "stage": ("ReuseStage", "StoredBatch", "StoredStep", "interp_prox", "m2po_mask",
               "make_reuse", "rename_method", "resolve_stored"),

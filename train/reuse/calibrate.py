@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,13 @@ from train.credit.scores import score_trees
 from train.envs.base import Environment
 from train.policies.base import Policy
 from train.reuse.params import CALIB_FRAC, ReuseParams
-from train.reuse.refresh import node_draws
+from train.reuse.refresh import engine_for
 from train.reuse.resolve import dsc_extras
 from train.reuse.runfiles import read_record, write_params
 from train.reuse.select import Selection, split_hash, tree_problem
-from train.sampling.base import mix_seed
+from train.sampling.base import SamplerConfig, TreeBuilder, mix_seed
+from train.sampling.engine import EnvSource, Request
+from train.sampling.refresh import forced_draws, open_env
 
 
 def _ratio_scores(trees: Sequence[Tree], policy: Policy) -> ProxLogp:
@@ -41,20 +44,37 @@ def _ratio_scores(trees: Sequence[Tree], policy: Policy) -> ProxLogp:
         table.column("value").to_pylist(), strict=True)}
 
 
-def _route_means(tree: Tree, children: Sequence[int], env: Environment, policy: Policy, *,
-                 k: int, seed: int, max_new_tokens: int, temperature: float
-                 ) -> tuple[np.ndarray, int]:
-    """(A,) mean return of ``k`` new trajectories per root child under ``policy`` and the
-    tool steps they spent."""
-    draw = node_draws(tree, tree.root().node_id, children, env, policy, seed=seed,
-                      max_new_tokens=max_new_tokens, temperature=temperature, records=False)
-    assert draw is not None  # calibration trees passed tree_problem(need_snapshots=True)
-    got = [[draw(a, j) for j in range(k)] for a in range(len(children))]
-    return (np.array([np.mean([d.reward for d in ds]) for ds in got]),
-            sum(d.steps for ds in got for d in ds))
+def _route_means(trees: Sequence[Tree], env: EnvSource, policy: Policy, *, k: int,
+                 seeds: Sequence[int], max_new_tokens: int, temperature: float
+                 ) -> list[tuple[np.ndarray, int]]:
+    """Per tree, the (A,) mean return of ``k`` new trajectories per root child under
+    ``policy`` (the root's stored child actions forced first, ``forced_draws``) and the
+    tool steps they spent: every tree one program (rows keyed by its seed), all in one
+    ``Engine.run``."""
+    config = SamplerConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+
+    def program(tree: Tree, seed: int) -> Generator[Request, Any, tuple[np.ndarray, int]]:
+        owned = not isinstance(env, Environment)
+        environment = yield from open_env(env)
+        try:
+            root = tree.root().node_id
+            children = tree.children()[root]
+            builder, copied = TreeBuilder.graft(environment, policy, tree, [root],
+                                                sampler="calibrate", config=config,
+                                                seed=seed, tree_id=f"{tree.tree_id}/calibrate")
+            got = yield from forced_draws(builder, [(copied[root], tree.node(c))
+                                                    for c in children for _ in range(k)])
+            rewards = np.array([d.reward for d in got]).reshape(len(children), k)
+            return rewards.mean(axis=1), sum(d.steps for d in got)
+        finally:
+            if owned:
+                environment.close()
+
+    return engine_for(policy, env).run(
+        [partial(program, t, s) for t, s in zip(trees, seeds, strict=True)])
 
 
-def calibrate_gate(trees: Sequence[Tree], params: ReuseParams, env: Environment,
+def calibrate_gate(trees: Sequence[Tree], params: ReuseParams, env: EnvSource,
                    policy: Policy, *, seed: int, max_new_tokens: int, temperature: float,
                    load_mu: Callable[[Tree], Policy]) -> tuple[ReuseParams, dict[str, Any]]:
     """D7 on calibration-split ``trees`` (module docstring): the root comparison's pairs
@@ -93,14 +113,21 @@ def calibrate_gate(trees: Sequence[Tree], params: ReuseParams, env: Environment,
     at_row: list[np.ndarray] = [np.zeros(arrays.n_nodes), np.zeros(arrays.n_nodes)]
     row_of = {(arrays.tree_ids[int(arrays.node_tree[r])], int(arrays.node_ids[r])): r
               for r in range(arrays.n_nodes)}
-    for tree, mu in zip(usable, mus, strict=True):
-        children = tree.children()[tree.root().node_id]
-        key = mix_seed(seed, "calibrate", tree.tree_id)
-        for which, pol in enumerate((mu, policy)):
-            means, spent = _route_means(tree, children, env, pol, k=params.calib_draws,
-                                        seed=mix_seed(key, which), max_new_tokens=max_new_tokens,
-                                        temperature=temperature)
+    keys = [mix_seed(seed, "calibrate", t.tree_id) for t in usable]
+    draw = partial(_route_means, env=env, k=params.calib_draws, max_new_tokens=max_new_tokens,
+                   temperature=temperature)
+    by_mu: dict[int, list[int]] = {}  # trees of one mu checkpoint: one wavefront
+    for b, mu in enumerate(mus):
+        by_mu.setdefault(id(mu), []).append(b)
+    under_mu: dict[int, tuple[np.ndarray, int]] = {}
+    for idx in by_mu.values():
+        under_mu.update(zip(idx, draw([usable[b] for b in idx], policy=mus[idx[0]],
+                                      seeds=[mix_seed(keys[b], 0) for b in idx]), strict=True))
+    under_pi = draw(usable, policy=policy, seeds=[mix_seed(key, 1) for key in keys])
+    for which, got in enumerate(([under_mu[b] for b in range(len(usable))], under_pi)):
+        for tree, (means, spent) in zip(usable, got, strict=True):
             steps += spent
+            children = tree.children()[tree.root().node_id]
             for c, m in zip(children, means, strict=True):
                 at_row[which][row_of[(tree.tree_id, c)]] = m
     c_mu = at_row[0][pairs.leader] - at_row[0][pairs.competitor]
@@ -125,7 +152,7 @@ def calibrate_gate(trees: Sequence[Tree], params: ReuseParams, env: Environment,
     return params.with_kappas(new), record
 
 
-def gate_params(sel: Selection, params: ReuseParams, env: Environment, policy: Policy, *,
+def gate_params(sel: Selection, params: ReuseParams, env: EnvSource, policy: Policy, *,
                 out: Path | None, iteration: int, seed: int, max_new_tokens: int,
                 temperature: float) -> tuple[ReuseParams, int, dict[str, Any] | None]:
     """The gate's params for ``iteration`` of a ``dsc`` run: the calibration recorded in

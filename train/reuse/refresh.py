@@ -1,58 +1,34 @@
 """Refresh of stored comparisons (docs/METHODS.md section 9, "Refresh"): the refresh
-protocol of ``train.sampling.refresh`` per refreshed comparison, in preorder, with draws by
-``PolicyRefresh`` (restore the node's stored snapshot, reseed, force the stored child
-action with its tokens and logprobs mu, continue with the current policy), cost in tool
-calls, at most ``refresh_cap`` per stored tree; the draws committed as one new tree per
-stored tree (sampler ``refresh``) with its lineage.
+protocol of ``train.sampling.refresh`` on the refreshed comparisons of every stored tree of
+a reuse step, all trees in one wavefront of the rollout engine (``refresh_trees``). Each
+stored tree is one ``refresh_program``: a ``TreeBuilder`` grafted onto the stored paths
+(restore the node's stored snapshot, reseed, force the stored child action with its tokens
+and logprobs mu, continue with the current policy), cost in tool calls, at most
+``refresh_cap`` per stored tree; its builder's tree (sampler ``refresh``) is committed with
+its lineage. Rows are keyed by (seed, stored tree id) and the builder's (node, draw), so a
+refreshed tree does not depend on the other trees of its batch or the batch budget.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from functools import partial
 
-import numpy as np
-
-from rollout_store.tree import Node, Tree
-from train.credit.scores import transcripts
+from rollout_store.tree import Tree
 from train.envs.base import Environment
 from train.policies.base import Policy
 from train.reuse.params import ReuseParams
 from train.reuse.resolve import Resolution, tool_steps
-from train.sampling.base import SamplerConfig
-from train.sampling.refresh import (
-    Drawn,
-    Forced,
-    PolicyRefresh,
-    RefreshSampler,
-    refresh_protocol,
-)
+from train.sampling.base import SamplerConfig, mix_seed
+from train.sampling.engine import DEFAULT_MAX_ROWS, Engine, EnvSource, Program
+from train.sampling.refresh import RefreshOutcome, Site, refresh_program
 
 
-def forced(node: Node) -> Forced:
-    """A stored node's action, to be forced first by ``PolicyRefresh``."""
-    return Forced(node.action_text, tuple(node.action_token_ids), tuple(node.action_logprobs),
-                  tuple(node.action_entropies), tuple(node.segments))
-
-
-def node_draws(tree: Tree, node_id: int, children: Sequence[int], env: Environment,
-               policy: Policy, *, seed: int, max_new_tokens: int, temperature: float,
-               records: bool) -> PolicyRefresh | None:
-    """``PolicyRefresh`` from stored node ``node_id`` (its snapshot, transcript and depth)
-    with ``children``'s stored actions forced first; key parts (tree id, child id); cost
-    in tool calls. None when the node has no stored snapshot."""
-    n = tree.node(node_id)
-    if n.snapshot_id is None or n.snapshot_id not in tree.snapshots:
-        return None
-    path = tree.path_to(node_id)
-    return PolicyRefresh(
-        env, policy, transcripts(tree)[node_id], tree.snapshots[n.snapshot_id],
-        [forced(tree.node(c)) for c in children],
-        max_steps=(tree.env_config or {}).get("max_steps"), seed=seed,
-        config=SamplerConfig(max_new_tokens=max_new_tokens, temperature=temperature),
-        key_parts=[(tree.tree_id, c) for c in children], budget="tool_calls",
-        records=records, depth=len(path) - 1)
+def has_snapshot(tree: Tree, node_id: int) -> bool:
+    """Whether the store holds the node's environment snapshot (a refresh starts there)."""
+    sid = tree.node(node_id).snapshot_id
+    return sid is not None and sid in tree.snapshots
 
 
 @dataclass
@@ -67,115 +43,91 @@ class Refreshed:
     no_snapshot: int = 0
 
 
-def refresh_routes(tree: Tree, res: Resolution, env: Environment, policy: Policy, *,
+def engine_for(policy: Policy, env: EnvSource, max_rows: int = DEFAULT_MAX_ROWS) -> Engine:
+    """An engine for programs that each use ``env``: a shared ``Environment`` object runs
+    them one at a time (the results are the same: they do not depend on the batch), a
+    factory runs them together."""
+    return Engine(policy, max_rows=max_rows,
+                  max_programs=1 if isinstance(env, Environment) else 64)
+
+
+def refresh_trees(items: Sequence[tuple[Tree, Resolution, str]], env: EnvSource,
+                  policy: Policy, *, run_id: str, seed: int, params: ReuseParams,
+                  max_new_tokens: int, temperature: float,
+                  engine: Engine | None = None) -> list[Refreshed]:
+    """Refresh the refreshed children of every comparison of each (stored tree,
+    resolution, new tree id) with ``refresh_program`` (prior from the comparison's
+    ``prior``; rows keyed by ``mix_seed(seed, stored tree id)``), at most
+    ``params.refresh_cap`` new tool steps per tree (0: ``tool_steps(tree)``), all trees in
+    one ``Engine.run`` of ``engine`` (default ``engine_for(policy, env)``); returns one
+    ``Refreshed`` per item, the new tree carrying its lineage (``meta``: refresh_of,
+    refresh_of_version, refreshed_nodes, lineage)."""
+    config = SamplerConfig(max_new_tokens=max_new_tokens, temperature=temperature)
+    plans: list[tuple[list[Site], int]] = []
+    programs: list[Callable[[], Program]] = []
+    for tree, res, tree_id in items:
+        sites, missing = [], 0
+        for comp in res.comparisons:
+            if len(comp.refresh) < 2:
+                continue
+            if not has_snapshot(tree, comp.node):
+                missing += 1
+                continue
+            sites.append(Site(comp.node, tuple(comp.refresh), tuple(
+                (float(comp.prior[c][0]), float(comp.prior[c][1]), float(comp.prior[c][2]))
+                for c in comp.refresh)))
+        plans.append((sites, missing))
+        if sites:
+            programs.append(partial(
+                refresh_program, tree, sites, env, policy, config=config,
+                seed=mix_seed(seed, tree.tree_id), tree_id=tree_id, run_id=run_id,
+                cap=params.refresh_cap or max(tool_steps(tree), 1), kappa_e=params.kappa_e,
+                batch=params.refresh_batch))
+    outcomes: list[RefreshOutcome] = (engine or engine_for(policy, env)).run(programs)
+    got = iter(outcomes)
+    out = []
+    for (tree, _, _), (sites, missing) in zip(items, plans, strict=True):
+        if not sites:
+            out.append(Refreshed(None, {}, 0, missing))
+            continue
+        outcome = next(got)
+        posterior = {(s.node, c): float(r.mean[i]) for s, r in zip(sites, outcome.results,
+                                                                   strict=True)
+                     for i, c in enumerate(s.children)}
+        new = _finish(tree, sites, outcome, policy) if outcome.steps or any(
+            outcome.draws) else None
+        out.append(Refreshed(new, posterior, outcome.steps, missing))
+    return out
+
+
+def _finish(tree: Tree, sites: Sequence[Site], outcome: RefreshOutcome, policy: Policy
+            ) -> Tree:
+    """The builder's tree with its lineage: each forced node's ``meta["refresh_of"]``
+    names the stored child it replays, ``meta["lineage"]`` maps it to that child."""
+    builder = outcome.builder
+    lineage: dict[str, int] = {}
+    for site, draws in zip(sites, outcome.draws, strict=True):
+        for d in draws:
+            child = site.children[d.route]
+            node = builder.node(d.first)
+            node.meta = {**(node.meta or {}),
+                         "refresh_of": {"tree_id": tree.tree_id, "node_id": child}}
+            lineage[str(d.first)] = child
+    builder.meta.update({"refresh_of": tree.tree_id, "refresh_of_version": tree.policy_version,
+                         "refreshed_nodes": [s.node for s, ds in zip(sites, outcome.draws,
+                                                                      strict=True) if ds],
+                         "lineage": lineage})
+    builder.budget.n_total = builder.budget.used  # a refresh spends what its protocol drew
+    return builder.finish()
+
+
+def refresh_routes(tree: Tree, res: Resolution, env: EnvSource, policy: Policy, *,
                    tree_id: str, run_id: str, seed: int, params: ReuseParams,
                    max_new_tokens: int, temperature: float) -> Refreshed:
-    """Refresh the refreshed children of every comparison of ``res`` (preorder) with the
-    refresh protocol of ``train.sampling.refresh`` (prior from the comparison's
-    ``prior``) and ``PolicyRefresh`` draws from the node's stored snapshot, at most
-    ``params.refresh_cap`` new tool steps for the tree (0: ``tool_steps(tree)``); returns
-    the new tree with its lineage (module docstring)."""
-    posterior: dict[tuple[int, int], float] = {}
-    groups: list[tuple[int, list[int], list[Drawn]]] = []
-    spent = missing = 0
-    cap = params.refresh_cap or max(tool_steps(tree), 1)
-    for comp in res.comparisons:
-        routes = comp.refresh
-        if len(routes) < 2 or spent >= cap:
-            continue
-        draw = node_draws(tree, comp.node, routes, env, policy, seed=seed,
-                          max_new_tokens=max_new_tokens, temperature=temperature,
-                          records=True)
-        if draw is None:
-            missing += 1
-            continue
-        sampler = RefreshSampler(draw)
-        mean = np.array([comp.prior[c][0] for c in routes])
-        var = np.array([comp.prior[c][1] for c in routes])
-        n_old = np.array([comp.prior[c][2] for c in routes], np.float64)
-        # the protocol's Beta prior takes returns in [0, 1] (transported ones are clipped)
-        out = refresh_protocol(mean, var, n_old, list(range(len(routes))), sampler,
-                               kappa_e=params.kappa_e, cap_steps=cap - spent,
-                               batch=params.refresh_batch)
-        posterior.update({(comp.node, c): float(out.mean[i]) for i, c in enumerate(routes)})
-        drawn = [d for _, d in sorted(sampler.cache.items())]
-        spent += sum(d.steps for d in drawn)
-        if drawn:
-            groups.append((comp.node, routes, drawn))
-    if not groups:
-        return Refreshed(None, posterior, spent, missing)
-    new = _refresh_tree(tree, groups, tree_id=tree_id, run_id=run_id, policy=policy,
-                        seed=seed)
-    return Refreshed(new, posterior, spent, missing)
+    """``refresh_trees`` of one stored tree."""
+    return refresh_trees([(tree, res, tree_id)], env, policy, run_id=run_id, seed=seed,
+                         params=params, max_new_tokens=max_new_tokens,
+                         temperature=temperature)[0]
 
 
-def _refresh_tree(tree: Tree, groups: Sequence[tuple[int, list[int], list[Drawn]]], *,
-                  tree_id: str, run_id: str, policy: Policy, seed: int) -> Tree:
-    root = tree.root()
-    encode: Callable[[str], list[int]] | None = getattr(policy, "encode", None)
-    nodes = [Node(node_id=0, parent_id=None, kind="prompt",
-                  observation_text=root.observation_text, snapshot_id=f"{tree_id}/0")]
-    snapshots = {f"{tree_id}/0": tree.snapshots[root.snapshot_id or ""]}
-    copied = {root.node_id: 0}  # stored node id -> new node id (the copied paths)
-    lineage: dict[str, int] = {}
-    n_drawn = env_steps = 0
-    for node_id, routes, drawn in groups:
-        for stored in tree.path_to(node_id)[1:]:
-            if stored.node_id in copied:
-                continue
-            nid = len(nodes)
-            has = stored.snapshot_id is not None and stored.snapshot_id in tree.snapshots
-            nodes.append(replace(
-                stored, node_id=nid, parent_id=copied[stored.parent_id or 0],
-                snapshot_id=f"{tree_id}/{nid}" if has else None, tool_calls=0,
-                phase="refresh", reward=None, reward_parts={}, terminal=False,
-                meta={**(stored.meta or {}), "copy_of": stored.node_id}))
-            if has:
-                snapshots[f"{tree_id}/{nid}"] = tree.snapshots[stored.snapshot_id or ""]
-            copied[stored.node_id] = nid
-        for d in drawn:
-            n_drawn += 1
-            env_steps += len(d.records)
-            parent = copied[node_id]
-            for j, s in enumerate(d.records):
-                nid = len(nodes)
-                leaf = s.done or j == len(d.records) - 1
-                meta: dict[str, Any] | None = None
-                if j == 0:
-                    child = tree.node(routes[d.route])
-                    kind = child.kind
-                    meta = {"refresh_of": {"tree_id": tree.tree_id, "node_id": child.node_id}}
-                    lineage[str(nid)] = child.node_id
-                else:
-                    feedback = "<tool_response>" in nodes[parent].observation_text
-                    kind = "feedback_response" if feedback else "decision"
-                if s.truncated:
-                    meta = {**(meta or {}), "truncated": True}
-                nodes.append(Node(
-                    node_id=nid, parent_id=parent, kind=kind,
-                    action_text=s.action_text, action_token_ids=list(s.token_ids),
-                    action_logprobs=list(s.logprobs), action_entropies=list(s.entropies),
-                    observation_text=s.observation,
-                    observation_token_ids=[int(i) for i in encode(s.observation)]
-                    if callable(encode) and s.observation else [],
-                    segments=list(s.segments), terminal=s.done,
-                    reward=float(s.reward_parts.get("reward", 0.0))
-                    if leaf and not s.truncated else (0.0 if leaf else None),
-                    reward_parts=dict(s.reward_parts) if leaf else {},
-                    snapshot_id=f"{tree_id}/{nid}", n_gen_tokens=len(s.token_ids),
-                    tool_calls=int(s.tool_call), phase="refresh", meta=meta))
-                snapshots[f"{tree_id}/{nid}"] = s.snapshot
-                parent = nid
-    ref = getattr(policy, "policy_ref", None)
-    return Tree(
-        tree_id=tree_id, nodes=nodes, run_id=run_id, task_id=tree.task_id, env=tree.env,
-        sampler="refresh", env_config=dict(tree.env_config or {}),
-        policy_version=str(policy.policy_version), policy_ref=None if ref is None else str(ref),
-        budget=n_drawn, rollouts_by_phase={"refresh": n_drawn}, seed=seed,
-        meta={"refresh_of": tree.tree_id, "refresh_of_version": tree.policy_version,
-              "refreshed_nodes": [g[0] for g in groups], "lineage": lineage,
-              "env_steps": env_steps},
-        snapshots=snapshots)
-
-
-__all__ = ["Refreshed", "forced", "node_draws", "refresh_routes"]
+__all__ = ["Refreshed", "engine_for", "has_snapshot", "refresh_routes", "refresh_trees"]

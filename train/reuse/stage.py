@@ -27,17 +27,17 @@ import torch
 from rollout_store.store import Store
 from rollout_store.tree import Tree
 from train.batches import MicroBatch, NodeCredit, ProxLogp, TreeSeqs, build_sequences
-from train.envs.base import Environment
 from train.loss import ISMode, behaviour_weight
 from train.policies.base import Policy
 from train.reuse.calibrate import gate_params
 from train.reuse.params import ReuseParams
-from train.reuse.refresh import refresh_routes
+from train.reuse.refresh import refresh_trees
 from train.reuse.resolve import DECISIONS, Rule, get_rule, resolve_tree, tool_steps, with_returns
 from train.reuse.runfiles import log_line, read_record, write_params
 from train.reuse.score import score_actions
 from train.reuse.select import SKIP_REASONS, Selection, check_reuse, select_stored
 from train.sampling.base import mix_seed
+from train.sampling.engine import EnvSource
 
 CreditFor = Callable[[Sequence[Tree]], tuple[pa.Table, dict[tuple[str, int], NodeCredit]]]
 """The trainer's credit: trees -> (credit rows to commit, per-node token credit)."""
@@ -59,12 +59,14 @@ class StoredStep:
 
 
 def resolve_stored(sel: Selection, rule: Rule | str, prox: ProxLogp, params: ReuseParams,
-                   env: Environment, policy: Policy, *, run_id: str, iteration: int,
+                   env: EnvSource, policy: Policy, *, run_id: str, iteration: int,
                    seed: int, max_new_tokens: int, temperature: float,
                    log: Path | None = None) -> StoredStep:
-    """``resolve_tree`` then ``refresh_routes`` for every selected tree, returns composed
-    with the protocol's posterior means. Refresh tree ids are
-    ``RUN/itNNNNNN/refresh/JJJ``; draws are seeded by (seed, "refresh", iteration). With
+    """``resolve_tree`` for every selected tree, then ``refresh_trees`` over all of them
+    (one wavefront of the engine; ``env``: an environment factory, or one environment
+    for the trees in turn), returns composed with the protocol's posterior means.
+    Refresh tree ids are ``RUN/itNNNNNN/refresh/JJJ``; draws are seeded by (seed,
+    "refresh", iteration) and the stored tree's id. With
     a calibrating rule (``dsc``) the gate's params come from ``gate_params`` (the D7
     calibration lives in ``log``'s directory, the run's OUT)."""
     step = StoredStep([], [], Counter(), 0)
@@ -81,14 +83,14 @@ def resolve_stored(sel: Selection, rule: Rule | str, prox: ProxLogp, params: Reu
             log_line(log, {"iteration": iteration, "calibration": record})
         done = read_record(log.parent).get("calibration") if log is not None else None
         calibrated = isinstance(done, dict) and done.get("status") == "calibrated"
-    for j, (old, stale) in enumerate(zip(sel.trees, sel.staleness, strict=True)):
-        res = resolve_tree(old, rule, prox, params)
+    resolved = [resolve_tree(old, rule, prox, params) for old in sel.trees]
+    refreshed = refresh_trees(
+        [(old, res, f"{run_id}/it{iteration:06d}/refresh/{j:03d}")
+         for j, (old, res) in enumerate(zip(sel.trees, resolved, strict=True))],
+        env, policy, run_id=run_id, seed=mix_seed(seed, "refresh", iteration), params=params,
+        max_new_tokens=max_new_tokens, temperature=temperature)
+    for old, stale, res, got in zip(sel.trees, sel.staleness, resolved, refreshed, strict=True):
         step.pairs.update(res.pairs)
-        got = refresh_routes(old, res, env, policy,
-                             tree_id=f"{run_id}/it{iteration:06d}/refresh/{j:03d}",
-                             run_id=run_id, seed=mix_seed(seed, "refresh", iteration),
-                             params=params, max_new_tokens=max_new_tokens,
-                             temperature=temperature)
         returns = res.compose(got.posterior)
         step.credited.append(with_returns(old, returns))
         step.new_tool_steps += got.steps
@@ -189,16 +191,18 @@ class ReuseStage:
         """Record the knobs (and a pending or kept D7 calibration) in the run directory."""
         write_params(out, self.params)
 
-    def step(self, store: Store, model: Any, policy: Any, env: Environment, *, env_name: str,
+    def step(self, store: Store, model: Any, policy: Any, env: EnvSource, *, env_name: str,
              it: int,
              run_id: str, seed: int, out: Path, credit_for: CreditFor, layout: Any,
              micro_tokens: int, row_tokens: int | None, max_new_tokens: int,
              temperature: float, key: Callable[[str], str] | None = None,
              rename: Callable[[list[Tree]], list[Tree]] | None = None) -> StoredBatch:
         """Iteration ``it``'s stored trees: select, score, resolve, refresh, commit their
-        credit (module docstring). ``key(name)``: the commit key of this iteration's
-        ``name`` rows (default ``RUN:name:it``); ``rename``: applied to refreshed trees
-        before they are committed (the trainer's retry of a differing replay)."""
+        credit (module docstring). ``env``: an environment factory (the refresh runs every
+        stored tree together, each in its own environment) or one environment;
+        ``key(name)``: the commit key of this iteration's ``name`` rows (default
+        ``RUN:name:it``); ``rename``: applied to refreshed trees before they are committed
+        (the trainer's retry of a differing replay)."""
         sel = select_stored(store, reuse_from=self.reuse_from, run_id=run_id, env=env_name,
                             iteration=it, max_staleness=self.max_staleness,
                             per_step=self.per_step, seed=seed,
@@ -211,7 +215,7 @@ class ReuseStage:
                                   key=key, rename=rename)
 
     def _after_select(self, sel: Selection, store: Store, model: Any, policy: Any,
-                      env: Environment, *, it: int, run_id: str, seed: int, out: Path,
+                      env: EnvSource, *, it: int, run_id: str, seed: int, out: Path,
                       credit_for: CreditFor, layout: Any, micro_tokens: int,
                       row_tokens: int | None, max_new_tokens: int,
                       temperature: float, key: Callable[[str], str] | None = None,

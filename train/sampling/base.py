@@ -63,7 +63,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
@@ -338,12 +338,17 @@ class TreeBuilder:
     (their rollouts' reseed keys and their policy calls) with its seed instead of
     ``seed``: trees that share ``seed`` then share their other phases and differ in
     those (the localization study: one explore phase, independent probes).
+
+    ``graft`` starts a builder from a stored tree (its root and copies of stored paths)
+    instead of ``reset``, and ``run(forced=...)`` replays a stored action as a rollout's
+    first step: the reuse refresh grows its trees this way (``train.sampling.refresh``),
+    so they follow the same node and leaf rules as every sampled tree.
     """
 
     def __init__(self, env: Environment, policy: Policy, task: Task, n_total: int, *,
                  sampler: str, config: SamplerConfig, seed: int, tree_id: str,
-                 run_id: str = "default", phase_seeds: Mapping[str, int] | None = None
-                 ) -> None:
+                 run_id: str = "default", phase_seeds: Mapping[str, int] | None = None,
+                 root: tuple[str, bytes] | None = None) -> None:
         self.env, self.policy, self.task, self.config = env, policy, task, config
         self.sampler, self.seed, self.tree_id, self.run_id = sampler, seed, tree_id, run_id
         self.phase_seeds = dict(phase_seeds or {})
@@ -360,10 +365,63 @@ class TreeBuilder:
         self.snapshots: dict[str, bytes] = {}
         self._n_rollouts = 0
         self._draws: dict[int, int] = {}  # node -> rows drawn from it so far
-        prompt = env.reset(task)
-        self._env_at: int | None = 0
-        root = Node(node_id=0, parent_id=None, kind="prompt", observation_text=prompt)
-        self._add(root, env.snapshot(), depth=0, turns=(("prompt", prompt),))
+        if root is None:
+            prompt = env.reset(task)
+            state: bytes = env.snapshot()
+            self._env_at: int | None = 0
+        else:  # a stored root (``graft``): the environment is restored when a rollout begins
+            prompt, state = root
+            self._env_at = None
+        node = Node(node_id=0, parent_id=None, kind="prompt", observation_text=prompt)
+        self._add(node, state, depth=0, turns=(("prompt", prompt),))
+
+    @classmethod
+    def graft(cls, env: Environment, policy: Policy, tree: Tree, node_ids: Sequence[int], *,
+              sampler: str, config: SamplerConfig, seed: int, tree_id: str,
+              run_id: str = "default", n_total: int = 1 << 30, phase: str = "copy"
+              ) -> tuple[TreeBuilder, dict[int, int]]:
+        """A builder that starts from the stored ``tree``'s root (its prompt and snapshot,
+        no ``reset``) with copies of the stored paths root -> v for each v of ``node_ids``
+        (the union, in the order given); returns it and {stored node id: new node id}.
+
+        A copy keeps the stored step (action, tokens, logprobs, observation, kind,
+        segments) and its snapshot when the store holds one; it is of phase ``phase`` and
+        of no rollout (``tool_calls`` 0, no reward, not terminal, ``meta["copy_of"]`` the
+        stored id), so it costs nothing new. The task is rebuilt from the stored tree
+        (``task_id``, ``env_config``'s task config, its step limit ``step_limit``)."""
+        cfg = dict(tree.env_config or {})
+        limit = cfg.get("max_steps")
+        if not isinstance(limit, int) or limit < 1:
+            limit = step_limit(json.dumps(cfg))
+        stored_root = tree.root()
+        if stored_root.snapshot_id is None or stored_root.snapshot_id not in tree.snapshots:
+            raise ContinuationError(f"tree {tree.tree_id!r}: the root has no snapshot")
+        task = Task(task_id=tree.task_id or tree.tree_id, env=tree.env or env.name,
+                    prompt=stored_root.observation_text or "", max_steps=limit,
+                    config=dict(cfg.get("task") or {}))
+        builder = cls(env, policy, task, n_total, sampler=sampler, config=config, seed=seed,
+                      tree_id=tree_id, run_id=run_id,
+                      root=(stored_root.observation_text or "",
+                            tree.snapshots[stored_root.snapshot_id]))
+        copied = {stored_root.node_id: 0}
+        for v in node_ids:
+            for stored in tree.path_to(v)[1:]:
+                if stored.node_id not in copied:
+                    copied[stored.node_id] = builder._copy(
+                        stored, copied[stored.parent_id or 0], tree, phase)
+        return builder, copied
+
+    def _copy(self, stored: Node, parent: int, tree: Tree, phase: str) -> int:
+        """Add a copy of a stored step under ``parent`` (``graft``); returns its id."""
+        nid = len(self._nodes)
+        node = replace(stored, node_id=nid, parent_id=parent, tool_calls=0, phase=phase,
+                       reward=None, reward_parts={}, terminal=False,
+                       meta={**(stored.meta or {}), "copy_of": stored.node_id})
+        state = tree.snapshots.get(stored.snapshot_id or "")
+        turns = (*self._turns[parent], ("action", stored.action_text or ""),
+                 ("observation", stored.observation_text or ""))
+        self._add(node, state, self._depth[parent] + 1, turns)
+        return nid
 
     # ----- reading the tree ---------------------------------------------------------------
 
@@ -409,12 +467,15 @@ class TreeBuilder:
 
     def snapshot_of(self, node_id: int) -> bytes:
         sid = self._nodes[node_id].snapshot_id
-        assert sid is not None
+        if sid is None:
+            raise ContinuationError(f"tree {self.tree_id!r} node {node_id}: no snapshot to "
+                                    "continue from")
         return self.snapshots[sid]
 
     # ----- growing the tree -----------------------------------------------------------------
 
-    def run(self, starts: Sequence[Start], on_step: OnStep | None = None
+    def run(self, starts: Sequence[Start], on_step: OnStep | None = None,
+            forced: Sequence[Continuation | None] | None = None
             ) -> Generator[Request, Any, list[list[int]]]:
         """Run ``n`` rollouts from each ``(node_id, n, phase)`` start to their leaves (a
         program step of ``train.sampling.engine``: ``leaves = yield from builder.run(...)``).
@@ -427,32 +488,50 @@ class TreeBuilder:
         the budget left) and run from the next lockstep round on (entropy branching).
         Returns the leaf ids of each start, in ``starts`` order, then the extra starts
         in the order they were returned.
+
+        ``forced[i]`` (when given and not None) is the first step of start i, taken as
+        it is instead of sampled (its tokens and logprobs kept: a stored action replayed,
+        the refresh of ``train.sampling.refresh``); such a start has n = 1 and draws no
+        row in its first round.
         """
-        pending: list[tuple[int, int, str, int]] = []
+        pending: list[tuple[int, int, str, int, Continuation | None]] = []
         leaves: list[list[int]] = []
         if starts:
             self._run_seed = self.phase_seeds.get(starts[0][2], self.seed)
+        if forced is not None and len(forced) != len(starts):
+            raise ValueError(f"forced has {len(forced)} entries for {len(starts)} starts")
 
-        def add(new: Sequence[Start]) -> None:
-            for node_id, n, phase in new:
+        def add(new: Sequence[Start], first: Sequence[Continuation | None] | None = None
+                ) -> None:
+            for i, (node_id, n, phase) in enumerate(new):
                 if node_id not in self._nodes or self.is_leaf(node_id):
                     raise ValueError(f"cannot start rollouts at node {node_id}: "
                                      "not an inner node of this tree")
+                cont = first[i] if first is not None else None
+                if cont is not None and n != 1:
+                    raise ValueError(f"a forced start has n = 1, got {n}")
                 self.budget.spend(phase, n)
-                pending.append((node_id, n, phase, len(leaves)))
+                pending.append((node_id, n, phase, len(leaves), cont))
                 leaves.append([])
 
-        add(starts)
+        add(starts, forced)
         active: list[_Branch] = []
         while pending or active:
             owners: list[_Branch | tuple[int, str, int]] = [
-                *((node_id, phase, idx) for node_id, _, phase, idx in pending), *active]
+                *((node_id, phase, idx) for node_id, _, phase, idx, _ in pending), *active]
+            given: list[list[Continuation] | None] = [
+                None if cont is None else [cont] for *_, cont in pending]
+            given += [None] * len(active)
             rows = [Rows(self._turns[node_id], n, self._row_seed(node_id, n))
-                    for node_id, n, _, _ in pending]
+                    for node_id, n, _, _, cont in pending if cont is None]
             rows += [Rows(self._turns[br.node], 1, self._row_seed(br.node, 1)) for br in active]
             pending = []
-            self.policy_calls += len({r.n for r in rows})  # the calls of a lone tree
-            conts = yield Decode(rows, self._sample_config)
+            sampled: list[list[Continuation]] = []
+            if rows:
+                self.policy_calls += len({r.n for r in rows})  # the calls of a lone tree
+                sampled = yield Decode(rows, self._sample_config)
+            it = iter(sampled)
+            conts = [g if g is not None else next(it) for g in given]
 
             def apply(owners: list[_Branch | tuple[int, str, int]] = owners,
                       conts: list[list[Continuation]] = conts) -> list[_Branch]:
@@ -520,10 +599,12 @@ class TreeBuilder:
         encode = getattr(self.policy, "encode", None)
         return [int(i) for i in encode(text)] if callable(encode) and text else []
 
-    def _add(self, node: Node, state: bytes, depth: int, turns: tuple[Turn, ...]) -> None:
+    def _add(self, node: Node, state: bytes | None, depth: int, turns: tuple[Turn, ...]
+             ) -> None:
         sid = f"{self.tree_id}/{node.node_id}"
-        node.snapshot_id = sid
-        self.snapshots[sid] = state
+        node.snapshot_id = sid if state is not None else None
+        if state is not None:
+            self.snapshots[sid] = state
         self._nodes[node.node_id] = node
         self._children[node.node_id] = []
         self._depth[node.node_id] = depth
