@@ -187,7 +187,9 @@ def stored_extras(nodes: pa.Table) -> dict[str, np.ndarray]:
 def credit_rows(batch: TreeArrays, credit: Credit, trees: pa.Table, method: str,
                 params_json: str, params_hash: str, run_id: str) -> pa.Table:
     """One ``credits`` row per node: ``value`` = node credit, ``token_values`` = the
-    advantages of its action tokens (the agent tokens, in order)."""
+    advantages of its action tokens (the agent tokens, in order), ``clip_low`` /
+    ``clip_high`` = the per-token clip epsilons of those tokens where the method sets them
+    (ELPO E8, CALIPER C8), else empty lists (``schema.CLIP_BOUNDS``)."""
     versions = dict(zip(trees.column("tree_id").to_pylist(),
                         trees.column("policy_version").to_pylist(), strict=True))
     tree_names = [batch.tree_ids[b] for b in batch.node_tree]
@@ -198,6 +200,14 @@ def credit_rows(batch: TreeArrays, credit: Credit, trees: pa.Table, method: str,
     n_agent = np.bincount(batch.token_node[batch.agent_mask], minlength=batch.n_nodes)
     token_vals = credit.token[batch.agent_mask].astype(np.float32)
     offsets = np.concatenate([[0], np.cumsum(n_agent)]).astype(np.int32)
+    none = np.zeros(batch.n_nodes + 1, np.int32)  # every node an empty list: no bounds
+
+    def bounds(eps: np.ndarray | None) -> pa.ListArray:
+        if eps is None:
+            return pa.ListArray.from_arrays(pa.array(none), pa.array([], pa.float64()))
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(
+            np.asarray(eps, np.float64)[batch.agent_mask]))
+
     now = now_utc()
     n = batch.n_nodes
     return pa.table({
@@ -212,7 +222,42 @@ def credit_rows(batch: TreeArrays, credit: Credit, trees: pa.Table, method: str,
         "token_values": pa.ListArray.from_arrays(pa.array(offsets), pa.array(token_vals)),
         "policy_version": pa.array([versions.get(t) for t in tree_names], pa.string()),
         "created_at": pa.array([now] * n, CREDITS.field("created_at").type),
+        "clip_low": bounds(credit.clip_low),
+        "clip_high": bounds(credit.clip_high),
     }, schema=CREDITS)
+
+
+def stored_credit(store: Store, tree_ids: Sequence[str], method: str, params_hash: str
+                  ) -> pa.Table:
+    """The committed ``credits`` rows of (``method``, ``params_hash``) for ``tree_ids``
+    whose clip bounds are recorded (``schema.CLIP_BOUNDS``: non-null; rows of schema
+    version < 4 read them as null and are left out), one row per (tree_id, node_id) (the
+    earliest committed where several runs credited a tree: the same inputs give the same
+    credit), ordered by tree_id and node_id. Whether a tree's rows are complete is the
+    caller's question (``complete_credit``)."""
+    if not tree_ids:
+        return CREDITS.empty_table()
+    con = connect(store)
+    con.register("_credit_trees", pa.table({"tree_id": pa.array(list(tree_ids), pa.string())}))
+    cols = ", ".join(CREDITS.names)
+    got = con.sql(
+        f"SELECT {cols} FROM (SELECT *, row_number() OVER (PARTITION BY tree_id, node_id "
+        "ORDER BY created_at, run_id) AS _k FROM credits WHERE method = $m AND "
+        "method_params_hash = $h AND clip_low IS NOT NULL AND clip_high IS NOT NULL AND "
+        "tree_id IN (SELECT tree_id FROM _credit_trees)) WHERE _k = 1 "
+        "ORDER BY tree_id, node_id", params={"m": method, "h": params_hash}).to_arrow_table()
+    con.unregister("_credit_trees")
+    return got.cast(CREDITS)
+
+
+def complete_credit(rows: pa.Table, trees: Sequence[Tree]) -> set[str]:
+    """Ids of ``trees`` for which ``rows`` (``stored_credit``) hold a row for every node."""
+    have: dict[str, set[int]] = {}
+    for t, n in zip(rows.column("tree_id").to_pylist(), rows.column("node_id").to_pylist(),
+                    strict=True):
+        have.setdefault(t, set()).add(int(n))
+    return {t.tree_id for t in trees
+            if have.get(t.tree_id, set()) >= {n.node_id for n in t.nodes}}
 
 
 def resolve_method(method: str, params: Mapping[str, str] | Params | None = None
