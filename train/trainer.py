@@ -108,7 +108,7 @@ from train.config import (
     read_run_token,
     write_config,
 )
-from train.credit.scores import GOLD, score_trees
+from train.credit.scores import GOLD
 from train.credit.store_io import resolve_method, token_score_kinds
 from train.envs import ENVIRONMENTS, Task, env_class, make_env
 from train.loss import (
@@ -133,6 +133,7 @@ from train.sampling import SAMPLERS, CaliperSampler, CaliperState, Sampler, make
 from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
 from train.sampling.evaluation import run_episodes
+from train.scoring import score_trees
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"  # structure and scalars (train.rundir.save_state)

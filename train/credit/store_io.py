@@ -26,14 +26,15 @@ Credit is a function of the stored data alone (docs/METHODS.md, "Prompt groups")
 ``credits`` rows (the trainer commits them itself); the trees passed must hold
 whole prompt groups.
 
-trace and dsc read policy scores of stored text (``train.credit.scores``):
-``--param ref=SPEC`` (trace, T2) / ``--param target=SPEC`` (dsc, D3) loads SPEC,
-scores the trees that lack scores of its version into ``policy_scores`` (computed
-once per policy version), records the version in the params and credits from the
-stored scores. factor and sgcd read per-token scores (F3, Q3; ``TOKEN_SCORED``) the
-same way with ``--param teacher=SPEC``; without it, each tree's scores of its own
-``policy_version`` (as the trainer writes them) are read, and a tree without them is
-refused.
+trace and dsc read policy scores of stored text (``train.credit.scores``), never
+compute them: ``rtrees credit --param ref=SPEC`` (trace, T2) / ``--param target=SPEC``
+(dsc, D3) first runs the scoring job (``train.scoring.score_for_credit``: loads SPEC,
+scores the trees that lack scores of its version into ``policy_scores``, once per policy
+version) and passes the version in the params; ``compute_credits`` credits from the
+stored scores of that version. factor and sgcd read per-token scores (F3, Q3;
+``TOKEN_SCORED``) the same way with ``--param teacher=SPEC``; without it, each tree's
+scores of its own ``policy_version`` (as the trainer writes them) are read, and a tree
+without them is refused.
 """
 
 from __future__ import annotations
@@ -67,9 +68,7 @@ from train.credit.scores import (
     GOLD,
     HINDSIGHT,
     PLAIN,
-    ScoreError,
     ScoreKind,
-    ensure_scores,
     score_extras,
     stored_scores,
     token_score_lists,
@@ -278,7 +277,7 @@ def resolve_method(method: str, params: Mapping[str, str] | Params | None = None
 
 
 # Methods whose inputs are policy scores of stored text: (params field naming the
-# scoring policy, kind of ``policy_scores`` rows) (train.credit.scores).
+# scoring policy, kind of ``policy_scores`` rows) (train.credit.scores, train.scoring).
 SCORED: dict[str, tuple[str, ScoreKind]] = {"trace": ("ref", GOLD), "dsc": ("target", ACTION)}
 
 
@@ -384,7 +383,7 @@ def credit_trees(trees: Sequence[Tree], method: str,
     whose credit spans prompt groups (``Params.spans_trees()``) pass every tree
     of each group at once. ``run_id`` defaults to ``credit-METHOD-HASH``.
     ``scores``: for trace / dsc, the ``policy_scores`` rows of these trees
-    (``scores.score_trees`` with the frozen reference / target policy, or the stored
+    (``train.scoring.score_trees`` with the frozen reference / target policy, or the stored
     ones); the params' ``ref`` / ``target`` must then be that policy's version.
     Raises ``CreditError`` (unknown method or parameter, missing inputs).
     """
@@ -414,32 +413,20 @@ def credit_trees_full(trees: Sequence[Tree], method: str,
                          run_id or f"credit-{method}-{p.params_hash()}", scores)
 
 
-def compute_credits(store: Store, method: str, params: Mapping[str, str] | None = None,
+def compute_credits(store: Store, method: str,
+                    params: Mapping[str, str] | Params | None = None,
                     run_id: str | None = None, max_nodes: int = 200_000,
                     progress: bool = True) -> CreditRunReport:
     """Compute and commit ``method`` credit for every stored tree (or group) that lacks it.
 
     See the module docstring: prompt-group methods credit whole groups and
-    refuse groups that grew after they were credited (``CreditError``).
+    refuse groups that grew after they were credited (``CreditError``). A scored method
+    reads the stored ``policy_scores`` of the policy version its params name (the scoring
+    job, ``train.scoring.score_for_credit``, writes them and puts the version there).
     """
     estimator, p = resolve_method(method, params)
     source = _score_source(method, p)
-    if source is not None:  # score what is missing; the params record the policy version
-        field = SCORED[method][0]
-        try:
-            version, _ = ensure_scores(store, source[0], str(getattr(p, field)), progress)
-        except ScoreError as exc:
-            raise CreditError(f"{method}: {exc}") from exc
-        p = replace(p, **{field: version})
-        source = (source[0], version)
     token_kinds = token_score_kinds(method, p)
-    if token_kinds and p.teacher is not None:  # score what is missing under the teacher
-        try:
-            versions = {ensure_scores(store, kind, str(p.teacher), progress)[0]
-                        for kind in dict.fromkeys(token_kinds.values())}
-        except ScoreError as exc:
-            raise CreditError(f"{method}: {exc}") from exc
-        p = replace(p, teacher=versions.pop())
     params_hash = p.params_hash()
     run_id = run_id or f"credit-{method}-{params_hash}"
     report = CreditRunReport(method, params_hash)

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from rollout_store.tree import Node, Tree
-from train.credit.scores import transcripts
 from train.envs.base import Environment
 from train.policies.base import Policy
 from train.reuse.params import ReuseParams
@@ -28,6 +27,7 @@ from train.sampling.refresh import (
     RefreshSampler,
     refresh_protocol,
 )
+from train.scoring import transcripts
 
 
 def forced(node: Node) -> Forced:
