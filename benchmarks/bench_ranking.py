@@ -149,7 +149,9 @@ def build_store(path: Path, children: pa.Table, nodes: pa.Table) -> Store:
         "tree_id": nodes.column("tree_id"), "node_id": nodes.column("node_id"),
         "value": nodes.column("score"), "token_values": pa.nulls(n, pa.list_(pa.float32())),
         "policy_version": pa.array(["v0"] * n),
-        "created_at": pa.array([now] * n, CREDITS.field("created_at").type)}, schema=CREDITS),
+        "created_at": pa.array([now] * n, CREDITS.field("created_at").type),
+        "clip_low": pa.nulls(n, CREDITS.field("clip_low").type),
+        "clip_high": pa.nulls(n, CREDITS.field("clip_high").type)}, schema=CREDITS),
         key="bench-credit")
     c = children.num_rows
     store.append_mc_references(pa.table({

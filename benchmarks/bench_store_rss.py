@@ -57,6 +57,8 @@ def credit_rows(batch_nodes: pa.Table, it: int) -> pa.Table:
         "token_values": pa.array([None] * n, pa.list_(pa.float32())),
         "policy_version": pa.array([str(it)] * n, pa.string()),
         "created_at": pa.array([now_utc()] * n, SCHEMAS["credits"].field("created_at").type),
+        "clip_low": pa.nulls(n, SCHEMAS["credits"].field("clip_low").type),
+        "clip_high": pa.nulls(n, SCHEMAS["credits"].field("clip_high").type),
     }, schema=SCHEMAS["credits"])
 
 

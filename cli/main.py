@@ -282,11 +282,12 @@ def credit(
     run_id: Annotated[str | None, typer.Option(help="Run id recorded with the credit.")] = None,
 ) -> None:
     """Compute credit for every stored tree that lacks it (keyed by method and params hash)."""
-    from train.credit.store_io import CreditError, compute_credits
+    from train.credit.store_io import CreditError
+    from train.scoring import score_and_credit
 
     pairs = parse_params(param)
     try:
-        report = compute_credits(_open(store), method, pairs, run_id=run_id)
+        report = score_and_credit(_open(store), method, pairs, run_id=run_id)
     except CreditError as exc:
         fail(str(exc))
     console.print(report.summary(), markup=False)

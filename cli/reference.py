@@ -345,6 +345,10 @@ COLUMN_DOCS: dict[str, str] = {
     "credits.value": "the node's credit (advantage)",
     "credits.token_values": "per-token advantages where the method has them",
     "credits.policy_version": "version of the credited trees' policy",
+    "credits.clip_low": "per-token clip-low epsilons where the method sets them (ELPO E8, "
+                        "CALIPER C8); empty: none; null: not recorded (schema < 4)",
+    "credits.clip_high": "per-token clip-high epsilons where the method sets them (ELPO E9); "
+                         "empty: none; null: not recorded (schema < 4)",
     "mc_references.tree_id": "tree of the child",
     "mc_references.node_id": "the child whose snapshot the rollouts started from",
     "mc_references.k": "rollouts sampled (Mean@k)",

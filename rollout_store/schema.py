@@ -28,7 +28,9 @@ from typing import Final, Literal, get_args
 
 import pyarrow as pa
 
-SCHEMA_VERSION: Final[int] = 3  # 2: the policy_scores table; 3: evaluations and labels
+SCHEMA_VERSION: Final[int] = 4
+"""2: the policy_scores table; 3: evaluations and labels; 4: ``credits.clip_low`` /
+``clip_high`` (added in place on open, ``ADDED_COLUMNS``)."""
 
 TableName = Literal["trees", "nodes", "snapshots", "credits", "mc_references", "metrics",
                     "policy_scores", "evaluations", "labels"]
@@ -137,7 +139,7 @@ SNAPSHOTS = pa.schema([
     COMMIT_KEY,
 ])
 
-CREDITS = pa.schema([
+CREDITS_V3 = pa.schema([
     _f("run_id", pa.string(), False),
     _f("method", pa.string(), False),
     _f("method_params_hash", pa.string(), False),
@@ -149,6 +151,15 @@ CREDITS = pa.schema([
     _f("policy_version", pa.string()),
     _f("created_at", TIMESTAMP, False),
 ])
+"""``credits`` of schema versions 1-3."""
+
+# Per-token clip epsilons of the clipped surrogate (1 - clip_low <= ratio <= 1 + clip_high)
+# of the node's action tokens where the method sets them (ELPO E8, CALIPER C8): a list as
+# long as ``token_values``; an empty list where the method sets none (the trainer's
+# ``clip_low`` / ``clip_high`` apply); null where not recorded (rows written before
+# version 4, imported rows). float64: the trainer compares them with its own epsilons.
+CLIP_BOUNDS: Final[tuple[str, ...]] = ("clip_low", "clip_high")
+CREDITS = pa.schema([*CREDITS_V3, *(_f(name, pa.list_(pa.float64())) for name in CLIP_BOUNDS)])
 
 MC_REFERENCES = pa.schema([
     _f("run_id", pa.string(), False),
@@ -243,17 +254,25 @@ SCHEMAS: Final[dict[TableName, pa.Schema]] = {
 }
 
 # Released schemas by version. A new version appends here; never edit an entry.
+_V3: Final[dict[TableName, pa.Schema]] = {**SCHEMAS, "credits": CREDITS_V3}
 SCHEMA_HISTORY: Final[dict[int, dict[TableName, pa.Schema]]] = {
-    1: {name: schema for name, schema in SCHEMAS.items()
+    1: {name: schema for name, schema in _V3.items()
         if name not in ("policy_scores", "evaluations", "labels")},
-    2: {name: schema for name, schema in SCHEMAS.items()
+    2: {name: schema for name, schema in _V3.items()
         if name not in ("evaluations", "labels")},
-    3: SCHEMAS,
+    3: _V3,
+    4: SCHEMAS,
 }
 # Tables added after version 1 (a store of an older version lacks them until it is opened
 # for writing once; see Store.__init__).
 ADDED_TABLES: Final[dict[TableName, int]] = {"policy_scores": 2, "evaluations": 3,
                                              "labels": 3}
+# Nullable columns added to an existing table, by the version that added them: a table of
+# an older version lacking exactly these is upgraded in place when the store is opened
+# (the columns added to its Delta schema, its version and fingerprint set; old rows read
+# the columns as null), so it stays writable (see Store.__init__).
+ADDED_COLUMNS: Final[dict[TableName, tuple[int, tuple[str, ...]]]] = {
+    "credits": (4, CLIP_BOUNDS)}
 
 
 def describe_type(schema: pa.Schema) -> str:

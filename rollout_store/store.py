@@ -77,7 +77,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
-from deltalake.transaction import AddAction, CommitProperties, Transaction
+from deltalake.transaction import AddAction, CommitProperties, RemoveAction, Transaction
 
 from rollout_store import snapshots as snap
 from rollout_store.deltalog import checkpoint_if_due, describe_failure, fsync_commit, fsync_dir
@@ -91,6 +91,7 @@ from rollout_store.errors import StoreError
 from rollout_store.objectstore import Lease, Location, ObjectPath
 from rollout_store.precision import round_nodes
 from rollout_store.schema import (
+    ADDED_COLUMNS,
     ADDED_TABLES,
     CONFIG_FINGERPRINT_KEY,
     CONFIG_TABLE_KEY,
@@ -331,6 +332,102 @@ class Store:
                                    f"{sorted({ADDED_TABLES[n] for n in missing})})"):
                 self._create_added([n for n in missing if not self._is_table(n)])
 
+    def _columns_due(self, name: TableName, dt: DeltaTable | None = None
+                     ) -> tuple[int, list[pa.Field]] | None:
+        """(the table's version, the ``ADDED_COLUMNS`` fields it lacks) when ``name`` (or
+        ``dt``, the table opened) is a table of an older version that lacks exactly them (or
+        already has them, from an upgrade stopped between its commits), else None: nothing
+        to upgrade, or a table ``_check_table`` names as mismatched."""
+        if name not in ADDED_COLUMNS:
+            return None
+        since, added = ADDED_COLUMNS[name]
+        if dt is None:
+            try:
+                dt = open_delta(self._uri(name), what=f"{self.path}: table {name!r}",
+                                loc=self.loc)
+            except TableNotFoundError:
+                return None
+        config = dt.metadata().configuration
+        try:
+            version = int(config.get(CONFIG_VERSION_KEY) or -1)
+        except ValueError:
+            return None
+        declared = SCHEMA_HISTORY.get(version, {}).get(name)
+        if not 0 <= version < since or declared is None:
+            return None
+        if config.get(CONFIG_FINGERPRINT_KEY) != fingerprint(declared):
+            return None
+        actual = _delta_fields(dt.schema())
+        before = pa.schema([f for f in SCHEMAS[name] if f.name not in added])
+        if actual == _delta_fields(before) and before.equals(declared):
+            return version, [SCHEMAS[name].field(c) for c in added]
+        if actual == _delta_fields(SCHEMAS[name]):
+            return version, []  # columns added, version not yet recorded
+        return None
+
+    def _add_new_columns(self, name: TableName) -> None:
+        """Upgrade in place a table of an older version that lacks exactly the nullable
+        columns a newer version added (``ADDED_COLUMNS``; ``_check_table`` asks), under the
+        create lock: add them to its Delta schema, rewrite each data file without them with
+        the columns null (one commit, ``dataChange=false``: every live file then has the
+        declared schema, as readers, compaction and ``verify`` expect), then record the
+        current version and fingerprint in its configuration, so the table stays writable.
+        Each step is redone by the next open if a process dies between them. Needs write
+        access once."""
+        with self._create_lock(f"add columns to table {name!r} (schema version "
+                               f"{SCHEMA_VERSION})"):
+            found = self._columns_due(name)  # re-checked under the lock
+            if found is not None:
+                fields = found[1]
+                try:
+                    if fields:
+                        self.delta_table(name).alter.add_columns(list(DeltaSchema.from_arrow(
+                            pa.schema(fields)).fields))
+                    self._rewrite_lacking(name)
+                    self.delta_table(name).alter.set_table_properties({
+                        CONFIG_VERSION_KEY: str(SCHEMA_VERSION),
+                        CONFIG_FINGERPRINT_KEY: fingerprint(SCHEMAS[name])},
+                        raise_if_not_exists=False)
+                except (DeltaError, OSError) as exc:
+                    raise StoreError(
+                        f"{self.path}: cannot add columns {list(ADDED_COLUMNS[name][1])} to "
+                        f"table {name!r} (new in schema version {ADDED_COLUMNS[name][0]}): "
+                        f"{str(exc).splitlines()[0] if str(exc) else exc}; open the store "
+                        "once with write access") from None
+
+    def _rewrite_lacking(self, name: TableName) -> None:
+        """Replace each live data file of ``name`` that lacks declared columns by a copy
+        with them null (batch by batch), in one commit that changes no data."""
+        full = SCHEMAS[name]
+        root = str(self.path / name) + os.sep
+        now = int(time.time() * 1000)
+        actions: list[AddAction | RemoveAction] = []
+        for f in self.files(name):
+            parquet = self.loc.parquet_file(f.path, page_checksum_verification=True)
+            have = set(parquet.schema_arrow.names)
+            if have >= set(full.names):
+                continue
+
+            def batches(pf: pq.ParquetFile = parquet, have: set[str] = have
+                        ) -> Iterator[pa.Table]:
+                for batch in pf.iter_batches(batch_size=65_536, use_threads=False):
+                    n = batch.num_rows
+                    yield pa.table([batch.column(c.name) if c.name in have
+                                    else pa.nulls(n, c.type) for c in full], schema=full)
+
+            rel, size, stats = self.write_data_file(name, batches())
+            actions += [RemoveAction(f.path.removeprefix(root), False, now, f.size, {}),
+                        AddAction(rel, size, {}, now, False, stats)]
+        if not actions:
+            return
+        dt = self.delta_table(name)
+        before = dt.version()
+        dt.create_write_transaction(
+            actions, mode="append", schema=full, commit_properties=CommitProperties(
+                custom_metadata={"rollout_trees.operation": "upgrade"}))
+        if not self.loc.remote:
+            fsync_commit(self.loc.table_uri(name), before, self.delta_table(name).version())
+
     @contextmanager
     def _create_lock(self, why: str = "create its tables") -> Iterator[None]:
         """Serialise creating tables: ``flock`` on ``.create.lock`` in the store directory
@@ -379,6 +476,10 @@ class Store:
         if CONFIG_VERSION_KEY not in config:
             raise SchemaMismatchError(f"{uri}: a Delta table, but not one written by "
                                       "rollout-trees (no schema version in its configuration)")
+        if self._columns_due(name, dt) is not None:
+            self._add_new_columns(name)
+            self._check_table(name)
+            return
         version = int(config[CONFIG_VERSION_KEY] or -1)
         if version > SCHEMA_VERSION:
             raise SchemaMismatchError(

@@ -179,6 +179,7 @@ def credit_table(method: str, values: dict[tuple[str, int], float],
         "tree_id": [t for t, _ in values], "node_id": [nid for _, nid in values],
         "value": list(values.values()), "token_values": [None] * n,
         "policy_version": [POLICY_VERSION] * n, "created_at": [now_utc()] * n,
+        "clip_low": [None] * n, "clip_high": [None] * n,
     }, schema=CREDITS)
 
 

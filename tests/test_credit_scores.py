@@ -14,20 +14,12 @@ from rollout_store import Store, connect, read_trees
 from rollout_store.synthetic import bel_shaped_batch
 from train.credit.base import TreeArrays, from_trees
 from train.credit.dsc import RATIO, STATE, DSCParams
-from train.credit.scores import (
-    ACTION,
-    GOLD,
-    gold_answer,
-    is_answer_tail,
-    score_extras,
-    score_trees,
-    stored_scores,
-    transcripts,
-)
+from train.credit.scores import ACTION, GOLD, is_answer_tail, score_extras, stored_scores
 from train.credit.store_io import CreditError, compute_credits, credit_trees
 from train.credit.trace import REF_LOGPROB, TraceParams, trace
 from train.policies import load_policy
 from train.policies.tiny import committed_checkpoint
+from train.scoring import gold_answer, score_and_credit, score_trees, transcripts
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +49,7 @@ def test_trace_and_dsc_from_the_store(tiny_store: Store) -> None:
     trees = read_trees(store)
 
     # trace --param ref=SPEC: T2 scores of every TD state, computed once.
-    report = compute_credits(store, "trace", {"ref": spec}, progress=False)
+    report = score_and_credit(store, "trace", {"ref": spec}, progress=False)
     assert report.trees_done == 3
     scored = sum(not is_answer_tail(t, n) for t in trees for n in t.nodes)
     assert _n_scores(store) == scored > 0
@@ -85,12 +77,12 @@ def test_trace_and_dsc_from_the_store(tiny_store: Store) -> None:
         key = (batch.tree_ids[batch.node_tree[row]], int(batch.node_ids[row]))
         assert stored[key] == pytest.approx(pure.node[row], abs=1e-9)
     # Computed once: a second call scores and credits nothing new.
-    again = compute_credits(store, "trace", {"ref": spec}, progress=False)
+    again = score_and_credit(store, "trace", {"ref": spec}, progress=False)
     assert again.trees_done == 0 and _n_scores(store) == scored
 
     # dsc --param target=SPEC with the policy that sampled the trees: pi = mu, so every
     # ratio is 1 (up to float32 logprobs) and transport equals reuse (D4).
-    compute_credits(store, "dsc", {"target": spec}, progress=False)
+    score_and_credit(store, "dsc", {"target": spec}, progress=False)
     actions = stored_scores(store, [t.tree_id for t in trees], ACTION, version)
     assert actions.num_rows == sum(1 for t in trees for n in t.nodes
                                    if n.parent_id not in (None, t.root().node_id))
@@ -134,7 +126,7 @@ def test_scored_methods_without_a_policy_say_which_param(store: Store) -> None:
     with pytest.raises(CreditError, match=r"dsc needs input .* pass --param target=SPEC"):
         compute_credits(store, "dsc", progress=False)
     with pytest.raises(CreditError, match="cannot load the scoring policy 'nope'"):
-        compute_credits(store, "trace", {"ref": "nope"}, progress=False)
+        score_and_credit(store, "trace", {"ref": "nope"}, progress=False)
     # A version made of digits stays a string (the params record the scorer's version).
     from train.credit import ESTIMATORS
 
@@ -162,7 +154,7 @@ def test_factor_and_sgcd_score_their_teachers_once_from_the_store(tiny_store: St
     spec = f"hf:{committed_checkpoint('calc', 0)}"
     version = str(load_policy(spec, "calc", device="cpu").policy_version)
     trees = read_trees(store)
-    assert compute_credits(store, "factor", {"teacher": spec}, progress=False).trees_done == 3
+    assert score_and_credit(store, "factor", {"teacher": spec}, progress=False).trees_done == 3
     con = connect(store)
     kinds = dict(con.execute("SELECT kind, count(*) FROM policy_scores WHERE policy_version "
                              "= $v GROUP BY kind", {"v": version}).fetchall())
@@ -171,7 +163,7 @@ def test_factor_and_sgcd_score_their_teachers_once_from_the_store(tiny_store: St
     assert kinds[HINDSIGHT] == sum(1 for t in trees for n in t.nodes if n.parent_id is not None
                                    and n.action_text and n.observation_text)
     before = _n_scores(store)
-    report = compute_credits(store, "sgcd", {"teacher": spec}, progress=False)
+    report = score_and_credit(store, "sgcd", {"teacher": spec}, progress=False)
     assert report.trees_done == 3
     n_ref = sum(reference(t, TemplateSummariser()) is not None for t in trees)
     con = connect(store)  # a connection reads the tables as of its opening

@@ -10,6 +10,8 @@ module counts, wherever it sits (top level, inside a function, under
 * ``analysis`` imports nothing of ``train.envs``, ``train.policies``,
   ``train.sampling`` or ``train.studies`` (it may call pure ``train.credit``);
 * in ``train``, only ``train/jobs.py`` imports ``analysis``;
+* ``train.credit`` imports nothing of ``train.policies``, ``train.envs``,
+  ``train.sampling`` (nor the scoring job, the reuse stage, the trainer or its batches);
 * ``cli`` holds no loops over trees. The heuristic [R]: no ``for`` statement or
   comprehension in ``cli/`` iterates over an expression that names a tree or a node
   (an identifier or attribute containing ``tree`` or ``node``, case-insensitive), and
@@ -84,6 +86,15 @@ def test_rollout_store_imports_no_train_or_analysis() -> None:
 def test_analysis_reads_only() -> None:
     assert _hits("analysis", ("train.envs", "train.policies", "train.sampling",
                               "train.studies", "train.jobs", "cli")) == []
+
+
+def test_credit_reads_only() -> None:
+    """``train.credit`` is pure (issue 28): it loads no policy, replays no environment and
+    samples nothing, lazily or not; the scoring job that writes ``policy_scores`` is
+    ``train/scoring.py``, on the rollout side."""
+    assert _hits("train/credit", ("train.policies", "train.envs", "train.sampling",
+                                  "train.scoring", "train.reuse", "train.trainer",
+                                  "train.batches", "train.jobs")) == []
 
 
 def test_only_jobs_imports_analysis() -> None:

@@ -39,7 +39,9 @@ def _credits(trees: list, at: datetime, value: float) -> pa.Table:
         "node_id": pa.array([r[1] for r in rows], pa.int64()),
         "value": [value] * n, "token_values": pa.nulls(n, pa.list_(pa.float32())),
         "policy_version": ["v"] * n,
-        "created_at": pa.array([at] * n, CREDITS.field("created_at").type)}, schema=CREDITS)
+        "created_at": pa.array([at] * n, CREDITS.field("created_at").type),
+        "clip_low": pa.nulls(n, CREDITS.field("clip_low").type),
+        "clip_high": pa.nulls(n, CREDITS.field("clip_high").type)}, schema=CREDITS)
 
 
 def _iteration(it: int, seed: int, at: datetime) -> list:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from rollout_store.tree import Tree
@@ -207,6 +208,22 @@ def node_credit(arrays: TreeArrays, credit: Credit) -> dict[tuple[str, int], Nod
             advantage=np.asarray(credit.token[lo:hi], np.float64),
             clip_low=None if credit.clip_low is None else np.asarray(credit.clip_low[lo:hi]),
             clip_high=None if credit.clip_high is None else np.asarray(credit.clip_high[lo:hi]))
+    return out
+
+
+def rows_credit(rows: pa.Table) -> dict[tuple[str, int], NodeCredit]:
+    """``credits`` rows (``schema.CREDITS``) as per-node action-token credit, keyed by
+    (tree id, node id): ``token_values`` the advantages, ``clip_low`` / ``clip_high`` the
+    per-token epsilons where a row records them (an empty or null list: none, the run's
+    epsilons apply). The trainer trains on what it commits, fresh or read back."""
+    out: dict[tuple[str, int], NodeCredit] = {}
+    cols = [rows.column(c).to_pylist() for c in
+            ("tree_id", "node_id", "token_values", "clip_low", "clip_high")]
+    for tid, nid, vals, low, high in zip(*cols, strict=True):
+        adv = np.asarray(vals or [], np.float64)
+        out[(tid, int(nid))] = NodeCredit(
+            adv, np.asarray(low, np.float64) if low and len(low) == adv.size else None,
+            np.asarray(high, np.float64) if high and len(high) == adv.size else None)
     return out
 
 

@@ -93,6 +93,7 @@ from train.batches import (
     loss_pieces,
     make_rows,
     micro_batches,
+    rows_credit,
     tree_token_ratio,
 )
 from train.coerce import literal_value
@@ -109,7 +110,7 @@ from train.config import (
     read_run_token,
     write_config,
 )
-from train.credit.scores import GOLD, score_trees
+from train.credit.scores import GOLD
 from train.credit.store_io import resolve_method, token_score_kinds
 from train.envs import ENVIRONMENTS, Task, env_class, make_env
 from train.loss import (
@@ -134,6 +135,7 @@ from train.sampling import SAMPLERS, CaliperSampler, CaliperState, Sampler, make
 from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
 from train.sampling.evaluation import run_episodes
+from train.scoring import score_trees
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"  # structure and scalars (train.rundir.save_state)
@@ -419,33 +421,32 @@ def credit_for(trees: Sequence[Tree], config: TrainConfig, scores: pa.Table | No
                ref_version: str | None = None
                ) -> tuple[pa.Table, dict[tuple[str, int], NodeCredit]]:
     """Credit rows (committed) and per-node token credit (trained on), through the
-    registry: ``credit_trees`` is the code path of ``rtrees credit``; per-token clip
-    bounds (ELC E8, CALIPER C8) come from the same estimator call on the same trees.
+    registry: ``credit_trees`` is the code path of ``rtrees credit``; the rows carry the
+    per-token clip bounds (ELC E8, CALIPER C8), so the credit trained on is the credit
+    committed (``rows_credit``) and stored credit can be read back (``stored_credit_key``).
     ``scores``: trace's ``policy_scores`` rows (kind ``gold_answer``, T2) of these trees
     under the frozen reference of version ``ref_version`` (recorded as the params' ``ref``,
     so the params hash names the reference weights, as ``rtrees credit --param ref=``)."""
-    from train.credit.store_io import credit_trees_full
+    from train.credit.store_io import credit_trees
 
     params = {k: str(v) for k, v in config.credit_params.items()}
     if ref_version is not None:
         params["ref"] = ref_version
-    rows, arrays, credit = credit_trees_full(trees, config.credit, params,
-                                             run_id=config.resolved_run_id, scores=scores)
-    bounds: dict[tuple[str, int], tuple[np.ndarray | None, np.ndarray | None]] = {}
-    a_len = np.bincount(arrays.token_node[arrays.agent_mask], minlength=arrays.n_nodes)
-    for v in range(arrays.n_nodes):
-        lo = int(arrays.token_offsets[v])
-        hi = lo + int(a_len[v])
-        key = (arrays.tree_ids[int(arrays.node_tree[v])], int(arrays.node_ids[v]))
-        bounds[key] = (None if credit.clip_low is None else credit.clip_low[lo:hi],
-                       None if credit.clip_high is None else credit.clip_high[lo:hi])
-    out: dict[tuple[str, int], NodeCredit] = {}
-    for tid, nid, vals in zip(rows.column("tree_id").to_pylist(),
-                              rows.column("node_id").to_pylist(),
-                              rows.column("token_values").to_pylist(), strict=True):
-        low, high = bounds[(tid, nid)]
-        out[(tid, nid)] = NodeCredit(np.asarray(vals or [], np.float64), low, high)
-    return rows, out
+    rows = credit_trees(trees, config.credit, params, run_id=config.resolved_run_id,
+                        scores=scores)
+    return rows, rows_credit(rows)
+
+
+def stored_credit_key(config: TrainConfig) -> tuple[str, str] | None:
+    """(method, params hash) under which ``credit_for(trees, config)`` (no scores) credits
+    trees, when that credit is a function of each tree alone (not ``spans_trees``: a
+    prompt group's credit depends on which trees are credited together), else None: the
+    reuse stage reads stored trees' committed credit under this key instead of crediting
+    them again (``train.reuse.stage``)."""
+    from train.credit.store_io import resolve_method
+
+    _, p = resolve_method(config.credit, {k: str(v) for k, v in config.credit_params.items()})
+    return None if p.spans_trees() else (config.credit, p.params_hash())
 
 
 # ------------------------------------------------------------- the run directory
@@ -786,6 +787,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                              env_name=config.env, it=it,
                              run_id=run_id, seed=config.seed, out=out,
                              credit_for=partial(credit_for, config=config),
+                             credit_key=stored_credit_key(config),
                              layout=config.layout, micro_tokens=config.micro_tokens,
                              row_tokens=config.tree_row_tokens or None,
                              max_new_tokens=config.max_new_tokens,
@@ -1110,4 +1112,5 @@ def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, f
 
 __all__ = ["Resumed", "RunIdTakenError", "RunInUseError", "TrainError", "TrainReport",
            "check_config", "checkpoints", "credit_for", "latest_checkpoint",
-           "load_checkpoint", "read_metrics", "resume_checkpoint", "task_splits", "train"]
+           "load_checkpoint", "read_metrics", "resume_checkpoint", "stored_credit_key",
+           "task_splits", "train"]

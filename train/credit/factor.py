@@ -3,7 +3,7 @@
 arXiv:2608.07118 (official README). The estimator is pure: the teacher and student
 log-probabilities of each action token come in as ``extras["hindsight_logprob"]`` and
 ``extras["student_logprob"]`` (T,), NaN where unscored; a scoring job computes them
-(``train.credit.scores``, kinds ``hindsight`` and ``plain``) and the store keeps them.
+(``train.scoring``, kinds ``hindsight`` and ``plain``) and the store keeps them.
 
 Per node ``v`` of depth >= 1 (one action, taken in the state through its parent):
 

@@ -5,7 +5,7 @@ The estimator is pure: the teacher (the policy with the contrast reference of Q2
 prompt) and student log-probabilities of each action token come in as
 ``extras["contrast_logprob"]`` and ``extras["student_logprob"]`` (T,), NaN where
 unscored (a tree without both outcomes has no reference); a scoring job computes them
-(``train.credit.scores``, kinds ``contrast:<summariser>`` and ``plain``).
+(``train.scoring``, kinds ``contrast:<summariser>`` and ``plain``).
 
 Q4: ``A`` is the GRPO node credit (G1 with node means), ``d_t = teacher - student`` per
 agent token, ``w_t = clip(1 + kappa sgn(A) d_t, 1 - c, 1 + c)`` and the token advantage

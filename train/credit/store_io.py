@@ -26,14 +26,15 @@ Credit is a function of the stored data alone (docs/METHODS.md, "Prompt groups")
 ``credits`` rows (the trainer commits them itself); the trees passed must hold
 whole prompt groups.
 
-trace and dsc read policy scores of stored text (``train.credit.scores``):
-``--param ref=SPEC`` (trace, T2) / ``--param target=SPEC`` (dsc, D3) loads SPEC,
-scores the trees that lack scores of its version into ``policy_scores`` (computed
-once per policy version), records the version in the params and credits from the
-stored scores. factor and sgcd read per-token scores (F3, Q3; ``TOKEN_SCORED``) the
-same way with ``--param teacher=SPEC``; without it, each tree's scores of its own
-``policy_version`` (as the trainer writes them) are read, and a tree without them is
-refused.
+trace and dsc read policy scores of stored text (``train.credit.scores``), never
+compute them: ``rtrees credit --param ref=SPEC`` (trace, T2) / ``--param target=SPEC``
+(dsc, D3) first runs the scoring job (``train.scoring.score_for_credit``: loads SPEC,
+scores the trees that lack scores of its version into ``policy_scores``, once per policy
+version) and passes the version in the params; ``compute_credits`` credits from the
+stored scores of that version. factor and sgcd read per-token scores (F3, Q3;
+``TOKEN_SCORED``) the same way with ``--param teacher=SPEC``; without it, each tree's
+scores of its own ``policy_version`` (as the trainer writes them) are read, and a tree
+without them is refused.
 """
 
 from __future__ import annotations
@@ -67,9 +68,7 @@ from train.credit.scores import (
     GOLD,
     HINDSIGHT,
     PLAIN,
-    ScoreError,
     ScoreKind,
-    ensure_scores,
     score_extras,
     stored_scores,
     token_score_lists,
@@ -187,7 +186,9 @@ def stored_extras(nodes: pa.Table) -> dict[str, np.ndarray]:
 def credit_rows(batch: TreeArrays, credit: Credit, trees: pa.Table, method: str,
                 params_json: str, params_hash: str, run_id: str) -> pa.Table:
     """One ``credits`` row per node: ``value`` = node credit, ``token_values`` = the
-    advantages of its action tokens (the agent tokens, in order)."""
+    advantages of its action tokens (the agent tokens, in order), ``clip_low`` /
+    ``clip_high`` = the per-token clip epsilons of those tokens where the method sets them
+    (ELPO E8, CALIPER C8), else empty lists (``schema.CLIP_BOUNDS``)."""
     versions = dict(zip(trees.column("tree_id").to_pylist(),
                         trees.column("policy_version").to_pylist(), strict=True))
     tree_names = [batch.tree_ids[b] for b in batch.node_tree]
@@ -198,6 +199,14 @@ def credit_rows(batch: TreeArrays, credit: Credit, trees: pa.Table, method: str,
     n_agent = np.bincount(batch.token_node[batch.agent_mask], minlength=batch.n_nodes)
     token_vals = credit.token[batch.agent_mask].astype(np.float32)
     offsets = np.concatenate([[0], np.cumsum(n_agent)]).astype(np.int32)
+    none = np.zeros(batch.n_nodes + 1, np.int32)  # every node an empty list: no bounds
+
+    def bounds(eps: np.ndarray | None) -> pa.ListArray:
+        if eps is None:
+            return pa.ListArray.from_arrays(pa.array(none), pa.array([], pa.float64()))
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(
+            np.asarray(eps, np.float64)[batch.agent_mask]))
+
     now = now_utc()
     n = batch.n_nodes
     return pa.table({
@@ -212,7 +221,42 @@ def credit_rows(batch: TreeArrays, credit: Credit, trees: pa.Table, method: str,
         "token_values": pa.ListArray.from_arrays(pa.array(offsets), pa.array(token_vals)),
         "policy_version": pa.array([versions.get(t) for t in tree_names], pa.string()),
         "created_at": pa.array([now] * n, CREDITS.field("created_at").type),
+        "clip_low": bounds(credit.clip_low),
+        "clip_high": bounds(credit.clip_high),
     }, schema=CREDITS)
+
+
+def stored_credit(store: Store, tree_ids: Sequence[str], method: str, params_hash: str
+                  ) -> pa.Table:
+    """The committed ``credits`` rows of (``method``, ``params_hash``) for ``tree_ids``
+    whose clip bounds are recorded (``schema.CLIP_BOUNDS``: non-null; rows of schema
+    version < 4 read them as null and are left out), one row per (tree_id, node_id) (the
+    earliest committed where several runs credited a tree: the same inputs give the same
+    credit), ordered by tree_id and node_id. Whether a tree's rows are complete is the
+    caller's question (``complete_credit``)."""
+    if not tree_ids:
+        return CREDITS.empty_table()
+    con = connect(store)
+    con.register("_credit_trees", pa.table({"tree_id": pa.array(list(tree_ids), pa.string())}))
+    cols = ", ".join(CREDITS.names)
+    got = con.sql(
+        f"SELECT {cols} FROM (SELECT *, row_number() OVER (PARTITION BY tree_id, node_id "
+        "ORDER BY created_at, run_id) AS _k FROM credits WHERE method = $m AND "
+        "method_params_hash = $h AND clip_low IS NOT NULL AND clip_high IS NOT NULL AND "
+        "tree_id IN (SELECT tree_id FROM _credit_trees)) WHERE _k = 1 "
+        "ORDER BY tree_id, node_id", params={"m": method, "h": params_hash}).to_arrow_table()
+    con.unregister("_credit_trees")
+    return got.cast(CREDITS)
+
+
+def complete_credit(rows: pa.Table, trees: Sequence[Tree]) -> set[str]:
+    """Ids of ``trees`` for which ``rows`` (``stored_credit``) hold a row for every node."""
+    have: dict[str, set[int]] = {}
+    for t, n in zip(rows.column("tree_id").to_pylist(), rows.column("node_id").to_pylist(),
+                    strict=True):
+        have.setdefault(t, set()).add(int(n))
+    return {t.tree_id for t in trees
+            if have.get(t.tree_id, set()) >= {n.node_id for n in t.nodes}}
 
 
 def resolve_method(method: str, params: Mapping[str, str] | Params | None = None
@@ -233,7 +277,7 @@ def resolve_method(method: str, params: Mapping[str, str] | Params | None = None
 
 
 # Methods whose inputs are policy scores of stored text: (params field naming the
-# scoring policy, kind of ``policy_scores`` rows) (train.credit.scores).
+# scoring policy, kind of ``policy_scores`` rows) (train.credit.scores, train.scoring).
 SCORED: dict[str, tuple[str, ScoreKind]] = {"trace": ("ref", GOLD), "dsc": ("target", ACTION)}
 
 
@@ -339,7 +383,7 @@ def credit_trees(trees: Sequence[Tree], method: str,
     whose credit spans prompt groups (``Params.spans_trees()``) pass every tree
     of each group at once. ``run_id`` defaults to ``credit-METHOD-HASH``.
     ``scores``: for trace / dsc, the ``policy_scores`` rows of these trees
-    (``scores.score_trees`` with the frozen reference / target policy, or the stored
+    (``train.scoring.score_trees`` with the frozen reference / target policy, or the stored
     ones); the params' ``ref`` / ``target`` must then be that policy's version.
     Raises ``CreditError`` (unknown method or parameter, missing inputs).
     """
@@ -369,32 +413,20 @@ def credit_trees_full(trees: Sequence[Tree], method: str,
                          run_id or f"credit-{method}-{p.params_hash()}", scores)
 
 
-def compute_credits(store: Store, method: str, params: Mapping[str, str] | None = None,
+def compute_credits(store: Store, method: str,
+                    params: Mapping[str, str] | Params | None = None,
                     run_id: str | None = None, max_nodes: int = 200_000,
                     progress: bool = True) -> CreditRunReport:
     """Compute and commit ``method`` credit for every stored tree (or group) that lacks it.
 
     See the module docstring: prompt-group methods credit whole groups and
-    refuse groups that grew after they were credited (``CreditError``).
+    refuse groups that grew after they were credited (``CreditError``). A scored method
+    reads the stored ``policy_scores`` of the policy version its params name (the scoring
+    job, ``train.scoring.score_for_credit``, writes them and puts the version there).
     """
     estimator, p = resolve_method(method, params)
     source = _score_source(method, p)
-    if source is not None:  # score what is missing; the params record the policy version
-        field = SCORED[method][0]
-        try:
-            version, _ = ensure_scores(store, source[0], str(getattr(p, field)), progress)
-        except ScoreError as exc:
-            raise CreditError(f"{method}: {exc}") from exc
-        p = replace(p, **{field: version})
-        source = (source[0], version)
     token_kinds = token_score_kinds(method, p)
-    if token_kinds and p.teacher is not None:  # score what is missing under the teacher
-        try:
-            versions = {ensure_scores(store, kind, str(p.teacher), progress)[0]
-                        for kind in dict.fromkeys(token_kinds.values())}
-        except ScoreError as exc:
-            raise CreditError(f"{method}: {exc}") from exc
-        p = replace(p, teacher=versions.pop())
     params_hash = p.params_hash()
     run_id = run_id or f"credit-{method}-{params_hash}"
     report = CreditRunReport(method, params_hash)

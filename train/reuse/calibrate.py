@@ -22,7 +22,6 @@ from train.batches import ProxLogp
 from train.credit.base import TreeArrays, from_trees
 from train.credit.dsc import RATIO, STATE
 from train.credit.dsc_gate import DSCGateParams, calibrate_radii, dsc_gate
-from train.credit.scores import score_trees
 from train.envs.base import Environment
 from train.policies.base import Policy
 from train.reuse.params import CALIB_FRAC, ReuseParams
@@ -33,6 +32,7 @@ from train.reuse.select import Selection, split_hash, tree_problem
 from train.sampling.base import SamplerConfig, TreeBuilder, mix_seed
 from train.sampling.engine import EnvSource, Request
 from train.sampling.refresh import forced_draws, open_env
+from train.scoring import score_trees
 
 
 def _ratio_scores(trees: Sequence[Tree], policy: Policy) -> ProxLogp:

@@ -22,11 +22,20 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
-from rollout_store.store import Store
+from rollout_store.store import Store, now_utc
 from rollout_store.tree import Tree
-from train.batches import MicroBatch, NodeCredit, ProxLogp, TreeSeqs, build_sequences
+from train.batches import (
+    MicroBatch,
+    NodeCredit,
+    ProxLogp,
+    TreeSeqs,
+    build_sequences,
+    rows_credit,
+)
+from train.credit.store_io import complete_credit, stored_credit
 from train.loss import ISMode, behaviour_weight
 from train.policies.base import Policy
 from train.reuse.calibrate import gate_params
@@ -122,6 +131,52 @@ def rename_method(rows: pa.Table, suffix: str, policy_version: str) -> pa.Table:
 
 
 
+def same_data(a: Tree, b: Tree) -> bool:
+    """``b`` (a ``with_returns`` copy of ``a``) carries ``a``'s rewards at every node, so
+    its credit is ``a``'s stored credit (credit is a function of the stored data)."""
+    return len(a.nodes) == len(b.nodes) and all(
+        x.node_id == y.node_id and x.reward == y.reward
+        for x, y in zip(a.nodes, b.nodes, strict=True))
+
+
+def credit_stored(store: Store, stored: Sequence[Tree], credited: Sequence[Tree],
+                  credit_for: CreditFor, key: tuple[str, str] | None, run_id: str
+                  ) -> tuple[pa.Table | None, dict[tuple[str, int], NodeCredit], int]:
+    """Credit rows and token credit of the stored trees as resolved (``credited``, one per
+    ``stored`` tree), and how many trees' credit was read rather than computed: a tree the
+    rule left unchanged (``same_data``) whose committed rows under ``key`` (method, params
+    hash; ``stored_credit``) cover every node with their clip bounds is read back (rows
+    relabelled with ``run_id``); every other tree, among them a stored tree without
+    credit rows for the method, is credited by ``credit_for``. So the estimator runs once
+    per tree: at its iteration, not again each time the tree is reused."""
+    if not credited:
+        return None, {}, 0
+    read: set[str] = set()
+    rows = None
+    if key is not None:
+        same = [c for s, c in zip(stored, credited, strict=True) if same_data(s, c)]
+        found = stored_credit(store, [t.tree_id for t in same], *key)
+        read = complete_credit(found, same)
+        if read:
+            found = found.filter(pc.is_in(found.column("tree_id"),
+                                          value_set=pa.array(sorted(read), pa.string())))
+            n = found.num_rows
+            found = found.set_column(found.schema.get_field_index("run_id"),
+                                     found.schema.field("run_id"),
+                                     pa.array([run_id] * n, pa.string()))
+            rows = found.set_column(found.schema.get_field_index("created_at"),
+                                    found.schema.field("created_at"),
+                                    pa.array([now_utc()] * n, found.schema.field(
+                                        "created_at").type))
+    todo = [t for t in credited if t.tree_id not in read]
+    credit = {} if rows is None else rows_credit(rows)
+    if todo:
+        new_rows, new_credit = credit_for(todo)
+        credit.update(new_credit)
+        rows = new_rows if rows is None else pa.concat_tables([new_rows, rows])
+    return rows, credit, len(read)
+
+
 def m2po_mask(log_ratio: torch.Tensor, threshold: float) -> torch.Tensor:
     """(M1) (K,) bool, True for the tokens kept: drop the tokens with the largest
     (log pi_prox - log mu)^2 until the mean of the rest is at most ``threshold`` (the
@@ -196,13 +251,16 @@ class ReuseStage:
              run_id: str, seed: int, out: Path, credit_for: CreditFor, layout: Any,
              micro_tokens: int, row_tokens: int | None, max_new_tokens: int,
              temperature: float, key: Callable[[str], str] | None = None,
-             rename: Callable[[list[Tree]], list[Tree]] | None = None) -> StoredBatch:
+             rename: Callable[[list[Tree]], list[Tree]] | None = None,
+             credit_key: tuple[str, str] | None = None) -> StoredBatch:
         """Iteration ``it``'s stored trees: select, score, resolve, refresh, commit their
         credit (module docstring). ``env``: an environment factory (the refresh runs every
         stored tree together, each in its own environment) or one environment;
         ``key(name)``: the commit key of this iteration's ``name`` rows (default
         ``RUN:name:it``); ``rename``: applied to refreshed trees before they are committed
-        (the trainer's retry of a differing replay)."""
+        (the trainer's retry of a differing replay); ``credit_key``: (method, params hash)
+        of ``credit_for``'s rows when they may be read back for an unchanged stored tree
+        (``credit_stored``), None to always credit."""
         sel = select_stored(store, reuse_from=self.reuse_from, run_id=run_id, env=env_name,
                             iteration=it, max_staleness=self.max_staleness,
                             per_step=self.per_step, seed=seed,
@@ -212,15 +270,15 @@ class ReuseStage:
                                   seed=seed, out=out, credit_for=credit_for, layout=layout,
                                   micro_tokens=micro_tokens, row_tokens=row_tokens,
                                   max_new_tokens=max_new_tokens, temperature=temperature,
-                                  key=key, rename=rename)
+                                  key=key, rename=rename, credit_key=credit_key)
 
     def _after_select(self, sel: Selection, store: Store, model: Any, policy: Any,
                       env: EnvSource, *, it: int, run_id: str, seed: int, out: Path,
                       credit_for: CreditFor, layout: Any, micro_tokens: int,
                       row_tokens: int | None, max_new_tokens: int,
                       temperature: float, key: Callable[[str], str] | None = None,
-                      rename: Callable[[list[Tree]], list[Tree]] | None = None
-                      ) -> StoredBatch:
+                      rename: Callable[[list[Tree]], list[Tree]] | None = None,
+                      credit_key: tuple[str, str] | None = None) -> StoredBatch:
         def commit_key(name: str) -> str:
             return key(name) if key is not None else f"{run_id}:{name}:{it}"
 
@@ -242,7 +300,8 @@ class ReuseStage:
             refreshed = rename(refreshed)
         if refreshed:
             store.append_trees(refreshed, key=commit_key("refresh-trees"))
-        old_rows, old_credit = credit_for(step.credited) if sel.trees else (None, {})
+        old_rows, old_credit, read = credit_stored(store, sel.trees, step.credited,
+                                                   credit_for, credit_key, run_id)
         new_rows, new_credit = credit_for(refreshed) if refreshed else (None, {})
         if old_rows is not None:
             store.append_credits(rename_method(old_rows, self.rule.method_suffix,
@@ -259,6 +318,7 @@ class ReuseStage:
         staleness.update({t.tree_id: 0 for t in refreshed})
         metrics.update({
             "reuse_trees": float(len(sel.trees)), "reuse_refreshed_trees": float(len(refreshed)),
+            "reuse_credit_read_trees": float(read),
             **{f"reuse_pairs_{k}": float(step.pairs.get(k, 0)) for k in DECISIONS},
             "reuse_new_tool_steps": float(step.new_tool_steps),
             "reuse_calibration_tool_steps": float(step.calibration_tool_steps),
