@@ -37,6 +37,11 @@ REUSE_SETTINGS = {"env": "calc", "policy": "tiny", "sampler": "group", "credit":
 REUSE_METRICS = ("loss", "reward", "grad_norm", "new_tool_steps", "reuse_trees",
                  "reuse_new_tool_steps", "reuse_pairs_reuse", "reuse_pairs_transport",
                  "reuse_pairs_refresh", "is_weight_mean")
+FLOAT_REL = 1e-4
+"""Tolerance of the float metrics. Another CPU's kernels move a loss by about 1.5e-5
+relative after a few updates (seen between two machines with the same wheels); a change
+of random streams or of the method moves it by far more, and rewards, tool-step counts,
+pair decisions and refreshed-tree digests are compared exactly."""
 
 
 def reuse_golden(rule: str) -> Path:
@@ -79,7 +84,7 @@ def test_golden_trajectory(tmp_path: Path) -> None:
     assert expected["settings"] == SETTINGS
     assert got["reward"] == expected["reward"]
     for name in ("loss", "grad_norm"):
-        assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+        assert got[name] == pytest.approx(expected[name], rel=FLOAT_REL, abs=1e-6), name
 
 
 @pytest.mark.parametrize("rule", REUSE_RULES)
@@ -91,7 +96,7 @@ def test_reuse_golden(tmp_path: Path, rule: str) -> None:
                  "reuse_pairs_reuse", "reuse_pairs_transport", "reuse_pairs_refresh"):
         assert got[name] == expected[name], name
     for name in ("loss", "grad_norm", "is_weight_mean"):
-        assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+        assert got[name] == pytest.approx(expected[name], rel=FLOAT_REL, abs=1e-6), name
     assert got["refreshed_trees"] == expected["refreshed_trees"]
 
 
