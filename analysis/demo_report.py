@@ -176,14 +176,13 @@ def collection_section(con: duckdb.DuckDBPyConnection, runs: Mapping[str, str], 
 
 def read_run_metrics(con: duckdb.DuckDBPyConnection, run_id: str
                      ) -> dict[str, list[tuple[int, float]]]:
-    """``{name: [(step, value), ...]}`` of one run from the store's ``metrics`` table (the
-    trainer writes one row per metric and iteration; step -1 = before training)."""
-    rows = con.execute("SELECT name, step, value FROM metrics WHERE run_id = $r "
-                       "ORDER BY name, step", {"r": run_id}).fetchall()
-    out: dict[str, list[tuple[int, float]]] = {}
-    for name, step, value in rows:
-        out.setdefault(str(name), []).append((int(step), float(value)))
-    return out
+    """``{name: [(step, value), ...]}`` of one run from the store's training metrics (the
+    trainer writes one row per metric and iteration; step -1 = before training;
+    ``rollout_store.attempts.training_metrics``: the latest write per step, no bookkeeping
+    rows)."""
+    from rollout_store.attempts import training_metrics
+
+    return training_metrics(con, run_id)
 
 
 def training_section(metrics: Mapping[str, Sequence[tuple[int, float]]], run_id: str,

@@ -47,11 +47,13 @@ Choices not fixed by the sources [R]:
   the same resamples for every method, so the paired difference between two
   methods gets its interval from the per-resample differences.
 
-Computation: one DuckDB query over the store's views gives one row per child of
-every branching node (reference and every method's score); pairs are formed
-with numpy index arithmetic within each prefix and reduced with ``bincount``
-(no Python loop per prefix); each bootstrap resample is a vector of tree
-counts, so all resamples are one matrix product with per-tree sums.
+Computation: three projected DuckDB scans of the store's views (the children, the
+references, the methods' credits), joined in numpy on one int64 key per (tree, node),
+give one row per child of every branching node (reference and every method's score);
+pairs are formed with numpy index arithmetic within each prefix and reduced with
+``bincount`` (no Python loop per prefix); each bootstrap resample is a vector of tree
+counts, so all resamples are one matrix product with per-tree sums. Trees are indexed in
+the order the ``nodes`` view first holds them.
 """
 
 from __future__ import annotations
@@ -263,10 +265,8 @@ class RankingData:
         parent = table.column("parent_id").to_numpy().astype(np.int64)
         node = table.column("node_id").to_numpy().astype(np.int64)
         # Sort only when needed: prefixes must be contiguous, trees in first-seen order.
-        d_tree, d_parent, d_node = np.diff(tree), np.diff(parent), np.diff(node)
-        ordered = np.all((d_tree > 0) | ((d_tree == 0) & ((d_parent > 0) | (
-            (d_parent == 0) & (d_node > 0)))))
-        order = slice(None) if ordered else np.lexsort((node, parent, tree))
+        found = _row_order(tree, parent, node)
+        order = slice(None) if found is None else found
         tree, parent, node = tree[order], parent[order], node[order]
 
         def col(name: str, dtype: type) -> np.ndarray:
@@ -281,71 +281,217 @@ class RankingData:
             successes=col("successes", np.int64), k_total=col("k", np.int64), scores=scores)
 
 
+@dataclass(frozen=True)
+class _NodeKeys:
+    """One int64 key per (tree, node): ``code(tree_id) · span + node_id - lo``, tree ids
+    coded by their index in ``names``, node ids in ``[lo, lo + span)``; ``dense`` when
+    arrays of ``size`` = len(names) · span entries are small enough to index by key."""
+
+    names: pa.Array
+    lo: int
+    span: int
+    dense: bool
+
+    @property
+    def size(self) -> int:
+        return len(self.names) * self.span
+
+    def of(self, t: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, row indices) of the rows of ``t`` (``tree_id``, ``node_id``) whose tree is in
+        ``names`` and node in range: the others can match no child."""
+        code = pc.fill_null(pc.index_in(t.column("tree_id"), value_set=self.names), -1)
+        code = code.to_numpy().astype(np.int64)
+        node = t.column("node_id").to_numpy().astype(np.int64, copy=False) - self.lo
+        rows = np.flatnonzero((code >= 0) & (node >= 0) & (node < self.span))
+        return code[rows] * self.span + node[rows], rows
+
+
+def _at_keys(keys: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For sorted unique ``keys``: (index of each target in ``keys``, whether it is there)."""
+    if not len(keys):
+        return np.zeros(len(targets), np.int64), np.zeros(len(targets), bool)
+    pos = np.minimum(np.searchsorted(keys, targets), len(keys) - 1)
+    return pos, keys[pos] == targets
+
+
+def _sums_at(nk: _NodeKeys, keys: np.ndarray, columns: Sequence[np.ndarray],
+             targets: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """(per column, Σ of its int values at each target key; whether the key has any row)."""
+    if nk.dense:
+        n = np.bincount(keys, minlength=nk.size)
+        return [np.bincount(keys, c.astype(np.float64), minlength=nk.size)[targets].astype(
+            np.int64) for c in columns], n[targets] > 0  # exact: sums < 2^53
+    order = np.argsort(keys, kind="stable")
+    found, first = np.unique(keys[order], return_index=True)
+    pos, hit = _at_keys(found, targets)
+    if not len(first):
+        return [np.zeros(len(targets), np.int64) for _ in columns], hit
+    return [np.add.reduceat(c.astype(np.int64)[order], first)[pos] for c in columns], hit
+
+
+def _latest_at(nk: _NodeKeys, keys: np.ndarray, created: np.ndarray, values: np.ndarray,
+               targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(value of the largest ``created`` per target key (ties: the first row), whether the key
+    has any row)."""
+    if nk.dense:
+        n = np.bincount(keys, minlength=nk.size)
+        if not len(n) or n.max() <= 1:  # one write per node, the usual case: no sort
+            dense = np.zeros(nk.size)
+            dense[keys] = values
+            return dense[targets], n[targets] > 0
+    order = np.lexsort((-created, keys))  # per key the latest first; ties in row order
+    found, first = np.unique(keys[order], return_index=True)
+    pos, hit = _at_keys(found, targets)
+    latest = values[order][first]
+    return latest[pos] if len(first) else np.zeros(len(targets)), hit
+
+
+def _row_order(tree: np.ndarray, parent: np.ndarray, node: np.ndarray) -> np.ndarray | None:
+    """The permutation sorting rows by (tree, parent, node), None when already sorted."""
+    d_tree, d_parent, d_node = np.diff(tree), np.diff(parent), np.diff(node)
+    if np.all((d_tree > 0) | ((d_tree == 0) & ((d_parent > 0) | (
+            (d_parent == 0) & (d_node > 0))))):
+        return None
+    return np.lexsort((node, parent, tree))
+
+
+@dataclass(frozen=True)
+class _Children:
+    """Every child of a branching node (a parent with >= 2 children), N rows sorted by
+    (tree, parent, node): tree ``names[code]``, trees in the order the ``nodes`` view first
+    holds them; the pooled reference (``successes``, ``k``; 0 where ``has_ref`` is false)
+    and per method i its latest credit ``scores[:, i]`` (where ``has_score[:, i]``)."""
+
+    names: pa.Array  # (T,) string tree ids
+    code: np.ndarray  # (N,) int64, non-decreasing
+    parent: np.ndarray  # (N,) int64
+    node: np.ndarray  # (N,) int64
+    successes: np.ndarray  # (N,) int64
+    k: np.ndarray  # (N,) int64
+    has_ref: np.ndarray  # (N,) bool
+    scores: np.ndarray  # (N, K) float64
+    has_score: np.ndarray  # (N, K) bool
+
+
+def _branching_children(con: duckdb.DuckDBPyConnection, methods: Sequence[MethodRef],
+                        k: int, reference_policy: str | None = None) -> _Children:
+    """The children of every branching node with their reference and latest scores:
+    ``successes`` = Σ successes and ``k`` = Σ k over the child's ``mc_references`` rows at
+    ``k`` from the tree's policy version (or ``reference_policy``), and per method the
+    ``value`` of its largest ``created_at`` (ties: the first row scanned, as DuckDB's
+    ``arg_max``).
+
+    Three projected scans (the children; references joined with ``trees``; the methods'
+    credits), no token column read; the grouping and the joins on (tree, node) run in numpy
+    on one int64 key per node (``_NodeKeys``: tree ids dictionary-encoded once), by
+    ``bincount`` over the key space when it is at most 4x the children (else by sorting),
+    rather than as DuckDB hash joins and aggregates on string ids (about 4x the bare query
+    of ``benchmarks/bench_ranking.py`` on their own).
+    """
+    kids = con.sql("SELECT tree_id, parent_id, node_id FROM nodes "
+                   "WHERE parent_id IS NOT NULL").to_arrow_table()
+    enc = pc.dictionary_encode(kids.column("tree_id")).combine_chunks()
+    code = enc.indices.to_numpy().astype(np.int64)
+    parent = kids.column("parent_id").to_numpy().astype(np.int64, copy=False)
+    node = kids.column("node_id").to_numpy().astype(np.int64, copy=False)
+    lo = int(min(parent.min(), node.min())) if len(node) else 0
+    span = int(max(parent.max(), node.max())) - lo + 1 if len(node) else 1
+    if len(enc.dictionary) * span * span >= 2**62:
+        raise RankingError(f"node ids span {span} in {len(enc.dictionary)} trees: too wide "
+                           "to key")
+    nk = _NodeKeys(enc.dictionary, lo, span, len(enc.dictionary) * span <= 4 * len(node) + 1024)
+    prefix = code * span + (parent - lo)
+    if nk.dense:
+        n_children = np.bincount(prefix, minlength=nk.size)[prefix]
+    else:
+        _, inverse, counts = np.unique(prefix, return_inverse=True, return_counts=True)
+        n_children = counts[inverse]
+    rows = np.flatnonzero(n_children >= 2)
+    position = prefix[rows] * span + (node[rows] - lo)  # sorts by (tree, parent, node)
+    if np.any(np.diff(position) < 0):
+        rows = rows[np.argsort(position, kind="stable")]
+    code, parent, node = code[rows], parent[rows], node[rows]
+    target = code * span + (node - lo)
+
+    ref = con.sql(
+        "SELECT r.tree_id, r.node_id, r.successes, r.k FROM mc_references r "
+        "JOIN trees t USING (tree_id) WHERE r.k = $k AND r.policy_version IS NOT "
+        "DISTINCT FROM coalesce($policy, t.policy_version)",
+        params={"k": int(k), "policy": reference_policy}).to_arrow_table()
+    keys, at = nk.of(ref)
+    (successes, k_total), has_ref = _sums_at(
+        nk, keys, [ref.column(c).to_numpy()[at] for c in ("successes", "k")], target)
+
+    pairs = list(dict.fromkeys((m.method, m.params_hash) for m in methods))
+    params: dict[str, object] = {}
+    cases, terms = ["WHEN false THEN -1"], ["false"]
+    for j, (method, params_hash) in enumerate(pairs):
+        params[f"m{j}"], params[f"h{j}"] = method, params_hash
+        terms.append(f"(method = $m{j} AND method_params_hash = $h{j})")
+        cases.append(f"WHEN {terms[-1]} THEN {j}")
+    credit = con.sql(
+        f"SELECT tree_id, node_id, value, epoch_us(created_at) AS at, "
+        f"CASE {' '.join(cases)} END AS pair FROM credits WHERE {' OR '.join(terms)}",
+        params=params).to_arrow_table()
+    latest: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+    for j, pair in enumerate(pairs):
+        mine = credit.filter(pc.equal(credit.column("pair"), j)) if len(pairs) > 1 else credit
+        keys, at = nk.of(mine)
+        latest[pair] = _latest_at(nk, keys, mine.column("at").to_numpy()[at],
+                                  mine.column("value").to_numpy().astype(np.float64)[at],
+                                  target)
+    scores = np.zeros((len(rows), len(methods)))
+    has_score = np.zeros((len(rows), len(methods)), bool)
+    for i, m in enumerate(methods):
+        scores[:, i], has_score[:, i] = latest[(m.method, m.params_hash)]
+    return _Children(nk.names, code, parent, node, np.where(has_ref, successes, 0),
+                     np.where(has_ref, k_total, 0), has_ref, scores, has_score)
+
+
 def load_ranking_data(con: duckdb.DuckDBPyConnection, methods: Sequence[MethodRef], k: int,
                       reference_policy: str | None = None, *, store: str = "STORE",
                       on_missing_credit: MissingCredit = "error"
                       ) -> tuple[RankingData, dict[str, str]]:
-    """The children of every branching node with their reference and scores (one query).
+    """The children of every branching node with their reference and scores
+    (``_branching_children``).
 
     A prefix is audited when every child has a reference (k rollouts, from the tree's
     own policy version or ``reference_policy``). Among audited prefixes a child without
     a method's score means its tree lacks that credit: ``RankingError`` naming the
     ``rtrees credit`` command (``on_missing_credit="error"``), or the method is dropped
-    (``"drop"``; returned with the reason).
+    (``"drop"``; returned with the reason). Trees are indexed in the order the ``nodes``
+    view first holds them (the bootstrap's resampling units).
     """
-    params: dict[str, object] = {"k": int(k), "policy": reference_policy}
-    where = _credit_filter(methods, params)
-    pivot = ", ".join(
-        f"arg_max(value, created_at) FILTER (WHERE method = $m{i} AND "
-        f"method_params_hash = $h{i}) AS s{i}" for i in range(len(methods)))
-    table = con.sql(f"""
-        WITH {_BRANCHING_SQL},
-        ref AS (
-            SELECT r.tree_id, r.node_id, sum(r.successes)::BIGINT AS successes,
-                   sum(r.k)::BIGINT AS k
-            FROM mc_references r JOIN trees t USING (tree_id)
-            WHERE r.k = $k AND r.policy_version IS NOT DISTINCT FROM
-                  coalesce($policy, t.policy_version)
-            GROUP BY r.tree_id, r.node_id),
-        score AS (
-            SELECT tree_id, node_id, {pivot} FROM credits WHERE {where}
-            GROUP BY tree_id, node_id)
-        SELECT c.tree_id, c.parent_id, c.node_id, ref.successes, ref.k,
-               {", ".join(f"s.s{i}" for i in range(len(methods)))}
-        FROM kids c JOIN prefixes USING (tree_id, parent_id)
-        LEFT JOIN ref USING (tree_id, node_id)
-        LEFT JOIN score s USING (tree_id, node_id)""", params=params).to_arrow_table()
-    # Complete prefixes (every child referenced), found with numpy rather than a window.
-    tree = pc.dictionary_encode(table.column("tree_id")).combine_chunks().indices.to_numpy()
-    parent = table.column("parent_id").to_numpy()
-    order = np.lexsort((table.column("node_id").to_numpy(), parent, tree))
-    group = group_index([tree[order], parent[order]])
-    has_ref = table.column("k").is_valid().to_numpy(zero_copy_only=False)[order]
+    c = _branching_children(con, methods, k, reference_policy)
+    # Complete prefixes (every child referenced); rows are sorted, so prefixes contiguous.
+    group = group_index([c.code, c.parent])
     sizes = np.bincount(group)
-    n_ref = np.bincount(group, has_ref, minlength=len(sizes))
+    n_ref = np.bincount(group, c.has_ref, minlength=len(sizes))
     complete = n_ref == sizes
     n_branching, n_partial = len(sizes), int(np.sum(~complete & (n_ref > 0)))
-    table = table.take(pa.array(order[complete[group]]))
+    rows = np.flatnonzero(complete[group])
+    codes, tree = np.unique(c.code[rows], return_inverse=True)  # first-seen order kept
     dropped: dict[str, str] = {}
     keep = []
     for i, m in enumerate(methods):
-        col = table.column(f"s{i}")
-        if col.null_count:
-            missing = table.filter(col.is_null()).column("tree_id")
-            trees = np.unique(missing.to_numpy(zero_copy_only=False))
-            n_trees = len(np.unique(table.column("tree_id").to_numpy(zero_copy_only=False)))
-            err = credit_error(m, len(trees), n_trees, str(trees[0]), store)
+        missing = ~c.has_score[rows, i]
+        if missing.any():
+            lacking = np.unique(c.code[rows][missing])
+            example = min(c.names.take(pa.array(lacking)).to_pylist())
+            err = credit_error(m, len(lacking), len(codes), example, store)
             if on_missing_credit == "error":
                 raise err
             dropped[m.label] = str(err)
         else:
             keep.append(i)
-    table = table.select(["tree_id", "parent_id", "node_id", "successes", "k"]
-                         + [f"s{i}" for i in keep])
-    table = table.rename_columns([*table.column_names[:5], *(f"s{j}" for j in range(len(keep)))])
-    data = RankingData.from_table(table, [methods[i].label for i in keep])
-    data = replace(data, n_prefixes_branching=n_branching,
-                   n_prefixes_missing_reference=n_partial)
+    tree = tree.astype(np.int64)
+    parent = c.parent[rows]
+    data = RankingData(
+        labels=tuple(methods[i].label for i in keep),
+        tree_ids=[str(t) for t in c.names.take(pa.array(codes)).to_pylist()], tree=tree,
+        group=group_index([tree, parent]), parent_id=parent, node_id=c.node[rows],
+        successes=c.successes[rows], k_total=c.k[rows], scores=c.scores[rows][:, keep],
+        n_prefixes_branching=n_branching, n_prefixes_missing_reference=n_partial)
     return data, dropped
 
 

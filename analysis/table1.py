@@ -100,16 +100,14 @@ DEFAULT_DELTA = 0.02
 
 
 def read_run_metrics(store_dir: Path, run_id: str) -> dict[str, dict[int, float]]:
-    """``{name: {step: value}}`` of one run from its store's ``metrics`` table."""
+    """``{name: {step: value}}`` of one run from its store's training metrics
+    (``rollout_store.attempts.training_metrics``: the latest write per step, no bookkeeping
+    rows)."""
     from rollout_store import Store, connect
+    from rollout_store.attempts import training_metrics
 
-    con = connect(Store(store_dir))
-    rows = con.execute("SELECT name, step, value FROM metrics WHERE run_id = ? "
-                       "ORDER BY name, step", [run_id]).fetchall()
-    out: dict[str, dict[int, float]] = {}
-    for name, step, value in rows:
-        out.setdefault(str(name), {})[int(step)] = float(value)
-    return out
+    return {name: dict(rows)
+            for name, rows in training_metrics(connect(Store(store_dir)), run_id).items()}
 
 
 def read_run_outcomes(store_dir: Path, run_id: str, step: int, mode: str

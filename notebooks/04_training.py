@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -89,22 +91,25 @@ print(train(reuse).summary())
 # ## 2. The metrics table
 #
 # `read_metrics(store, run_id)` returns `{name: [(step, value), ...]}`; the same rows are
-# in the `metrics` view of `rollout_store.connect` (one row per run, step and name).
-# Held-out success at step -1 is the starting policy's.
+# the relation `TRAINING_METRICS` over `rollout_store.connect`: the `metrics_latest` view
+# (one row per run, step and name, the last attempt's) without the bookkeeping rows (the
+# run token at step -2, attempts at -3). Held-out success at step -1 is the starting
+# policy's.
 
 # %%
 import polars as pl
 
 from rollout_store import connect
+from rollout_store.attempts import TRAINING_METRICS  # metrics_latest, no bookkeeping rows
 
 con = connect(STORE)
-con.sql("""
+con.sql(f"""
     SELECT run_id, count(DISTINCT step) FILTER (WHERE step >= 0) AS iterations,
            count(DISTINCT name) AS metrics,
            max(value) FILTER (WHERE name = 'heldout_sampled' AND step = -1) AS heldout_start,
            arg_max(value, step) FILTER (WHERE name = 'heldout_sampled') AS heldout_end,
            sum(value) FILTER (WHERE name = 'new_tool_steps') AS new_tool_steps
-    FROM metrics GROUP BY run_id ORDER BY run_id""").pl()
+    FROM {TRAINING_METRICS} GROUP BY run_id ORDER BY run_id""").pl()
 
 # %%
 metrics = {run: read_metrics(STORE, run) for run in ("fresh", "reuse")}

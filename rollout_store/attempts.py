@@ -25,6 +25,12 @@ another library version) may not reuse the keys: it commits as a retry, under
   ``created_at``) per (run, method, params hash, tree, node);
 * ``metrics_latest``: the last write per (run, step, name), every bookkeeping row
   (step <= -2: run token, attempts) kept.
+
+Readers of a run's training metrics (the viewer, ``analysis.table1``, the demo report, the
+notebooks, ``train.trainer.read_metrics``) read ``TRAINING_METRICS``: ``metrics_latest``
+without the bookkeeping rows, i.e. steps ``>= FIRST_METRIC_STEP`` (-1: the held-out
+evaluation of the starting weights; 0, 1, ...: the iterations), through
+``training_metrics`` or that SQL relation, never raw ``metrics``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ ATTEMPT_METRIC: Final[str] = "attempt"
 ATTEMPT_STEP: Final[int] = -3
 RETRY_MARK: Final[str] = "@a"
 _RETRY_RE = RETRY_MARK + "[0-9]+$"
+FIRST_METRIC_STEP: Final[int] = -1
+"""The first step of a run's own metrics (the starting weights' held-out evaluation);
+steps below it are bookkeeping (-2: the trainer's run token, -3: attempts)."""
+TRAINING_METRICS: Final[str] = (
+    f"(SELECT * FROM metrics_latest WHERE step >= {FIRST_METRIC_STEP})")
+"""SQL relation over a ``reader.connect`` connection: the metrics rows a reader of training
+metrics sees (latest write per (run, step, name), no bookkeeping rows)."""
 
 
 def retry_key(key: str, attempt: int) -> str:
@@ -136,6 +149,19 @@ def attempt_rows(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     return out
 
 
+def training_metrics(con: duckdb.DuckDBPyConnection, run_id: str
+                     ) -> dict[str, list[tuple[int, float]]]:
+    """``{name: [(step, value), ...]}`` of one run, steps ascending, from
+    ``TRAINING_METRICS``: one value per (step, name), the last an attempt wrote, and no
+    bookkeeping rows (step < ``FIRST_METRIC_STEP``)."""
+    rows = con.execute(f"SELECT name, step, value FROM {TRAINING_METRICS} WHERE run_id = $r "
+                       "ORDER BY name, step", {"r": run_id}).fetchall()
+    out: dict[str, list[tuple[int, float]]] = {}
+    for name, step, value in rows:
+        out.setdefault(str(name), []).append((int(step), float(value)))
+    return out
+
+
 def _identity(table: str) -> list[str]:
     """Columns (never null) that name one row of ``table`` in its ``*_latest`` view."""
     return {"trees": ["tree_id", "commit_key"],
@@ -144,5 +170,6 @@ def _identity(table: str) -> list[str]:
             "metrics": ["run_id", "step", "name", "created_at"]}[table]
 
 
-__all__ = ["ATTEMPT_METRIC", "ATTEMPT_STEP", "RETRY_MARK", "as_retry", "attempt_rows",
-           "create_views", "retry_key", "retry_tree_id"]
+__all__ = ["ATTEMPT_METRIC", "ATTEMPT_STEP", "FIRST_METRIC_STEP", "RETRY_MARK",
+           "TRAINING_METRICS", "as_retry", "attempt_rows", "create_views", "retry_key",
+           "retry_tree_id", "training_metrics"]

@@ -144,10 +144,13 @@ def find_corrupt_file(paths: list[str], cause: BaseException,
 def _read_files(paths: list[str], columns: list[str],
                 keys: pa.Array | None = None, loc: Location | None = None) -> pa.Table:
     """Read ``columns`` of ``paths`` with page checksums verified, optionally key-filtered."""
-    if loc is not None and loc.remote and keys is None and len(paths) > 1:
-        try:  # one multi-threaded read: the object store's round trips overlap
-            return pq.read_table([loc.fs_path(p) for p in paths], filesystem=loc.fs,
-                                 columns=columns, page_checksum_verification=True)
+    if keys is None and len(paths) > 1:
+        try:  # one multi-threaded read: files decode in parallel (and on an object store
+            # the round trips overlap); cold `rtrees search` spends most of its time here
+            if loc is not None and loc.remote:
+                return pq.read_table([loc.fs_path(p) for p in paths], filesystem=loc.fs,
+                                     columns=columns, page_checksum_verification=True)
+            return pq.read_table(paths, columns=columns, page_checksum_verification=True)
         except (OSError, pa.ArrowException):
             pass  # the file-by-file read below names the file at fault
     parts = []

@@ -264,24 +264,37 @@ def _runs(index: TokenIndex, q64: np.ndarray, limit: int) -> SearchResult:
 
 def _children(nodes: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """The child rows of every row as CSR arrays (vectorised): row r's children are
-    ``kids[first[r]:first[r + 1]]``. Rows are keyed by (tree, node id) packed into one
-    int64 (node ids are below 2**31, ``schema.MAX_NODE_ID``)."""
+    ``kids[first[r]:first[r + 1]]``, in row order. A parent's row is found directly when
+    every tree's rows are contiguous with node ids 0, 1, ... in row order (as the writer
+    lays trees out): row = the tree's first row + parent id; otherwise rows are keyed by
+    (tree, node id) packed into one int64 (node ids are below 2**31,
+    ``schema.MAX_NODE_ID``) and looked up by sorting."""
     if nodes.num_rows == 0:
         return np.zeros(0, np.int64), np.zeros(1, np.int64)
+    n = nodes.num_rows
     tree = pc.dictionary_encode(nodes.column("tree_id").combine_chunks()).indices
-    code = np.asarray(tree.to_numpy(zero_copy_only=False), dtype=np.int64) << 31
-    key = code | np.asarray(nodes.column("node_id").to_numpy(), dtype=np.int64)
+    code = np.asarray(tree.to_numpy(zero_copy_only=False), dtype=np.int64)
+    node = np.asarray(nodes.column("node_id").to_numpy(), dtype=np.int64)
     parent = nodes.column("parent_id").combine_chunks()
     has_parent = np.asarray(parent.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
-    pkey = code | np.asarray(pc.fill_null(parent, 0).to_numpy(), dtype=np.int64)
-    order = np.argsort(key, kind="stable")
-    pos = np.searchsorted(key[order], pkey)
-    pos = np.minimum(pos, len(order) - 1)
-    parent_row = np.where(has_parent & (key[order][pos] == pkey), order[pos], -1)
+    pid = np.asarray(pc.fill_null(parent, 0).to_numpy(), dtype=np.int64)
+    parent_row = None
+    if np.all(code[1:] >= code[:-1]):  # first-seen codes: each tree's rows contiguous
+        start = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])[code]
+        if np.array_equal(node, np.arange(n) - start):
+            size = np.bincount(code)[code]
+            inside = has_parent & (pid >= 0) & (pid < size)
+            parent_row = np.where(inside, start + pid, -1)
+    if parent_row is None:
+        key = (code << 31) | node
+        pkey = (code << 31) | pid
+        order = np.argsort(key, kind="stable")
+        pos = np.minimum(np.searchsorted(key[order], pkey), n - 1)
+        parent_row = np.where(has_parent & (key[order][pos] == pkey), order[pos], -1)
     rows = np.flatnonzero(parent_row >= 0)
     by_parent = rows[np.argsort(parent_row[rows], kind="stable")]
-    first = np.searchsorted(parent_row[by_parent], np.arange(nodes.num_rows + 1))
-    return by_parent, first
+    first = np.r_[0, np.cumsum(np.bincount(parent_row[rows], minlength=n))]
+    return by_parent, first.astype(np.int64)
 
 
 def _cross(index: TokenIndex, vals: list[np.ndarray], offs: list[np.ndarray],

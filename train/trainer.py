@@ -78,7 +78,7 @@ import psutil
 import pyarrow as pa
 import torch
 
-from rollout_store.attempts import as_retry, retry_key
+from rollout_store.attempts import as_retry, retry_key, training_metrics
 from rollout_store.maintenance import record_attempt
 from rollout_store.reader import connect
 from rollout_store.schema import EVALUATIONS, metrics_table
@@ -1098,16 +1098,10 @@ def _commit_metrics(store: Store, run_id: str, it: int, metrics: dict[str, float
 
 def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, float]]]:
     """``{name: [(step, value), ...]}`` of a run, from the store's ``metrics_latest`` view
-    (a value a resumed attempt re-computed replaces the earlier one)."""
-    s = store if isinstance(store, Store) else open_store(store)
-    con = connect(s)
-    rows = con.execute("SELECT name, step, value FROM metrics_latest WHERE run_id = $r AND "
-                       "step > $s ORDER BY name, step",  # not the run token nor attempts
-                       {"r": run_id, "s": OWNER_STEP}).fetchall()
-    out: dict[str, list[tuple[int, float]]] = {}
-    for name, step, value in rows:
-        out.setdefault(name, []).append((int(step), float(value)))
-    return out
+    (a value a resumed attempt re-computed replaces the earlier one) without the run token
+    nor the attempt rows (``rollout_store.attempts.training_metrics``)."""
+    return training_metrics(connect(store if isinstance(store, Store) else open_store(store)),
+                            run_id)
 
 
 __all__ = ["Resumed", "RunIdTakenError", "RunInUseError", "TrainError", "TrainReport",

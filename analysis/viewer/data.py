@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from analysis.tree_plot import tree_layout
+from rollout_store.attempts import TRAINING_METRICS, training_metrics
 from rollout_store.reader import as_store, connect, read_trees, run_query
 from rollout_store.store import Store
 
@@ -236,15 +237,17 @@ class ViewerData:
                 "trees": n_trees}
 
     def runs(self) -> list[dict[str, Any]]:
-        """One row per run id found in ``trees``, ``credits`` or ``metrics``."""
-        return self._rows("""
-            WITH ids AS (SELECT run_id FROM trees UNION SELECT run_id FROM metrics
+        """One row per run id found in ``trees``, ``credits`` or the training metrics
+        (``TRAINING_METRICS``: no bookkeeping rows, the latest write per step)."""
+        return self._rows(f"""
+            WITH ids AS (SELECT run_id FROM trees UNION SELECT run_id FROM {TRAINING_METRICS}
                          UNION SELECT run_id FROM credits)
             SELECT i.run_id,
                    (SELECT count(*) FROM trees t WHERE t.run_id = i.run_id) AS trees,
                    (SELECT string_agg(DISTINCT sampler, ',' ORDER BY sampler) FROM trees t
                     WHERE t.run_id = i.run_id) AS samplers,
-                   (SELECT count(DISTINCT name) FROM metrics m WHERE m.run_id = i.run_id)
+                   (SELECT count(DISTINCT name) FROM {TRAINING_METRICS} m
+                    WHERE m.run_id = i.run_id)
                        AS metrics
             FROM ids i ORDER BY i.run_id""")
 
@@ -376,9 +379,8 @@ class ViewerData:
                 "rank_disagreements": sum(r["rank_differs"] for r in rows)}
 
     def metrics(self, run_id: str) -> dict[str, list[list[float]]]:
-        """``{name: [[step, value], ...]}`` of one run, steps ascending."""
-        out: dict[str, list[list[float]]] = defaultdict(list)
-        for r in self._rows("SELECT name, step, value FROM metrics WHERE run_id = ? "
-                            "ORDER BY name, step, created_at", [run_id]):
-            out[r["name"]].append([r["step"], r["value"]])
-        return dict(out)
+        """``{name: [[step, value], ...]}`` of one run, steps ascending
+        (``rollout_store.attempts.training_metrics``)."""
+        with self._lock:
+            found = training_metrics(self.con, run_id)
+        return {name: [[step, value] for step, value in rows] for name, rows in found.items()}
