@@ -81,7 +81,9 @@ def _store(path: Path, wide: bool) -> Store:
             "value": pa.array(np.round(rng.normal(size=m), 1)),
             "token_values": pa.nulls(m, pa.list_(pa.float32())),
             "policy_version": ["v"] * m,
-            "created_at": pa.array([t0 + at] * m, CREDITS.field("created_at").type)},
+            "created_at": pa.array([t0 + at] * m, CREDITS.field("created_at").type),
+            "clip_low": pa.nulls(m, CREDITS.field("clip_low").type),
+            "clip_high": pa.nulls(m, CREDITS.field("clip_high").type)},
             schema=CREDITS), key=key)
 
     credits(nodes, "aaa", timedelta(0), "first")
