@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from rollout_store import Store, connect, read_polars
 from rollout_store.maintenance import compact, verify
@@ -57,6 +58,7 @@ def check_consistent(store: Store) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow  # ~35 s; tests/test_store_s3.py's kill -9 runs the same commit path
 def test_kill_9_during_appends_leaves_only_whole_commits(tmp_path: Path) -> None:
     path = tmp_path / "store"
     store = Store(path, create=True)

@@ -34,7 +34,7 @@ def brute_siblings(trees: list[Tree], threshold: float) -> set[tuple[str, int, i
     return out
 
 
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=12, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(batch=tree_lists(max_size=4, max_nodes=25))
