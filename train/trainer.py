@@ -371,9 +371,10 @@ def load_checkpoint(path: Path, config: TrainConfig) -> Resumed:
     if not isinstance(recorded, dict):
         raise CheckpointError(f"{path / META_FILE} records no run configuration")
     here = run_fields(config)  # fields added since the checkpoint was written: not compared
+    named = ("run_id", "env", "step")  # the checkpoint's own: run_id resolved ("" is not)
     for key, want in (("run_id", config.resolved_run_id), ("env", config.env), ("step", step),
-                      *((k, here[k]) for k in sorted(recorded) if k in here)):
-        got = meta.get(key) if key in ("run_id", "env", "step") else recorded[key]
+                      *((k, here[k]) for k in sorted(recorded) if k in here and k not in named)):
+        got = meta.get(key) if key in named else recorded[key]
         if got != want:
             raise CheckpointError(f"{path / META_FILE} records {key} {got!r}, not this "
                                   f"run's {want!r}: a checkpoint of another run (or "
