@@ -4,8 +4,10 @@
 --credit elpo --steps N --store DIR --out DIR [--resume] [--reuse none|all|transport|dsc|
 refresh|m2po|prox-interp --reuse-from SQL --reuse-per-step N --max-staleness V --is-cap C
 --is-mode M]
-[--nproc N]``; ``--nproc N`` runs N data-parallel ranks (``train.launch.launch``; the
-same run as ``torchrun --nproc-per-node N -m cli.main train ...``).
+[--nproc N] [--shard none|fsdp]``; ``--nproc N`` runs N data-parallel ranks
+(``train.launch.launch``; the same run as ``torchrun --nproc-per-node N -m cli.main train
+...``); ``--shard fsdp`` shards the parameters, gradients and optimizer state over them
+(FSDP2, ``train.fsdp``; ``TrainConfig.shard``).
 Every option is optional and passed on only when given: the defaults live in
 ``train.config.TrainConfig`` alone (``--set FIELD=VALUE`` reaches any field;
 ``rtrees train --fields`` lists them with their documentation).
@@ -64,6 +66,8 @@ def train_command(
                            ] = None,
     nproc: Annotated[int | None, typer.Option(help="Data-parallel ranks on this machine "
                                               "(train.distributed; gloo on CPU).")] = None,
+    shard: Annotated[str | None, typer.Option(help="none or fsdp: FSDP2 parameter sharding "
+                                              "over the ranks (TrainConfig.shard).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from "
                                          "its newest checkpoint.")] = False,
     tensorboard: Annotated[bool, typer.Option("--tensorboard", help="Also write TensorBoard "
@@ -87,7 +91,7 @@ def train_command(
                         ("run_id", run_id),
                         ("reuse", reuse), ("reuse_from", reuse_from),
                         ("reuse_per_step", reuse_per_step), ("max_staleness", max_staleness),
-                        ("is_cap", is_cap), ("is_mode", is_mode)):
+                        ("is_cap", is_cap), ("is_mode", is_mode), ("shard", shard)):
         if value is not None:
             given[name] = str(value) if isinstance(value, Path) else value
     if tensorboard:

@@ -419,3 +419,15 @@ def test_policy_ref_recomputes_the_version(fresh: Run, tmp_path: Path) -> None:
 def test_latest_checkpoint_sees_damaged_ones(fresh: Run) -> None:
     (fresh.ckpt(STEPS) / STATE_FILE).unlink()
     assert latest_checkpoint(fresh.out) == fresh.ckpt(STEPS)  # resume names it, never hides it
+
+
+def test_default_run_id_resumes(tmp_path: Path) -> None:
+    """A run without ``run_id`` (``train-`` + the directory's name) resumes: the
+    checkpoint records the resolved id beside the configuration's empty one, and only
+    the resolved one is compared (the empty field was compared with the resolved id,
+    so no checkpoint of such a run was usable)."""
+    cfg = load_config(None, {**SMALL, "run_id": "", "steps": 1, "store": str(tmp_path / "st"),
+                             "out": str(tmp_path / "run")})
+    train(cfg)
+    resumed = resume_checkpoint(Path(cfg.out), cfg.replace(steps=2), warn=False)
+    assert resumed is not None and resumed.path.name == "step-000001"

@@ -14,6 +14,21 @@ per step over 2 ranks, so rank 1 holds fewer and runs ``dummy_backward``.
   ``from_pretrained`` and its digests verify (slow);
 * rank 1 SIGKILLed at a save: nothing is published, the previous checkpoint is intact,
   and resuming from it continues bit-identically (slow).
+
+Through the trainer (``rtrees train --shard fsdp``: ``train.launch.launch`` and the CLI,
+the tiny policy's 4-layer Llama sharded per decoder layer; the data-parallel tests'
+``SMALL`` run of ``tests/test_trainer_ddp.py``: 4 trees per iteration in 2 mini-batches;
+with seed 5 every mini-batch of the first two iterations holds the trees of one rank, so
+the other runs a zero-weight pass at every optimizer step; on 3 ranks some always does):
+
+* ``--shard fsdp`` on 2 ranks equals the unsharded 1-rank trainer within 1e-5 (per-step
+  losses, the trees and the final published weights), tree layout (paths: slow);
+* a run checkpointed by 2 ranks resumes on 1 rank, then on 3, and gives the per-step
+  losses of an uninterrupted 2-rank run within 1e-5 relative, the same trees, weights
+  within 1e-5 (slow);
+* ``kill -9`` of one rank of ``rtrees train --nproc 2 --shard fsdp``, then ``--resume``:
+  the losses and weights of the uninterrupted run exactly (slow);
+* a bad ``shard`` is one line naming the field.
 """
 
 from __future__ import annotations
@@ -190,3 +205,166 @@ def test_kill9_of_one_rank_then_resume_continues_exactly(tmp_path: Path) -> None
     assert rest["losses"] == straight["losses"][1:]
     for k, v in straight["weights"].items():
         assert torch.equal(rest["weights"][k], v), k
+
+
+# ---------------------------------------------------------------- through the trainer
+
+SMALL = {"tasks_per_step": 4, "n_total": 2, "heldout_tasks": 0, "max_new_tokens": 40,
+         "minibatches": 2, "progress": False, "run_id": "r", "seed": 3}
+
+
+def _cfg(tmp: Path, name: str, **kw: object) -> Any:
+    from train.config import load_config
+
+    return load_config(None, {**SMALL, "store": str(tmp / f"store-{name}"),
+                              "out": str(tmp / f"run-{name}"), **kw})
+
+
+def _weights(out: str, step: int | None = None) -> dict[str, torch.Tensor]:
+    """The weights a run published (its newest checkpoint, or ``step``'s), loaded as
+    ``hf:PATH`` loads them (the rank-0 HF export)."""
+    from train.policies import load_policy
+    from train.trainer import checkpoint_dir, latest_checkpoint
+
+    ckpt = latest_checkpoint(Path(out)) if step is None else checkpoint_dir(Path(out), step)
+    assert ckpt is not None
+    model = load_policy(f"hf:{ckpt}", "calc").model  # type: ignore[attr-defined]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _losses(cfg: Any) -> list[float]:
+    from train.trainer import read_metrics
+
+    return [v for _, v in read_metrics(cfg.store, cfg.resolved_run_id)["loss"]]
+
+
+def _texts(cfg: Any) -> dict[str, list[str | None]]:
+    from rollout_store.reader import read_trees
+
+    return {t.tree_id: [n.action_text for n in t.nodes] for t in read_trees(cfg.store)}
+
+
+def _weights_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                   atol: float = 1e-5) -> None:
+    assert sorted(a) == sorted(b)
+    for k, v in a.items():
+        torch.testing.assert_close(b[k], v, rtol=0, atol=atol, msg=k)
+
+
+@pytest.mark.parametrize("layout", ["tree", pytest.param("paths", marks=pytest.mark.slow)])
+def test_trainer_fsdp_two_ranks_equal_unsharded_one_rank(tmp_path: Path, layout: str) -> None:
+    """2 iterations: ``launch(--shard fsdp, nproc 2)`` vs ``train(--shard none)``; the
+    1-rank reference runs with each rank's intra-op threads (as in test_trainer_ddp)."""
+    from train.launch import launch
+    from train.trainer import _minibatch_parts, train
+
+    one = _cfg(tmp_path, "one", steps=2, layout=layout, seed=5)
+    two = _cfg(tmp_path, "two", steps=2, layout=layout, seed=5, shard="fsdp")
+    for it in range(2):  # each mini-batch's trees lie on one rank: the other's passes are
+        assert all(len({j % 2 for j in part}) == 1  # zero-weight ones (dummy_backward)
+                   for part in _minibatch_parts(4, two, it))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))
+    try:
+        train(one)
+    finally:
+        torch.set_num_threads(threads)
+    assert launch(two, nproc=2).iterations == 2
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-5, abs=1e-7)
+    assert _texts(two) == _texts(one)  # the same trees, sampled from the full replica
+    final = _weights(two.out)
+    _weights_close(_weights(one.out), final)
+    start = _weights(two.out, 0)  # the model moved
+    assert max(float((final[k] - v).abs().max()) for k, v in start.items()) > 1e-4
+    ckpt = Path(two.out) / "checkpoints" / "step-000002"
+    assert (ckpt / "dcp" / ".metadata").is_file() and len(list((ckpt / "dcp").glob(
+        "*.distcp"))) == 2  # one shard file per rank
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An uninterrupted 4-iteration 2-rank ``--shard fsdp`` run (the slow tests' reference)."""
+    from train.launch import launch
+
+    cfg = _cfg(tmp_path_factory.mktemp("fsdp-straight"), "s", steps=4, shard="fsdp")
+    launch(cfg, nproc=2)
+    return cfg
+
+
+@pytest.mark.slow
+def test_trainer_fsdp_save_two_ranks_resume_one_then_three(tmp_path: Path,
+                                                           straight: Any) -> None:
+    """Iterations 0-1 on 2 ranks, 2 on 1 rank (unsharded: DCP loads without a process
+    group), 3 on 3 ranks (rank 0 samples trees 0 and 3): the losses, trees and weights of
+    the uninterrupted 2-rank run."""
+    from train.launch import launch
+    from train.rundir import verify_checkpoint
+
+    cfg = _cfg(tmp_path, "k", steps=2, shard="fsdp")
+    launch(cfg, nproc=2)
+    meta = verify_checkpoint(Path(cfg.out) / "checkpoints" / "step-000002",
+                             require=("dcp/.metadata", "model.safetensors",
+                                      "trainer_state.json"))
+    assert meta["config"]["shard"] == "fsdp" and meta["step"] == 2
+    launch(cfg.replace(steps=3), resume=True, nproc=1)
+    launch(cfg.replace(steps=4), resume=True, nproc=3)
+    assert _losses(cfg) == pytest.approx(_losses(straight), rel=1e-5, abs=1e-7)
+    assert _texts(cfg) == _texts(straight)
+    _weights_close(_weights(straight.out), _weights(cfg.out))
+
+
+@pytest.mark.slow
+def test_trainer_fsdp_kill9_one_rank_then_resume(tmp_path: Path, straight: Any) -> None:
+    """``rtrees train --nproc 2 --shard fsdp``, SIGKILL of rank 1 once step-000002 is
+    published, ``--resume --nproc 2``: the losses and weights of the uninterrupted run,
+    exactly; no staging directory is left behind."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from train.trainer import latest_checkpoint
+
+    killed = _cfg(tmp_path, "k", steps=4, shard="fsdp")
+    rtrees = str(Path(sys.executable).with_name("rtrees"))
+    args = [rtrees, "train", "--store", killed.store, "--out", killed.out, "--steps", "4",
+            "--nproc", "2", "--shard", "fsdp", *(f"--set={k}={v}" for k, v in SMALL.items())]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    target = Path(killed.out) / "checkpoints" / "step-000002"
+    deadline = time.time() + 600
+    while not target.is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before a rank could be killed"
+    ranks = sorted((c for c in psutil.Process(proc.pid).children()
+                    if "spawn_main" in " ".join(c.cmdline())), key=lambda c: c.create_time())
+    assert len(ranks) == 2
+    os.kill(ranks[1].pid, signal.SIGKILL)  # rank 1 (spawned second)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "rank" in err and "--resume" in err and "Traceback" not in err
+    done = latest_checkpoint(Path(killed.out))
+    assert done is not None and int(done.name.split("-")[1]) < 4
+    out = subprocess.run([rtrees, "train", "--out", killed.out, "--resume", "--nproc", "2"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    assert _losses(killed) == _losses(straight)
+    a, b = _weights(straight.out), _weights(killed.out)
+    for k, v in a.items():
+        assert torch.equal(b[k], v), k
+    assert not list((Path(killed.out) / "checkpoints").glob(".step-*"))
+
+
+def test_bad_shard_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                     ) -> None:
+    from cli.main import app
+
+    for args in (["--shard", "zero"], ["--set", "shard=zero"]):
+        with pytest.raises(SystemExit) as info:
+            app(["train", "--store", str(tmp_path / "st"), "--out", str(tmp_path / "run"),
+                 *args])
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert info.value.code != 0
+        assert len(err) == 1 and err[0].startswith("error:") and "shard" in err[0], err
+        assert "zero" in err[0] and "fsdp" in err[0] and "Traceback" not in err[0], err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "st").exists()

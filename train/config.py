@@ -65,6 +65,9 @@ class ConfigMismatchError(ConfigError):
 
 
 DynamicSampling = Literal["off", "resample", "drop"]
+Shard = Literal["none", "fsdp"]
+SHARD_MODES: tuple[str, ...] = ("none", "fsdp")
+"""``TrainConfig.shard`` choices: whole model per rank (data-parallel) or FSDP2."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,11 @@ class TrainConfig:
     ``drop``ped; ``off`` keeps every tree. Extra trees are counted in the metrics."""
     dynamic_rounds: int = 3
     """Q1: the most extra trees sampled for one task with ``dynamic_sampling=resample``."""
+    shard: Shard = "none"
+    """Parameter sharding over the ranks: ``none`` (every rank holds the whole model and
+    optimizer; gradients all-reduced) or ``fsdp`` (FSDP2 ``fully_shard`` per decoder layer,
+    embeddings and LM head; checkpoints by ``torch.distributed.checkpoint``, resumable on
+    any number of ranks; ``train/fsdp.py``). Not changeable on resume."""
 
     def __post_init__(self) -> None:
         try:  # types (a TOML ``steps = 2.5``), finite floats, size bounds (issue 21)
@@ -232,7 +240,8 @@ class TrainConfig:
             raise ConfigError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
         choices: dict[str, tuple[str, ...]] = {
             "layout": LAYOUTS, "node_weight": NODE_WEIGHTS, "aggregation": AGGREGATIONS,
-            "kl_estimator": KL_ESTIMATORS, "dynamic_sampling": tuple(DYNAMIC_SAMPLING)}
+            "kl_estimator": KL_ESTIMATORS, "dynamic_sampling": tuple(DYNAMIC_SAMPLING),
+            "shard": SHARD_MODES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -263,6 +272,11 @@ class TrainConfig:
     def dynamic_sampling_resamples(self) -> bool:
         """Q1 resamples one-outcome trees (rather than dropping them)."""
         return DYNAMIC_SAMPLING[self.dynamic_sampling].resamples
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the parameters over the ranks (``shard`` fsdp)."""
+        return self.shard == "fsdp"
 
     @property
     def resolved_run_id(self) -> str:
@@ -431,7 +445,7 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
                                   f"differing fields: {'; '.join(diff)}")
 
 
-__all__ = ["CONFIG_FILE", "MAXIMA", "MINIMA", "RESUMABLE_FIELDS", "RUN_TOKEN",
+__all__ = ["CONFIG_FILE", "MAXIMA", "MINIMA", "RESUMABLE_FIELDS", "RUN_TOKEN", "SHARD_MODES",
            "UNSUPPORTED_CREDIT", "ConfigError", "ConfigMismatchError", "TrainConfig",
            "apply_overrides", "check_resume", "coerce_overrides", "create_config",
            "field_docs", "field_names", "load_config", "new_run_token", "read_config",

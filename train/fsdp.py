@@ -32,13 +32,32 @@ Built on ``torch.distributed.fsdp.fully_shard`` and ``torch.distributed.checkpoi
   ``load_sharded`` reads the DCP state into a model sharded over ANY number of ranks
   (DCP reshards on load): a run saved by 2 ranks resumes on 1 or 3.
 
-Not built here: the trainer's ``--shard fsdp`` flag (docs/SCALE.md says what runs).
+What the trainer calls (``rtrees train --shard fsdp``, ``train.trainer``):
+
+* ``shard_for_training(model, world)``: the model the loop trains, a sharded COPY of the
+  loaded one (one rank: the model itself); the loaded model stays whole on every rank
+  and is the one the sampler, the held-out evaluation, the scorers and the
+  ``policy_version`` hash read (every forward of a sharded unit is a collective, and
+  ranks sample different trees with different numbers of forwards);
+* ``copy_full_weights(sharded, replica)`` after each iteration's optimizer steps: the
+  full parameters gathered (exact: an all-gather concatenates) into the replica;
+* ``Shards`` names what a checkpoint is written from; the trainer's checkpoint goes
+  through ``save_sharded`` with its HF directory and trainer state as ``fill``.
+
+An optimizer that has not stepped yet (the step-0 checkpoint) is saved WITHOUT its state:
+``get_state_dict`` would initialise AdamW's state by a zero-gradient step (step count 1),
+and the run would no longer be the unsharded one; ``load_sharded`` then leaves the
+optimizer fresh, as a run from step 0 has it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +68,7 @@ from train.distributed import World, all_max, barrier
 from train.rundir import begin_checkpoint, publish_checkpoint, staging_dir
 
 DCP_DIR = "dcp"  # the sharded model + optimizer state inside a checkpoint
+OPTIM_KEY = "optim"  # top-level key of the optimizer state in the DCP checkpoint
 
 
 class ShardError(RuntimeError):
@@ -127,19 +147,37 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
 
 
-def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 with_optim: bool = True) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` as DCP reads and writes them (this rank's shards);
+    without ``with_optim`` the model alone (module docstring: a fresh optimizer)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    if not with_optim:
+        return {"model": get_model_state_dict(model)}
     msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd}
+    return {"model": msd, OPTIM_KEY: osd}
+
+
+@contextlib.contextmanager
+def _quiet_one_process() -> Any:
+    """Without a process group (one rank) DCP reads and writes in this process, as asked,
+    and would say so in a ``UserWarning`` on every checkpoint: not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                category=UserWarning)
+        yield
 
 
 def save_sharded(path: Path, world: World, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-                 fill: Callable[[Path, dict[str, torch.Tensor]], None] | None = None) -> Path:
+                 fill: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
+                 gather_full: bool = True) -> Path:
     """Checkpoint ``path`` written by every rank (module docstring): each rank's shard of
-    the model and optimizer under ``dcp/``; rank 0's ``fill(tmp, full_weights)`` (the HF
-    export, trainer state); ``meta`` and the digests, published atomically by rank 0.
+    the model and optimizer under ``dcp/`` (the optimizer only once it has state);
+    rank 0's ``fill(tmp, full_weights)`` (the HF export, trainer state); ``meta`` and the
+    digests, published atomically by rank 0. ``gather_full=False``: ``fill`` gets an
+    empty dict (the caller holds the full weights already: the trainer's replica).
     Called on every rank; a rank killed before the publish leaves no checkpoint."""
     import torch.distributed.checkpoint as dcp
 
@@ -150,8 +188,10 @@ def save_sharded(path: Path, world: World, model: torch.nn.Module,
     if world.is_main:
         begin_checkpoint(path, token[0])
     barrier(world)  # the staging directory exists before any rank writes its shard
-    dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(tmp / DCP_DIR))
-    full = full_state_dict(model)
+    with _quiet_one_process():
+        dcp.save(_state_dicts(model, optimizer, with_optim=bool(optimizer.state)),
+                 checkpoint_id=str(tmp / DCP_DIR), no_dist=not dist.is_initialized())
+    full = full_state_dict(model) if gather_full else {}
     barrier(world)  # every shard is written
     if world.is_main:
         if fill is not None:
@@ -163,18 +203,72 @@ def save_sharded(path: Path, world: World, model: torch.nn.Module,
 
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore the model and optimizer state of a ``save_sharded`` checkpoint into
-    ``model`` (sharded over any number of ranks, or unsharded) in place; every rank."""
+    ``model`` (sharded over any number of ranks, or unsharded) in place; every rank.
+    A checkpoint saved before the optimizer's first step holds no optimizer state: the
+    optimizer is left as it is (fresh)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    state = _state_dicts(model, optimizer)
-    if dist.is_initialized():
-        dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR))
-    else:  # one process, no group: DCP reads without collectives
-        dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR), no_dist=True)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    where = str(Path(path) / DCP_DIR)
+    stored = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    with_optim = any(k.split(".")[0] == OPTIM_KEY for k in stored)
+    state = _state_dicts(model, optimizer, with_optim)
+    with _quiet_one_process():
+        dcp.load(state, checkpoint_id=where, no_dist=not dist.is_initialized())
+    if with_optim:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state[OPTIM_KEY])
+    else:
+        set_model_state_dict(model, state["model"])
 
 
-__all__ = ["DCP_DIR", "ShardError", "dummy_backward", "full_state_dict", "load_sharded",
-           "mixed_precision", "passes_needed", "save_sharded", "shard_model"]
+@dataclass(frozen=True)
+class Shards:
+    """What a sharded checkpoint is written from (``save_sharded``): this rank's place,
+    the sharded model, its optimizer."""
+
+    world: World
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def shard_for_training(model: torch.nn.Module, world: World,
+                       device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The model the trainer trains (module docstring): one rank, ``model`` itself
+    (unsharded); more, a copy of it sharded by ``shard_model``; ``model`` stays whole,
+    the replica that samples. ``ShardError`` for a model without decoder layers."""
+    if world.size == 1:
+        return model
+    sharded = copy.deepcopy(model)
+    shard_model(sharded, world, device)
+    return sharded
+
+
+def copy_full_weights(sharded: torch.nn.Module, replica: torch.nn.Module) -> None:
+    """``replica``'s parameters <- the full parameters of ``sharded`` (one all-gather per
+    parameter, in the same order on every rank: a collective); nothing when they are one
+    model (one rank). The copy is exact (an all-gather concatenates the shards)."""
+    if sharded is replica:
+        return
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for (name, p), (other, q) in zip(sharded.named_parameters(),
+                                         replica.named_parameters(), strict=True):
+            if name != other:
+                raise ShardError(f"the sampling replica's parameter {other} is not {name}")
+            q.copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+
+
+def full_value(x: torch.Tensor) -> float:
+    """A scalar that may be a ``DTensor`` (the gradient norm of sharded parameters), as a
+    float (every rank: a collective for a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return float(x.full_tensor() if isinstance(x, DTensor) else x)
+
+
+__all__ = ["DCP_DIR", "OPTIM_KEY", "ShardError", "Shards", "copy_full_weights",
+           "dummy_backward", "full_state_dict", "full_value", "load_sharded",
+           "mixed_precision", "passes_needed", "save_sharded", "shard_for_training",
+           "shard_model"]

@@ -1,5 +1,7 @@
 """The process launcher of ``rtrees train --nproc N`` (issue 16): N spawned ranks on this
-machine, each calling ``train.trainer.train``; rank 0's report comes back.
+machine, each calling ``train.trainer.train``; rank 0's report comes back. With
+``--shard fsdp`` (``TrainConfig.shard``) the same ranks shard the model (``train.fsdp``);
+nothing here changes.
 
 Ranks get the environment ``torchrun`` would set (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` = 127.0.0.1, ``MASTER_PORT`` a free port) and join the

@@ -37,6 +37,16 @@ ranks (tree j on rank j mod N), gather them, let rank 0 commit, checkpoint and e
 normalise each mini-batch's loss by global counts and sum the gradients over ranks, so N
 ranks compute the single-rank update (within float summation order).
 
+Sharded (issue 27, ``--shard fsdp``, ``train.fsdp``): the lines marked ``FSDP`` train a
+copy of the model sharded by FSDP2 (each decoder layer, the embeddings with the LM head,
+the decoder), whose gradient reduce-scatter replaces the all-reduce; every rank runs the
+same number of forward/backward passes per optimizer step (a zero-weight pass where it
+has fewer micro-batches); the loaded model stays whole on every rank, receives the full
+weights after each iteration and is what samples, evaluates, scores and names the policy
+version; every rank writes its shard of each checkpoint (``torch.distributed.checkpoint``
+under ``dcp/``, with the same HF directory, metadata and trainer state as unsharded), and
+``--resume`` reshards it onto any number of ranks.
+
 One trainer per run directory, one run directory per run id: ``open_run_dir`` holds an
 exclusive lock on ``OUT/train.lock`` for the run's lifetime, creates ``config.json``
 exclusively with a random run token, and records the token with the run id in the
@@ -85,6 +95,7 @@ from rollout_store.schema import EVALUATIONS, metrics_table
 from rollout_store.store import CommitKeyConflictError, Store, now_utc, open_store
 from rollout_store.tree import Tree
 from train import distributed as dp
+from train import fsdp
 from train.batches import (
     NodeCredit,
     SplitTree,
@@ -304,9 +315,12 @@ def run_fields(config: TrainConfig) -> dict[str, Any]:
 
 
 def save_checkpoint(out: Path, step: int, policy: HFPolicy, version: str, state: dict[str, Any],
-                    config: TrainConfig) -> Path:
+                    config: TrainConfig, shards: fsdp.Shards | None = None) -> Path:
     """Write checkpoint ``step`` atomically with a sha256 per file
-    (``train.rundir.write_checkpoint``); prune. Non-finite weights are never published."""
+    (``train.rundir.write_checkpoint``); prune. Non-finite weights are never published.
+    ``shards`` (FSDP): called on every rank, each writes its shard of the model and
+    optimizer under ``dcp/`` and rank 0 the rest (``train.fsdp.save_sharded``); ``policy``
+    holds the full weights on every rank."""
     try:
         check_finite(policy.model, f"the weights to publish as step-{step:06d}")
     except CheckpointError as exc:
@@ -319,10 +333,17 @@ def save_checkpoint(out: Path, step: int, policy: HFPolicy, version: str, state:
         policy.tokenizer.save_pretrained(tmp)
         save_state(state, tmp / STATE_FILE, tmp / STATE_TENSORS)
 
-    final = write_checkpoint(checkpoint_dir(out, step), fill, {
-        "policy_version": version, "env": config.env, "step": step,
-        "run_id": config.resolved_run_id, "trained_from": config.policy,
-        "config": run_fields(config)})
+    meta = {"policy_version": version, "env": config.env, "step": step,
+            "run_id": config.resolved_run_id, "trained_from": config.policy,
+            "config": run_fields(config)}
+    if shards is None:
+        final = write_checkpoint(checkpoint_dir(out, step), fill, meta)
+    else:  # FSDP: the replica in ``policy`` holds the full weights: no gather for them
+        final = fsdp.save_sharded(checkpoint_dir(out, step), shards.world, shards.model,
+                                  shards.optimizer, meta, lambda tmp, _: fill(tmp),
+                                  gather_full=False)
+        if not shards.world.is_main:
+            return final
     steps = [int(p.name[5:]) for p in checkpoints(out)]
     for s in steps[:-config.keep_last]:
         if s % config.save_every:
@@ -347,15 +368,17 @@ def load_checkpoint(path: Path, config: TrainConfig) -> Resumed:
     records (a checkpoint of another run), finite weights whose recomputed version
     ``RUN-state_dict_version`` is the recorded one, and trainer state in the current
     format (JSON and safetensors: nothing is unpickled)."""
-    meta = verify_checkpoint(path, require=("config.json", STATE_FILE, STATE_TENSORS))
+    meta = verify_checkpoint(path, require=("config.json", STATE_FILE, STATE_TENSORS) + (
+        (f"{fsdp.DCP_DIR}/.metadata",) if config.sharded else ()))
     step = int(path.name[5:])
     recorded = meta.get("config")
     if not isinstance(recorded, dict):
         raise CheckpointError(f"{path / META_FILE} records no run configuration")
     here = run_fields(config)  # fields added since the checkpoint was written: not compared
+    named = ("run_id", "env", "step")  # the checkpoint's own: run_id resolved ("" is not)
     for key, want in (("run_id", config.resolved_run_id), ("env", config.env), ("step", step),
-                      *((k, here[k]) for k in sorted(recorded) if k in here)):
-        got = meta.get(key) if key in ("run_id", "env", "step") else recorded[key]
+                      *((k, here[k]) for k in sorted(recorded) if k in here and k not in named)):
+        got = meta.get(key) if key in named else recorded[key]
         if got != want:
             raise CheckpointError(f"{path / META_FILE} records {key} {got!r}, not this "
                                   f"run's {want!r}: a checkpoint of another run (or "
@@ -657,14 +680,20 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
     resumed = resume_checkpoint(out, config, warn=world.is_main) if resume else None
     start_ckpt = resumed.path if resumed is not None else None
     policy = resumed.policy if resumed is not None else load_start_policy(config)
-    model = policy.model
+    model = policy.model  # the model trained (FSDP: a sharded copy; policy.model samples)
+    if config.sharded:
+        try:
+            model = fsdp.shard_for_training(policy.model, world)
+        except fsdp.ShardError as exc:
+            raise TrainError(f"--shard fsdp: {exc}") from None
     ref_policy = None  # the frozen initial policy: KL reference, and trace's scorer (T2)
     if config.kl_coef > 0 or config.credit == "trace":
         ref_policy = load_start_policy(config)
         ref_policy.model.eval().requires_grad_(False)
     ref_model = ref_policy.model if config.kl_coef > 0 and ref_policy is not None else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,  # FSDP: after sharding
                                   weight_decay=config.weight_decay)
+    shards = fsdp.Shards(world, model, optimizer) if config.sharded else None
     warm = config.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -674,7 +703,10 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
     if resumed is not None:
         state = resumed.state
         try:
-            optimizer.load_state_dict(state["optimizer"])
+            if shards is not None:  # FSDP: model and optimizer shards, any world size
+                fsdp.load_sharded(resumed.path, model, optimizer)
+            else:
+                optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
             if isinstance(sampler, CaliperSampler) and state.get("sampler_state"):
@@ -692,13 +724,14 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
     report = TrainReport(run_id, out, rank=world.rank)
 
     def publish(step: int) -> HFPolicy:
-        version = f"{run_id}-{state_dict_version(model)}"
+        version = f"{run_id}-{state_dict_version(policy.model)}"  # FSDP: the full weights
         return policy.published(str(checkpoint_dir(out, step)), version)
 
     current = publish(start)
-    if start_ckpt is None and world.is_main:  # DDP: rank 0 writes checkpoints
-        save_checkpoint(out, 0, current, current.policy_version,
-                        _state(0, optimizer, scheduler, sampler, store), config)
+    if start_ckpt is None and (world.is_main or shards is not None):  # DDP: rank 0 writes
+        save_checkpoint(out, 0, current, current.policy_version,  # FSDP: every rank
+                        _state(0, optimizer, scheduler, sampler, store, shards), config,
+                        shards)
     elif resumed is not None:
         current = policy.published(str(resumed.path), resumed.version)
 
@@ -810,10 +843,12 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         for part in parts:
             own = [i for i in part if world.owns(i)]  # DDP: this rank's trees of the part
             part_seqs = [seqs[i] for i in own]
+            # FSDP: no split trees (a split tree's forwards and backwards interleave, so
+            # ranks would issue their collectives in different orders)
+            row_tokens = None if shards is not None else config.tree_row_tokens or None
             rows = make_rows(part_seqs, credit, config.layout, config.node_weight,
-                             config.clip_low, config.clip_high,
-                             max_row_tokens=config.tree_row_tokens or None, prox=prox,
-                             staleness=staleness)
+                             config.clip_low, config.clip_high, max_row_tokens=row_tokens,
+                             prox=prox, staleness=staleness)
             mbs = micro_batches(rows, config.layout, config.micro_tokens,
                                 pad_id=current.pad_id)
             n_tokens = sum(float(mb.traj_count.sum()) for mb in mbs)
@@ -822,13 +857,15 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                             if mb.action_len is not None)  # F6: (trajectory, action) pairs
             tokens, paths, actions = dp.all_sum(world, [n_tokens, n_seqs, n_actions])  # DDP
             d = denominator(config.aggregation, tokens, paths, config.norm_length, actions)
-            part_batches.append((mbs, d, own))
+            n_live = sum(1 for mb in mbs if mb.n_loss_tokens)
+            n_passes = fsdp.passes_needed(world, n_live) if shards is not None else n_live
+            part_batches.append((mbs, d, own, n_passes - n_live))  # FSDP: zero-weight passes
             metrics["split_trees"] = metrics.get("split_trees", 0.0) + sum(
                 isinstance(u, SplitTree) for u in mbs)  # trees over tree_row_tokens
-        if config.check_logprobs:
+        if config.check_logprobs:  # with the full weights (FSDP: no collective)
             with torch.no_grad():
-                diffs = [float((forward_logprobs(model, mb)[0] - mb.old_logp).abs().max())
-                         for mbs, _, _ in part_batches for mb in mbs if mb.n_loss_tokens]
+                diffs = [float((forward_logprobs(policy.model, mb)[0] - mb.old_logp).abs().max())
+                         for mbs, _, _, _ in part_batches for mb in mbs if mb.n_loss_tokens]
             metrics["logprob_diff_max"] = dp.all_max(world, [max(diffs, default=0.0)])[0]
         model.train()
         sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual": 0.0, "kl": 0.0,
@@ -841,7 +878,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             order = (_epoch_order(n_parts, config, it, epoch) if epoch < config.epochs
                      else list(range(n_parts, len(part_batches))))
             for p in order:
-                mbs, d, part = part_batches[p]
+                mbs, d, part, n_dummy = part_batches[p]
                 optimizer.zero_grad(set_to_none=True)
                 step_loss = 0.0
                 # a split tree (tree_row_tokens) is several pieces: its trunk forwarded
@@ -885,14 +922,18 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                             (below_base & wide & ~out_t.clipped_low).sum())
                     sums["kl"] += masked_mean(out_t.kl, mask) * k
                     sums["entropy"] += float(entropy.detach().sum())
-                dp.all_reduce_grads(world, model.parameters())  # DDP: the whole part's grad
+                for _ in range(n_dummy):  # FSDP: as many passes as the rank with the most
+                    fsdp.dummy_backward(model, current.pad_id)
+                if shards is None:  # FSDP reduce-scatters the gradients in backward
+                    dp.all_reduce_grads(world, model.parameters())  # DDP: the part's grad
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
-                grad_norms.append(float(grad_norm))
+                grad_norms.append(fsdp.full_value(grad_norm))
                 optimizer.step()
                 scheduler.step()
                 sums["loss"] += step_loss
         model.eval()
+        fsdp.copy_full_weights(model, policy.model)  # FSDP: the replica gets the new weights
         sums = dp.reduce_sums(world, sums)  # DDP: every rank's tokens
         n_loss_tokens, forward_tokens = (int(v) for v in dp.all_sum(
             world, [n_loss_tokens, forward_tokens]))
@@ -937,6 +978,10 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         report.losses.append(metrics["loss"])
         report.rewards.append(metrics["reward"])
         if not world.is_main:  # DDP: rank 0 evaluates, commits metrics, checkpoints
+            if shards is not None:  # FSDP: every rank writes its shard of the checkpoint
+                save_checkpoint(out, it + 1, current, current.policy_version,
+                                _state(it + 1, optimizer, scheduler, sampler, store, shards),
+                                config, shards)
             continue
         if config.eval_every and heldout and ((it + 1) % config.eval_every == 0 or
                                               it + 1 == config.steps):
@@ -952,7 +997,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                 writer.add_scalar(name, value, it)
             writer.flush()
         save_checkpoint(out, it + 1, current, current.policy_version,
-                        _state(it + 1, optimizer, scheduler, sampler, store), config)
+                        _state(it + 1, optimizer, scheduler, sampler, store, shards), config,
+                        shards)
         if config.progress:
             extra = "".join(f" {k.split('_')[1]} {metrics[k]:.3f}" for k in
                             ("heldout_sampled", "heldout_greedy") if k in metrics)
@@ -1027,8 +1073,11 @@ def _dynamic_sampling(trees: list[Tree], picks: Sequence[int], tasks: Sequence[T
 
 
 def _state(iteration: int, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Sampler,
-           store: Store) -> dict[str, Any]:
-    return {"iteration": iteration, "optimizer": optimizer.state_dict(),
+           store: Store, shards: fsdp.Shards | None = None) -> dict[str, Any]:
+    """The trainer state of a checkpoint; with ``shards`` (FSDP) the optimizer's is in the
+    checkpoint's DCP directory, which ``optimizer`` names."""
+    return {"iteration": iteration,
+            "optimizer": optimizer.state_dict() if shards is None else fsdp.DCP_DIR,
             "scheduler": scheduler.state_dict(), "rng": rng_state(),
             "store_version": dict(store.version()),
             "sampler_state": sampler.state.to_dict() if isinstance(sampler, CaliperSampler)
