@@ -809,7 +809,7 @@ def forward_logprobs(model: Any, unit: Unit, with_entropy: bool = False,
     The LM head runs at the K loss columns only. A ``SplitTree``'s tokens come in
     ``pieces`` order, in one autograd graph (``loss_pieces`` is the pass that frees each
     branch's activations after its backward)."""
-    if isinstance(unit, MicroBatch):
+    if not isinstance(unit, SplitTree):
         return _forward(model, unit, with_entropy, entropy_grad)
     capture: dict[int, KV] = {}
     t_logp, t_ent = _forward(model, unit.trunk, with_entropy, entropy_grad, capture=capture)
@@ -853,7 +853,7 @@ def loss_pieces(model: Any, unit: Unit, with_entropy: bool = False,
         with torch.no_grad():
             return _forward(ref_model, mb, False, False, prefix=prefix, capture=capture)[0]
 
-    if isinstance(unit, MicroBatch):
+    if not isinstance(unit, SplitTree):
         logp, ent = _forward(model, unit, with_entropy, entropy_grad)
         yield Piece(unit, logp, ent, ref_of(unit), plain)
         return
