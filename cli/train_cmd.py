@@ -2,7 +2,7 @@
 
 ``rtrees train --config FILE`` or ``rtrees train --env calc --policy tiny --sampler bel
 --credit elpo --steps N --store DIR --out DIR [--resume] [--reuse none|all|transport|dsc|
-refresh|m2po|prox-interp --reuse-from SQL --reuse-per-step N --max-staleness V --is-cap C
+refresh|m2po|prox-interp|gap-gate --reuse-from SQL --reuse-per-step N --max-staleness V --is-cap C
 --is-mode M]
 [--nproc N] [--shard none|fsdp]``; ``--nproc N`` runs N data-parallel ranks
 (``train.launch.launch``; the same run as ``torchrun --nproc-per-node N -m cli.main train
@@ -48,7 +48,7 @@ def train_command(
         "--task-param", help="Task generator option KEY=VALUE for both splits, e.g. "
         "horizons=18 (TrainConfig.task_params; repeatable).")] = None,
     reuse: Annotated[str | None, typer.Option(help="Stored-tree reuse: none, all, transport, "
-                                              "dsc, refresh, m2po, prox-interp "
+                                              "dsc, refresh, m2po, prox-interp, gap-gate "
                                               "(TrainConfig.reuse).")] = None,
     reuse_from: Annotated[str | None, typer.Option(help="SQL filter over trees choosing the "
                                                    "stored trees (TrainConfig.reuse_from).")

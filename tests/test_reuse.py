@@ -167,6 +167,37 @@ def test_pi_equals_mu_transport_is_reuse_and_dsc_has_no_drift() -> None:
     assert res.returns == res.reward
 
 
+def test_gap_gate_reuses_a_resolved_gap_and_refreshes_the_rest() -> None:
+    """GG1: a resolved stored gap is reused whatever the drift (DSC would transport or
+    refresh when the old data moved), an unresolved one is refreshed, never transported."""
+    clear = Tree(tree_id="t", run_id="r", env="calc", nodes=[
+        _node(0, None), _node(1, 0), _node(2, 0),
+        *[_node(3 + i, 1, 1.0) for i in range(8)], *[_node(11 + i, 2, 0.0) for i in range(8)]])
+    ones = ReuseParams.parse({"kappa_R": 1, "kappa_delta": 1, "kappa_T": 1})
+    same = _stored_logprobs(clear)
+    res = resolve_tree(clear, "gap-gate", same, ones)
+    assert res.pairs == {"reuse": 15} and res.refresh == [] and res.returns == res.reward
+    # the policy moved toward the better root action's failures: DSC no longer reuses
+    # its pair (the transported gap drifted), the Gap gate still does
+    mixed = Tree(tree_id="m", run_id="r", env="calc", nodes=[
+        _node(0, None), _node(1, 0), _node(2, 0),
+        *[_node(3 + i, 1, 1.0 if i < 6 else 0.0) for i in range(8)],
+        *[_node(11 + i, 2, 0.0) for i in range(8)]])
+    moved = {k: v + (2.0 if k[1] in (9, 10) else 0.0)
+             for k, v in _stored_logprobs(mixed).items()}
+    dsc = resolve_tree(mixed, "dsc", moved, ones)
+    gap = resolve_tree(mixed, "gap-gate", moved, ones)
+    assert set(dsc.comparisons[0].use.values()) != {"reuse"}
+    assert gap.comparisons[0].use == {1: "reuse", 2: "reuse"}
+    # an unresolved gap (equal means, few leaves) is refreshed
+    tied = Tree(tree_id="u", run_id="r", env="calc", nodes=[
+        _node(0, None), _node(1, 0), _node(2, 0), _node(3, 1, 1.0), _node(4, 1, 0.0),
+        _node(5, 2, 1.0), _node(6, 2, 0.0)])
+    res = resolve_tree(tied, "gap-gate", _stored_logprobs(tied), ones)
+    assert res.comparisons[0].use == {1: "refresh", 2: "refresh"}
+    assert "transport" not in res.pairs
+
+
 def test_behaviour_free_rules_on_real_scores(tmp_path: Path) -> None:
     """Scored under the weights that sampled (pi = mu up to float error), transported
     returns equal the stored returns within 1e-4 and the ratios are 1 within 1e-4."""
@@ -462,8 +493,9 @@ def test_rules_registry_names_every_mode_and_declares_needs() -> None:
     from train.reuse.resolve import RULES, get_rule
 
     assert tuple(RULES) == REUSE_MODES[1:]
-    assert {n for n, r in RULES.items() if r.needs_snapshots} == {"dsc", "refresh"}
-    assert [n for n, r in RULES.items() if r.calibrates] == ["dsc"]
+    assert {n for n, r in RULES.items() if r.needs_snapshots} == {"dsc", "refresh",
+                                                                   "gap-gate"}
+    assert [n for n, r in RULES.items() if r.calibrates] == ["dsc", "gap-gate"]
     assert RULES["m2po"].weight == "m2po" and RULES["prox-interp"].prox == "interp"
     with pytest.raises(ValueError, match="unknown reuse mode 'nope'"):
         get_rule("nope")
@@ -543,7 +575,8 @@ def test_stage_weight_reads_stored_tokens_from_the_micro_batch() -> None:
                                                       -0.5 + 2 / 3 * 0.1])
 
 
-@pytest.mark.parametrize("rule", ["m2po", "prox-interp"])
+@pytest.mark.parametrize("rule", ["m2po", "prox-interp",
+                                  pytest.param("gap-gate", marks=pytest.mark.slow)])
 def test_new_rules_train_and_utd_counts_extra_passes(tmp_path: Path, rule: str) -> None:
     """A short run of each new rule trains on stored trees; ``stored_passes=3`` adds two
     optimizer passes over the stored trees' parts, counted in the metrics; P1 reports the
@@ -556,6 +589,9 @@ def test_new_rules_train_and_utd_counts_extra_passes(tmp_path: Path, rule: str) 
     trees = [v for _, v in m["reuse_trees"]]
     extra = [v for _, v in m["reuse_extra_optimizer_steps"]]
     assert trees[0] == 0 and max(trees) > 0
+    if rule == "gap-gate":  # GG1 refreshes the unresolved pairs: refreshed trees train too
+        trees = [t + r for t, (_, r) in zip(trees, m["reuse_refreshed_trees"], strict=True)]
+        assert max(v for _, v in m["reuse_pairs_refresh"]) > 0
     # two parts of stored trees per extra pass when there are 2 stored trees, else one
     for n, e in zip(trees, extra, strict=True):
         assert e == 2 * min(n, 2) if n else e == 0

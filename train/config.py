@@ -190,7 +190,8 @@ class TrainConfig:
     section 9): none | all (stored credit as it is) | transport (D3-D5 to the current
     weights) | dsc (the gate D7-D10 per pair) | refresh (new suffixes from the stored
     snapshots under the current policy) | m2po (stored returns, M2PO's second-moment mask
-    M1) | prox-interp (stored returns, pi_prox interpolated by staleness P1)."""
+    M1) | prox-interp (stored returns, pi_prox interpolated by staleness P1) | gap-gate
+    (reuse a resolved stored gap, refresh the rest: the Gap gate GG1)."""
     reuse_from: str = ""
     """SQL filter over the store's ``trees`` view choosing the stored trees to reuse; empty:
     this run's own trees (``run_id`` = the run's id). Only trees of earlier policy versions

@@ -11,9 +11,10 @@ from typing import Any, Literal
 
 from train.credit.dsc_gate import DSCGateParams
 
-ReuseMode = Literal["none", "all", "transport", "dsc", "refresh", "m2po", "prox-interp"]
+ReuseMode = Literal["none", "all", "transport", "dsc", "refresh", "m2po", "prox-interp",
+                    "gap-gate"]
 REUSE_MODES: tuple[ReuseMode, ...] = ("none", "all", "transport", "dsc", "refresh", "m2po",
-                                      "prox-interp")
+                                      "prox-interp", "gap-gate")
 """``TrainConfig.reuse``: ``none`` or a rule of ``train.reuse.resolve.RULES``."""
 CALIB_FRAC: float = 0.25
 """Fraction of stored tree ids (by hash) held apart as the D7 calibration split."""

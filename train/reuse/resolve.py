@@ -62,6 +62,22 @@ def _gated(arrays: TreeArrays, row: int, params: ReuseParams
     return use, decisions
 
 
+def _gap_gated(arrays: TreeArrays, row: int, params: ReuseParams
+               ) -> tuple[dict[int, Decision], list[Decision]]:
+    """GG1 (the Gap gate, DSC-Gate's comparator) per leader-versus-competitor pair: reuse
+    when the stored gap is resolved, ``|c_R| > r_R`` (D7's reuse radius), else refresh;
+    no transport and no drift term. The leader is refreshed if any of its pairs is [R]."""
+    ids = arrays.node_ids
+    g = dsc_gate(arrays, params.gate, np.array([row]))
+    decisions: list[Decision] = ["reuse" if abs(c) > r else "refresh"
+                                 for c, r in zip(g.c_R.tolist(), g.r_R.tolist(), strict=True)]
+    use: dict[int, Decision] = {int(ids[r]): d
+                                for r, d in zip(g.competitor, decisions, strict=True)}
+    for lead in {int(ids[r]) for r in g.leader}:
+        use[lead] = "refresh" if "refresh" in decisions else "reuse"
+    return use, decisions
+
+
 @dataclass(frozen=True)
 class Rule:
     """A named reuse rule: what it needs and how it decides (module docstring)."""
@@ -90,6 +106,8 @@ RULES: dict[str, Rule] = {
     "m2po": Rule("m2po", _every_child("reuse"), "m2po", weight="m2po"),  # M1
     "prox-interp": Rule("prox-interp", _every_child("reuse"), "prox-interp",
                         prox="interp"),  # P1
+    "gap-gate": Rule("gap-gate", _gap_gated, "gap-gate", needs_snapshots=True,
+                     calibrates=True),  # GG1
 }
 """The reuse rules by name (``TrainConfig.reuse``; ``none`` is no rule)."""
 assert tuple(RULES) == REUSE_MODES[1:], "train.reuse.params.REUSE_MODES names the rules"
