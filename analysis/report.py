@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from rollout_store.store import Store
 
 # Modules whose import registers report builders (kept sorted).
-AUDIT_MODULES: tuple[str, ...] = ("analysis.constructions", "analysis.drift", "analysis.gates",
+AUDIT_MODULES: tuple[str, ...] = ("analysis.constructions", "analysis.drift",
+                                   "analysis.exact_credit", "analysis.gates",
                                    "analysis.localization", "analysis.ranking_report",
                                    "analysis.recovery", "analysis.table1")
 

@@ -708,6 +708,13 @@ def _elpo_fig3(out: Path, config: Any) -> dict[str, Any]:
     return construction_results(run_construction_study(out, config).parent)
 
 
+def _credit_exact(out: Path, config: Any) -> dict[str, Any]:
+    from analysis.exact_credit import exact_credit_results
+    from train.studies.exact_credit import run_exact_credit_study
+
+    return exact_credit_results(run_exact_credit_study(out, config).parent)
+
+
 def _dsc_table2(out: Path, config: Any) -> dict[str, Any]:
     from analysis.gates import gate_results
     from train.studies.gates import run_gate_study
@@ -755,6 +762,11 @@ def _register_studies() -> None:
                   "margin": 0.0005, "n_boot": 10000},
         small={"n_dev": 2, "n_calib": 3, "n_eval": 4, "n_old": 8, "cap_steps": 60,
                "n_boot": 50, "horizons": (6,), "kl_targets": (0.35,)}))
+    register_study(StudySpec(
+        "credit-exact", "Exact credit audit: cosine to the exact advantage by horizon",
+        "train.studies.exact_credit:ExactCreditConfig", _credit_exact,
+        small={"horizons": (6, 12), "n_tasks": 3, "n_total": 6, "n_boot": 50,
+               "methods": ("grpo", "elpo")}))
     register_study(StudySpec(
         "table1", "Table 1 in miniature: held-out success after equal training budgets",
         "train.studies.table1:Table1Config", _table1,
