@@ -24,7 +24,8 @@ def register(app: typer.Typer) -> None:
     @app.command("study")
     def study(
         name: Annotated[str, typer.Argument(help="The study: dsc-l1, elpo-fig3, dsc-table2, "
-                                                 "elpo-fig1, table1 (see train.jobs.STUDIES).")],
+                                                 "elpo-fig1, credit-exact, table1 (see "
+                                                 "train.jobs.STUDIES).")],
         out: Annotated[Path | None, typer.Option(
             "--out", help="Directory for the study's data, results.json, report.md, plots "
                           "(required unless --power).")] = None,
