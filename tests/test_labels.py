@@ -60,6 +60,8 @@ def test_a_version_2_store_opens_and_gains_labels(store: Store) -> None:
     empty table, keeps its rows and takes labels."""
     shutil.rmtree(store.path / "labels")
     for name in schema_mod.SCHEMA_HISTORY[2]:
+        if schema_mod.SCHEMA_HISTORY[2][name] != schema_mod.SCHEMAS.get(name):
+            continue  # credits gained columns in version 4 (tests/test_credit_clip_bounds.py)
         DeltaTable(str(store.path / name)).alter.set_table_properties(
             {schema_mod.CONFIG_VERSION_KEY: "2"}, raise_if_not_exists=False)
     old = Store(store.path)
