@@ -23,8 +23,12 @@ Sampling (``HFPolicy.sample``), one agent step per transcript:
      different ``n``; ``sample`` seeds transcript i from ``config.seed`` and i);
   5. decoding runs one token per forward for every unfinished row; a row finishes when
      its text so far contains a stop string (``</tool_call>``, ``</answer>``) or it
-     emits an end-of-sequence token, and finished rows are dropped from the cache
-     (``batch_select_indices``).
+     emits an end-of-sequence token (``DecodeBatch``). Keys/values grow in place in
+     preallocated buffers (``BufferLayer``: no copy of the whole cache per token), and
+     finished rows stay in the batch, fed padding, until fewer than ``COMPACT_BELOW`` of
+     it (or at most ``FEW_ROWS`` rows) are live; then the cache is compacted
+     (``batch_select_indices``). The tokens and logprobs are the same bits as dropping
+     each finished row at once (one torch thread).
 
 Prefix cache across calls. The keys/values every row computed (its prompt, and its
 prompt plus the step it generated) are kept in a ``PrefixCache`` (``prefix_cache_mib``,
