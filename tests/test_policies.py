@@ -18,6 +18,7 @@ import random
 import shutil
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,6 +53,7 @@ from train.policies.tiny import (
     build_tokenizer,
     committed_checkpoint,
     init_model,
+    load_tiny_policy,
     random_tiny_policy,
     render,
     render_segments,
@@ -232,6 +234,70 @@ def test_shared_prefix_greedy_equals_recomputation(policy) -> None:  # type: ign
             assert separate[i * 4 + k][0].prefill_tokens == prompt_len
         alone = policy.sample([transcript], config)[0]  # one row: no padding, no mask
         assert [c.token_ids for c in alone] == [c.token_ids for c in shared[i]]
+
+
+def test_buffer_layer_holds_what_the_growing_cache_holds() -> None:
+    """``BufferLayer`` (preallocated, written in place) against transformers'
+    ``DynamicLayer`` (``torch.cat`` per update) through prefill, expansion, decode
+    steps past the capacity, and row selection: the same keys and values, bit for bit."""
+    from transformers.cache_utils import DynamicLayer
+
+    from train.policies.hf import BufferLayer
+
+    gen = torch.Generator().manual_seed(0)
+    ours, theirs = BufferLayer(capacity=6), DynamicLayer()
+
+    def both(k: torch.Tensor) -> None:
+        got = ours.update(k, k + 1.0)
+        want = theirs.update(k, k + 1.0)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    both(torch.randn(2, 3, 5, 4, generator=gen))
+    ours.batch_repeat_interleave(3)
+    theirs.batch_repeat_interleave(3)
+    for step in range(9):  # runs past the capacity: the buffer grows
+        both(torch.randn(6, 3, 1, 4, generator=gen))
+        if step == 4:
+            index = torch.tensor([5, 0, 2])
+            ours.batch_select_indices(index)
+            theirs.batch_select_indices(index)
+            both(torch.randn(3, 3, 1, 4, generator=gen))
+            break
+    assert ours.get_seq_length() == theirs.get_seq_length() == 11
+
+
+def test_lazy_compaction_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding keeps finished rows in the batch until few are live
+    (``hf.COMPACT_BELOW``, ``hf.FEW_ROWS``): the same tokens, logprobs and entropies, bit
+    for bit, as compacting at every step where a row finishes (``COMPACT_BELOW = 1``).
+    With one torch thread, the tiny model's setting (``auto_threads``); this module runs
+    on two, where BLAS splits a product's rows over the threads by the batch size."""
+    import train.policies.hf as hf
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare_compactions(monkeypatch, hf)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_compactions(monkeypatch: pytest.MonkeyPatch, hf: Any) -> None:
+    policy = load_tiny_policy("calc", prefix_cache_mib=0)
+    env = CalcEnv()
+    transcripts: list[Transcript] = [[("prompt", env.reset(t))]
+                                     for t in CalcEnv.generate_tasks(24, seed=5)]
+    config = SampleConfig(n=4, max_new_tokens=48, seed=3)
+
+    def draws() -> list[tuple[list[int], list[float], list[float]]]:
+        return [(c.token_ids, c.logprobs, c.entropies)
+                for conts in policy.sample(transcripts, config) for c in conts]
+
+    lazy = draws()
+    monkeypatch.setattr(hf, "COMPACT_BELOW", 1.0)
+    eager = draws()
+    assert len({len(t) for t, _, _ in eager}) > 3  # rows finish at many different steps
+    assert lazy == eager
 
 
 def test_sample_logprobs_equal_score(policy) -> None:  # type: ignore[no-untyped-def]

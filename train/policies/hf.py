@@ -23,8 +23,12 @@ Sampling (``HFPolicy.sample``), one agent step per transcript:
      different ``n``; ``sample`` seeds transcript i from ``config.seed`` and i);
   5. decoding runs one token per forward for every unfinished row; a row finishes when
      its text so far contains a stop string (``</tool_call>``, ``</answer>``) or it
-     emits an end-of-sequence token, and finished rows are dropped from the cache
-     (``batch_select_indices``).
+     emits an end-of-sequence token (``DecodeBatch``). Keys/values grow in place in
+     preallocated buffers (``BufferLayer``: no copy of the whole cache per token), and
+     finished rows stay in the batch, fed padding, until fewer than ``COMPACT_BELOW`` of
+     it (or at most ``FEW_ROWS`` rows) are live; then the cache is compacted
+     (``batch_select_indices``). The tokens and logprobs are the same bits as dropping
+     each finished row at once (one torch thread).
 
 Prefix cache across calls. The keys/values every row computed (its prompt, and its
 prompt plus the step it generated) are kept in a ``PrefixCache`` (``prefix_cache_mib``,
@@ -60,7 +64,7 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -226,6 +230,19 @@ def quiet_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+COMPACT_BELOW = 0.5
+"""Decoding compacts its batch (and KV cache) to the live rows once fewer than this
+fraction of its positions are still decoding (``HFPolicy._sample_chunk``)."""
+FEW_ROWS = 3
+"""... or once at most this many are: CPU BLAS multiplies a batch of 1-3 rows with
+another kernel (matrix-vector) than a larger one, in another summation order (measured
+with torch's CPU linear: rows of a 1-3 row product differ in the last bits from the same
+rows in a product of 4 or more, and agree bit for bit for any size from 4 up). Compacting
+exactly then makes every row meet the kernel it met when finished rows were dropped at
+once, so the lazy compaction gives the same bits as the eager one: with one torch thread
+(the tiny model's, ``auto_threads``); with several, BLAS splits a product's rows over the
+threads by batch size and the last bits depend on the batch anyway."""
+
 SMALL_MODEL_PARAMS = 20_000_000
 """Below this many parameters a CPU forward is too small to split over threads."""
 THREADS_ENV = "RTREES_THREADS"
@@ -356,6 +373,103 @@ class PrefixCache:
             self._lengths[length] -= 1
             if not self._lengths[length]:
                 del self._lengths[length]
+
+
+class BufferLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys/values live in a preallocated buffer.
+
+    ``DynamicLayer.update`` grows K and V by ``torch.cat`` at every step, copying the
+    whole cache (B, H, L, D) per token: O(L) per step and O(L^2) per decode. Here the
+    buffer holds ``capacity`` positions, ``update`` writes the new positions in place and
+    ``keys`` / ``values`` are the views ``buffer[:, :, :L]``, so attention reads exactly
+    the same L keys as with ``torch.cat`` (the same numbers, bit for bit); the buffer is
+    reallocated (doubled) only when a write would pass its end. Positions below L are
+    never written again, so a view taken earlier stays valid. ``batch_select_indices``
+    and ``batch_repeat_interleave`` copy the filled part into a new buffer of the same
+    capacity.
+    """
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def _alloc(self, like_k: torch.Tensor, like_v: torch.Tensor, batch: int, capacity: int
+               ) -> None:
+        self.capacity = capacity
+        k = like_k.new_empty((batch, like_k.shape[1], capacity, like_k.shape[3]))
+        v = like_v.new_empty((batch, like_v.shape[1], capacity, like_v.shape[3]))
+        if self._k is not None and self._v is not None and self.length:
+            k[:, :, :self.length] = self._k[:, :, :self.length]
+            v[:, :, :self.length] = self._v[:, :, :self.length]
+        self._k, self._v = k, v
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._k is not None and self._v is not None
+        keys, values = self._k[:, :, :self.length], self._v[:, :, :self.length]
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.device = key_states.device
+            self.is_initialized = True
+        end = self.length + key_states.shape[-2]
+        if self._k is None or end > self._k.shape[-2]:
+            self._alloc(key_states, value_states, key_states.shape[0],
+                        max(end, self.capacity, 2 * (self._k.shape[-2] if self._k is not None
+                                                     else 0)))
+        assert self._k is not None and self._v is not None
+        self._k[:, :, self.length:end] = key_states
+        self._v[:, :, self.length:end] = value_states
+        self.length = end
+        return self._views()
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def _reindex(self, index: torch.Tensor) -> None:
+        if self._k is None or self._v is None or not self.length:
+            return
+        k = self._k.new_empty((len(index), *self._k.shape[1:]))
+        v = self._v.new_empty((len(index), *self._v.shape[1:]))
+        torch.index_select(self._k[:, :, :self.length], 0, index, out=k[:, :, :self.length])
+        torch.index_select(self._v[:, :, :self.length], 0, index, out=v[:, :, :self.length])
+        self._k, self._v = k, v
+        self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reindex(indices.to(self.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._k is not None:
+            self._reindex(torch.arange(self._k.shape[0], device=self.device
+                                       ).repeat_interleave(repeats))
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        self.length = 0
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        if tokens_to_remove and self.length:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._views()
+
+
+def buffered_cache(config: Any, capacity: int) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose plain (full-attention) layers are
+    ``BufferLayer``s of ``capacity`` positions (sliding-window and other layer kinds
+    stay as transformers makes them)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [BufferLayer(capacity) if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
+    return cache
 
 
 class HFPolicy:
@@ -546,11 +660,11 @@ class HFPolicy:
     def _weights_stamp(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.model.parameters())
 
-    def _prefill_inputs(self, prompts: list[list[int]], cache: DynamicCache
+    def _prefill_inputs(self, prompts: list[list[int]], cache: DynamicCache, extra: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """(ids, attention mask, position ids) of the tokens to prefill, with the longest
-        cached prefix of each prompt loaded into ``cache`` first, and the cached lengths.
-        Row b's layout is
+        cached prefix of each prompt loaded into ``cache`` first (its ``BufferLayer``s sized
+        for the prompts and ``extra`` new tokens), and the cached lengths. Row b's layout is
         ``[pad][cached c_b][pad][suffix s_b]`` (mask 0 on pads); positions continue the
         cached ones, so the suffix sees exactly the context it would see recomputed."""
         pc = self.prefix_cache
@@ -559,10 +673,13 @@ class HFPolicy:
             pc.check(self._weights_stamp())
             hits = [pc.get(p) for p in prompts]
         width = max(c for c, _ in hits)
-        if width == 0:
-            return (*self._left_pad(prompts), [0] * len(prompts))
         suffixes = [p[c:] for p, (c, _) in zip(prompts, hits, strict=True)]
         s_width = max(len(s) for s in suffixes)
+        for buffered in cache.layers:  # room for the prompt and ``extra`` new tokens
+            if isinstance(buffered, BufferLayer):
+                buffered.capacity = width + s_width + extra
+        if width == 0:
+            return (*self._left_pad(prompts), [0] * len(prompts))
         m = len(prompts)
         ids = torch.full((m, s_width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((m, width + s_width), dtype=torch.long)
@@ -595,109 +712,21 @@ class HFPolicy:
         where = where[:len(seq)]
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in cache.layers:
-            if type(layer) is not DynamicLayer:  # sliding windows etc.: nothing to reuse
+            if type(layer) not in (DynamicLayer, BufferLayer):  # sliding windows etc.
                 return
             keys, values = getattr(layer, "keys"), getattr(layer, "values")  # noqa: B009
             kv.append((keys[row][:, where], values[row][:, where]))
         self.prefix_cache.put(seq, kv)
 
-    @torch.inference_mode()
     def _sample_chunk(self, prompts: list[list[int]], ns: list[int], seeds: list[int],
                       config: SampleConfig) -> list[list[Continuation]]:
-        if any(not p for p in prompts):
-            raise ValueError("a transcript rendered to zero tokens")
-        cache = DynamicCache(config=self.model.config)
-        ids, mask, positions, cached = self._prefill_inputs(prompts, cache)
-        # Without padding the causal mask alone is right: passing no attention mask
-        # lets attention skip building one at every step (a large part of a tiny
-        # model's per-token cost).
-        padded = bool((mask == 0).any())
-        out = self.model(input_ids=ids, attention_mask=mask if padded else None,
-                         position_ids=positions, cache=cache, use_cache=True,
-                         logits_to_keep=1)
-        if self.prefix_cache is not None:
-            for t, prompt in enumerate(prompts):
-                self._remember(prompt, cache, mask, t)
-        logits = out.logits[:, -1, :].float()  # (m, V)
-        next_pos = mask.sum(-1)  # (m,) position of each row's next token
-        if any(n > 1 for n in ns):  # one prefix computation, expanded to the n branches
-            if len(set(ns)) == 1:
-                cache.batch_repeat_interleave(ns[0])
-                expand = torch.arange(len(ns), device=self.device).repeat_interleave(ns[0])
-            else:
-                expand = torch.repeat_interleave(
-                    torch.arange(len(ns), device=self.device),
-                    torch.tensor(ns, device=self.device))
-                cache.batch_select_indices(expand)
-            logits, mask, next_pos = logits[expand], mask[expand], next_pos[expand]
-        owner = [t for t, n in enumerate(ns) for _ in range(n)]  # branch -> its request
-        branch = [k for n in ns for k in range(n)]
-        n_rows = len(owner)
-        stream = np.array([(seeds[t] + k) & _MASK64 for t, k in zip(owner, branch,
-                                                                     strict=True)],
-                          dtype=np.uint64)
-        rows = list(range(n_rows))  # active row j -> branch index rows[j]
-        tokens: list[list[int]] = [[] for _ in range(n_rows)]
-        logprobs: list[list[float]] = [[] for _ in range(n_rows)]
-        entropies: list[list[float]] = [[] for _ in range(n_rows)]
-        tails = [""] * n_rows  # recent decoded text of each branch, for stop strings
-        finished = [False] * n_rows
-        token_texts = self.token_texts()
-        window = self._stop_window
-        for step in range(config.max_new_tokens):
-            logp = torch.log_softmax(logits, dim=-1)  # (R, V) untempered policy
-            entropy = torch.special.entr(logp.exp()).sum(-1)  # (R,), 0 log 0 = 0
-            probs = (torch.softmax(logits / config.temperature, dim=-1)
-                     if config.temperature != 1.0 else logp.exp())
-            if config.top_p < 1.0:
-                probs = _top_p_filter(probs, config.top_p)
-            chosen = _inverse_cdf(probs, stream_uniforms(stream[rows], step))  # (R,)
-            chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1)
-            keep: list[int] = []
-            for j, (b, tok, lp, ent) in enumerate(zip(rows, chosen.tolist(), chosen_lp.tolist(),
-                                                      entropy.tolist(), strict=True)):
-                tokens[b].append(tok)
-                logprobs[b].append(lp)
-                entropies[b].append(ent)
-                # ids past the tokenizer (padded embedding rows of some models) decode to ""
-                piece = token_texts[tok] if tok < len(token_texts) else ""
-                tail = (tails[b] + piece)[-(window + len(piece)):]
-                tails[b] = tail
-                if tok in self.eos_ids or any(s in tail for s in self.stop_strings):
-                    finished[b] = True
-                else:
-                    keep.append(j)
-            if self.prefix_cache is not None:  # what the rows leaving now computed
-                for j in ([j for j in range(len(rows)) if j not in set(keep)]
-                          if keep and step < config.max_new_tokens - 1 else range(len(rows))):
-                    b = rows[j]
-                    self._remember(prompts[owner[b]] + tokens[b][:-1], cache, mask, j)
-            if not keep or step == config.max_new_tokens - 1:
-                break
-            if len(keep) < len(rows):  # drop finished rows from the batch and the cache
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                mask, next_pos, chosen = mask[index], next_pos[index], chosen[index]
-                rows = [rows[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-            out = self.model(input_ids=chosen[:, None], attention_mask=mask if padded else None,
-                             position_ids=next_pos[:, None], cache=cache, use_cache=True)
-            next_pos = next_pos + 1
-            logits = out.logits[:, -1, :].float()
-        meta = {"temperature": config.temperature, "top_p": config.top_p}
-        results: list[list[Continuation]] = [[] for _ in prompts]
-        for b in range(n_rows):
-            t, k = owner[b], branch[b]
-            ids_b = tokens[b]
-            text_ids = ids_b[:-1] if ids_b and ids_b[-1] in self.eos_ids else ids_b
-            results[t].append(Continuation(
-                text=self.tokenizer.decode(text_ids, skip_special_tokens=False,
-                                           clean_up_tokenization_spaces=False),
-                token_ids=ids_b, logprobs=logprobs[b], entropies=entropies[b],
-                finished=finished[b],
-                prefill_tokens=len(prompts[t]) - cached[t] if k == 0 else 0,
-                meta=dict(meta)))
-        return results
+        """One batch (``DecodeBatch``) decoded until every row's step ended."""
+        batch = DecodeBatch(self, config, prompts, ns, seeds)
+        results: list[list[Continuation | None]] = [[None] * n for n in ns]
+        while batch.live:
+            for t, k, cont in batch.step():
+                results[t][k] = cont
+        return [[c for c in conts if c is not None] for conts in results]
 
     # ----- scoring --------------------------------------------------------------------
 
@@ -728,3 +757,164 @@ class HFPolicy:
                 target = torch.tensor(action, device=self.device)[:, None]
                 results[i] = rows.gather(1, target).squeeze(1).double().cpu().numpy()
         return results
+
+
+@dataclass
+class _Branch:
+    """One row of a ``DecodeBatch``: its request, branch, stream and what it drew so far."""
+
+    request: int
+    k: int
+    prompt: list[int]
+    stream: int
+    prefill_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
+    tail: str = ""  # recent decoded text, for stop strings
+
+
+class DecodeBatch:
+    """One decoding batch of ``HFPolicy`` (steps 2-5 of the module docstring).
+
+    The constructor prefills the prompts (their longest cached prefixes first), each
+    prefix once, and expands it to its ``n`` branches; ``step()`` draws one token for
+    every live row (branch k of request t from the stream ``seeds[t] + k``, its j-th
+    token with ``stream_uniforms(., j)``), runs one forward and returns
+    ``(request, k, Continuation)`` for each row whose step ended (a stop string, an
+    end-of-sequence token, or ``max_new_tokens``).
+
+    Cost per token. Keys/values live in ``BufferLayer`` buffers (written in place, no
+    ``torch.cat`` of the whole cache per token) with the mask preallocated to the
+    prompt width plus ``max_new_tokens``. A finished row stays in the batch (fed
+    padding, its outputs unused) until fewer than ``COMPACT_BELOW`` of the positions,
+    or at most ``FEW_ROWS``, are live; only then are cache and mask compacted to the
+    live rows (one copy instead of one per finishing step). Every live row sees the
+    same keys and meets the same matmul kernels as when finished rows were dropped at
+    once, so the numbers are the same bits.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, policy: HFPolicy, config: SampleConfig, prompts: list[list[int]],
+                 ns: list[int], seeds: list[int]) -> None:
+        if any(not p for p in prompts):
+            raise ValueError("a transcript rendered to zero tokens")
+        self.policy, self.config = policy, config
+        pol = policy
+        cache = buffered_cache(pol.model.config, 0)
+        ids, mask, positions, cached = pol._prefill_inputs(prompts, cache,
+                                                           config.max_new_tokens)
+        # Without padding the causal mask alone is right: passing no attention mask
+        # lets attention skip building one at every step (a large part of a tiny
+        # model's per-token cost).
+        self.padded = bool((mask == 0).any())
+        out = pol.model(input_ids=ids, attention_mask=mask if self.padded else None,
+                        position_ids=positions, cache=cache, use_cache=True,
+                        logits_to_keep=1)
+        if pol.prefix_cache is not None:
+            for t, prompt in enumerate(prompts):
+                pol._remember(prompt, cache, mask, t)
+        logits = out.logits[:, -1, :].float()  # (m, V)
+        next_pos = mask.sum(-1)  # (m,) position of each row's next token
+        if any(n > 1 for n in ns):  # one prefix computation, expanded to the n branches
+            if len(set(ns)) == 1:
+                cache.batch_repeat_interleave(ns[0])
+                expand = torch.arange(len(ns), device=pol.device).repeat_interleave(ns[0])
+            else:
+                expand = torch.repeat_interleave(
+                    torch.arange(len(ns), device=pol.device),
+                    torch.tensor(ns, device=pol.device))
+                cache.batch_select_indices(expand)
+            logits, mask, next_pos = logits[expand], mask[expand], next_pos[expand]
+        self.slots: list[_Branch] = [
+            _Branch(t, k, prompts[t], (seeds[t] + k) & _MASK64,
+                    len(prompts[t]) - cached[t] if k == 0 else 0)
+            for t, n in enumerate(ns) for k in range(n)]  # batch position -> its row
+        self.live_pos = list(range(len(self.slots)))  # positions still decoding
+        self.cache, self.logits, self.next_pos = cache, logits, next_pos
+        self.width = mask.shape[1]  # columns in use (the cache length)
+        self.mask = torch.cat([mask, mask.new_ones((len(self.slots), config.max_new_tokens))],
+                              dim=1)
+        self.steps = 0
+
+    @property
+    def live(self) -> int:
+        return len(self.live_pos)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, int, Continuation]]:
+        """One token for every live row, then one forward (class docstring)."""
+        if not self.live:
+            return []
+        pol, config = self.policy, self.config
+        logp = torch.log_softmax(self.logits, dim=-1)  # (R, V) untempered policy
+        entropy = torch.special.entr(logp.exp()).sum(-1)  # (R,), 0 log 0 = 0
+        probs = (torch.softmax(self.logits / config.temperature, dim=-1)
+                 if config.temperature != 1.0 else logp.exp())
+        if config.top_p < 1.0:
+            probs = _top_p_filter(probs, config.top_p)
+        rows = [self.slots[j] for j in self.live_pos]
+        streams = np.array([r.stream for r in rows], dtype=np.uint64)
+        chosen = _inverse_cdf(probs, stream_uniforms(streams, self.steps))  # (R,)
+        chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1)
+        self.steps += 1
+        token_texts = pol.token_texts()
+        window = pol._stop_window
+        last = self.steps == config.max_new_tokens
+        keep: list[int] = []  # indices into live_pos of the rows that go on
+        done: list[tuple[int, bool]] = []  # (index into live_pos, stopped)
+        for i, (r, tok, lp, ent) in enumerate(zip(rows, chosen.tolist(), chosen_lp.tolist(),
+                                                  entropy.tolist(), strict=True)):
+            r.tokens.append(tok)
+            r.logprobs.append(lp)
+            r.entropies.append(ent)
+            # ids past the tokenizer (padded embedding rows of some models) decode to ""
+            piece = token_texts[tok] if tok < len(token_texts) else ""
+            r.tail = (r.tail + piece)[-(window + len(piece)):]
+            if tok in pol.eos_ids or any(s in r.tail for s in pol.stop_strings):
+                done.append((i, True))
+            elif last:
+                done.append((i, False))
+            else:
+                keep.append(i)
+        out: list[tuple[int, int, Continuation]] = []
+        seen = self.mask[:, :self.width]
+        meta = {"temperature": config.temperature, "top_p": config.top_p}
+        for i, stopped in done:
+            r = rows[i]
+            if pol.prefix_cache is not None:  # what the row computed
+                pol._remember(r.prompt + r.tokens[:-1], self.cache, seen, self.live_pos[i])
+            text_ids = r.tokens[:-1] if r.tokens[-1] in pol.eos_ids else r.tokens
+            out.append((r.request, r.k, Continuation(
+                text=pol.tokenizer.decode(text_ids, skip_special_tokens=False,
+                                          clean_up_tokenization_spaces=False),
+                token_ids=r.tokens, logprobs=r.logprobs, entropies=r.entropies,
+                finished=stopped, prefill_tokens=r.prefill_tokens, meta=dict(meta))))
+        if not keep:  # every row's step ended
+            self.live_pos = []
+            return out
+        if done:
+            chosen = chosen[torch.tensor(keep, device=pol.device)]
+            self.live_pos = [self.live_pos[i] for i in keep]
+            if self.live < COMPACT_BELOW * len(self.slots) or self.live <= FEW_ROWS:
+                index = torch.tensor(self.live_pos, device=pol.device)
+                self.cache.batch_select_indices(index)
+                self.mask, self.next_pos = self.mask[index], self.next_pos[index]
+                self.slots = [self.slots[j] for j in self.live_pos]
+                self.live_pos = list(range(len(self.slots)))
+        if self.live < len(self.slots):  # dead positions decode padding
+            live_index: torch.Tensor | None = torch.tensor(self.live_pos, device=pol.device)
+            step_ids = chosen.new_full((len(self.slots),), pol.pad_id)
+            step_ids[live_index] = chosen
+        else:
+            live_index, step_ids = None, chosen
+        result = pol.model(input_ids=step_ids[:, None],
+                           attention_mask=self.mask[:, :self.width + 1] if self.padded
+                           else None,
+                           position_ids=self.next_pos[:, None], cache=self.cache,
+                           use_cache=True)
+        self.width += 1
+        self.next_pos = self.next_pos + 1
+        self.logits = (result.logits[:, -1, :] if live_index is None
+                       else result.logits[live_index, -1, :]).float()
+        return out
