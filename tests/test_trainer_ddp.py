@@ -11,15 +11,11 @@ spawned ranks on 127.0.0.1, no mocks.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
+from rank_kill import kill_rank_then_resume
 
 from rollout_store.reader import connect, read_trees
 from train.config import ConfigError, TrainConfig, load_config
@@ -114,28 +110,9 @@ def test_kill9_one_rank_then_resume(tmp_path: Path) -> None:
     straight = _cfg(tmp_path, "s", steps=steps)
     launch(straight, nproc=2)
     killed = _cfg(tmp_path, "k", steps=steps)
-    rtrees = str(Path(sys.executable).with_name("rtrees"))
-    args = [rtrees, "train", "--store", killed.store, "--out", killed.out,
-            "--steps", str(steps), "--nproc", "2"]
-    args += [f"--set={k}={v}" for k, v in SMALL.items()]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    target = Path(killed.out) / "checkpoints" / "step-000002"
-    deadline = time.time() + 600
-    while not target.is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before a rank could be killed"
-    ranks = sorted((c for c in psutil.Process(proc.pid).children()
-                    if "spawn_main" in " ".join(c.cmdline())), key=lambda c: c.create_time())
-    assert len(ranks) == 2
-    os.kill(ranks[1].pid, signal.SIGKILL)  # rank 1 (spawned second)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0
-    assert "rank" in err and "--resume" in err and "Traceback" not in err
-    done = latest_checkpoint(Path(killed.out))
-    assert done is not None and int(done.name.split("-")[1]) < steps
-    out = subprocess.run([rtrees, "train", "--out", killed.out, "--resume", "--nproc", "2"],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr
+    kill_rank_then_resume(["--store", killed.store, "--out", killed.out, "--steps", str(steps),
+                           "--nproc", "2", *(f"--set={k}={v}" for k, v in SMALL.items())],
+                          killed.out, steps)
     assert _losses(killed) == _losses(straight)
     for a, b in zip(_params(straight.out), _params(killed.out), strict=True):
         assert torch.equal(a, b)

@@ -318,36 +318,12 @@ def test_trainer_fsdp_kill9_one_rank_then_resume(tmp_path: Path, straight: Any) 
     """``rtrees train --nproc 2 --shard fsdp``, SIGKILL of rank 1 once step-000002 is
     published, ``--resume --nproc 2``: the losses and weights of the uninterrupted run,
     exactly; no staging directory is left behind."""
-    import subprocess
-    import sys
-    import time
-
-    import psutil
-
-    from train.trainer import latest_checkpoint
+    from rank_kill import kill_rank_then_resume
 
     killed = _cfg(tmp_path, "k", steps=4, shard="fsdp")
-    rtrees = str(Path(sys.executable).with_name("rtrees"))
-    args = [rtrees, "train", "--store", killed.store, "--out", killed.out, "--steps", "4",
-            "--nproc", "2", "--shard", "fsdp", *(f"--set={k}={v}" for k, v in SMALL.items())]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    target = Path(killed.out) / "checkpoints" / "step-000002"
-    deadline = time.time() + 600
-    while not target.is_dir() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before a rank could be killed"
-    ranks = sorted((c for c in psutil.Process(proc.pid).children()
-                    if "spawn_main" in " ".join(c.cmdline())), key=lambda c: c.create_time())
-    assert len(ranks) == 2
-    os.kill(ranks[1].pid, signal.SIGKILL)  # rank 1 (spawned second)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0
-    assert "rank" in err and "--resume" in err and "Traceback" not in err
-    done = latest_checkpoint(Path(killed.out))
-    assert done is not None and int(done.name.split("-")[1]) < 4
-    out = subprocess.run([rtrees, "train", "--out", killed.out, "--resume", "--nproc", "2"],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr
+    kill_rank_then_resume(["--store", killed.store, "--out", killed.out, "--steps", "4",
+                           "--nproc", "2", "--shard", "fsdp",
+                           *(f"--set={k}={v}" for k, v in SMALL.items())], killed.out, 4)
     assert _losses(killed) == _losses(straight)
     a, b = _weights(straight.out), _weights(killed.out)
     for k, v in a.items():
