@@ -60,7 +60,8 @@ def tree_cosines(store_dir: Path, exact_path: Path, methods: list[str]
     for method in methods:
         rows = con.execute("""
             SELECT tree_id, node_id, arg_max(value, created_at) AS value
-            FROM credits_latest WHERE method = ? GROUP BY tree_id, node_id""",
+            FROM credits_latest WHERE method = ? GROUP BY tree_id, node_id
+            ORDER BY tree_id, node_id""",  # a fixed order: the same sums, bit for bit
                            [method]).fetchall()
         per_tree: dict[str, tuple[list[float], list[float]]] = {}
         for tid, nid, value in rows:

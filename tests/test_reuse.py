@@ -610,7 +610,8 @@ def test_refresh_does_not_depend_on_the_row_budget() -> None:
     tree in one engine run) with row budgets 1, 7 and 64: the same refreshed trees (up to
     the float noise of batched matmuls, bounded as in ``tests/test_engine.py``), the same
     posteriors and costs; budget 64 decodes rows of several trees per call."""
-    from tests.test_engine import LOGPROB_TOL, differences
+    from test_engine import LOGPROB_TOL, differences  # tests/ is on sys.path (rootdir)
+
     from train.sampling.engine import Engine
 
     policy = load_policy("tiny", "calc")
