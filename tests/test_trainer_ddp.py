@@ -10,19 +10,18 @@ spawned ranks on 127.0.0.1, no mocks.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from rank_kill import kill_rank_then_resume
+from rank_helpers import kill_rank_then_resume, train_with_rank_threads
 
 from rollout_store.reader import connect, read_trees
 from train.config import ConfigError, TrainConfig, load_config
 from train.distributed import DistributedError, World, gather_shards
 from train.launch import launch
 from train.policies import load_policy
-from train.trainer import check_config, latest_checkpoint, read_metrics, train
+from train.trainer import check_config, latest_checkpoint, read_metrics
 
 # 4 trees per iteration in 2 mini-batches: each rank samples 2 trees, and a mini-batch
 # may hold trees of one rank only (a rank with no tokens in a step still all-reduces).
@@ -81,12 +80,7 @@ def test_two_ranks_equal_one_rank(tmp_path: Path) -> None:
     # comparison sees the data-parallel arithmetic, not another BLAS blocking: AdamW's
     # normalised step amplifies float-order noise in near-zero gradients (with 2 threads
     # vs 1, one element of embed_tokens differed by 1.09e-5 after 4 steps).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))
-    try:
-        train(one)
-    finally:
-        torch.set_num_threads(threads)
+    train_with_rank_threads(one)
     report = launch(two, nproc=2)
     assert report.iterations == 2
     for a, b in zip(_params(one.out), _params(two.out), strict=True):

@@ -44,6 +44,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_helpers import kill_rank_then_resume, train_with_rank_threads
 
 VOCAB, STEPS, SEQS = 50, 4, 3
 
@@ -256,19 +257,14 @@ def test_trainer_fsdp_two_ranks_equal_unsharded_one_rank(tmp_path: Path, layout:
     """2 iterations: ``launch(--shard fsdp, nproc 2)`` vs ``train(--shard none)``; the
     1-rank reference runs with each rank's intra-op threads (as in test_trainer_ddp)."""
     from train.launch import launch
-    from train.trainer import _minibatch_parts, train
+    from train.trainer import _minibatch_parts
 
     one = _cfg(tmp_path, "one", steps=2, layout=layout, seed=5)
     two = _cfg(tmp_path, "two", steps=2, layout=layout, seed=5, shard="fsdp")
     for it in range(2):  # each mini-batch's trees lie on one rank: the other's passes are
         assert all(len({j % 2 for j in part}) == 1  # zero-weight ones (dummy_backward)
                    for part in _minibatch_parts(4, two, it))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))
-    try:
-        train(one)
-    finally:
-        torch.set_num_threads(threads)
+    train_with_rank_threads(one)
     assert launch(two, nproc=2).iterations == 2
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-5, abs=1e-7)
     assert _texts(two) == _texts(one)  # the same trees, sampled from the full replica
@@ -318,8 +314,6 @@ def test_trainer_fsdp_kill9_one_rank_then_resume(tmp_path: Path, straight: Any) 
     """``rtrees train --nproc 2 --shard fsdp``, SIGKILL of rank 1 once step-000002 is
     published, ``--resume --nproc 2``: the losses and weights of the uninterrupted run,
     exactly; no staging directory is left behind."""
-    from rank_kill import kill_rank_then_resume
-
     killed = _cfg(tmp_path, "k", steps=4, shard="fsdp")
     kill_rank_then_resume(["--store", killed.store, "--out", killed.out, "--steps", "4",
                            "--nproc", "2", "--shard", "fsdp",

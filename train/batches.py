@@ -372,9 +372,11 @@ def _tree_rows(b: int, ts: TreeSeqs, credit: dict[tuple[str, int], NodeCredit],
         row, _ = _tree_row(b, ts, everything, credit, node_weight, clip_low, clip_high, prox)
         return [row]
     size = [len(n.full) - n.own_start for n in ts.nodes]
+    count = [1] * len(ts.nodes)  # nodes in each subtree: nodes[i:i + count[i]] (preorder)
     for i in range(len(ts.nodes) - 1, 0, -1):  # preorder: a child after its parent
         if ts.nodes[i].parent >= 0:
             size[ts.nodes[i].parent] += size[i]
+            count[ts.nodes[i].parent] += count[i]
     trunk_nodes = {0} | {i for i in everything if size[i] > max_row_tokens}
     trunk, place = _tree_row(b, ts, trunk_nodes, credit, node_weight, clip_low, clip_high,
                              prox)
@@ -389,7 +391,7 @@ def _tree_rows(b: int, ts: TreeSeqs, credit: dict[tuple[str, int], NodeCredit],
     members: list[set[int]] = []
     used = 0  # tree tokens of the row being filled
     for top in tops:
-        sub = {top} | {j for j in range(top + 1, len(ts.nodes)) if _descends(ts, j, top)}
+        sub = set(range(top, top + count[top]))
         if members and used + size[top] <= max_row_tokens:
             members[-1] |= sub
             used += size[top]
@@ -415,12 +417,6 @@ def _tree_rows(b: int, ts: TreeSeqs, credit: dict[tuple[str, int], NodeCredit],
             row.prefix_tout.append(z)
         rows.append(row)
     return rows
-
-
-def _descends(ts: TreeSeqs, j: int, top: int) -> bool:
-    while j > top:
-        j = ts.nodes[j].parent
-    return j == top
 
 
 @dataclass

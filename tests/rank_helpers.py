@@ -1,5 +1,5 @@
-"""Kill one rank of a real ``rtrees train --nproc 2`` run, then resume it (shared by the
-data-parallel and FSDP kill -9 tests)."""
+"""Helpers of the data-parallel and FSDP trainer tests: a single-process reference run
+with a rank's threads, and killing one rank of a real ``rtrees train --nproc 2`` run."""
 
 from __future__ import annotations
 
@@ -10,6 +10,23 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+
+def train_with_rank_threads(config: Any) -> None:
+    """``train(config)`` in this process with each rank's intra-op threads (``launch``:
+    usable cores // 2), so a comparison with N ranks sees the distributed arithmetic, not
+    another BLAS blocking (AdamW's normalised step amplifies float-order noise)."""
+    import torch
+
+    from train.trainer import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))
+    try:
+        train(config)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def kill_rank_then_resume(train_args: Sequence[str], out: str, steps: int) -> None:
