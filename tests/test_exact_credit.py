@@ -72,3 +72,5 @@ def test_bad_settings_are_named() -> None:
         study_config("credit-exact", {"methods": "elpo,trace"})
     with pytest.raises(ValueError, match="horizons"):
         study_config("credit-exact", {"horizons": "1"})
+    with pytest.raises(ValueError, match="unknown sampler 'nope'"):
+        study_config("credit-exact", {"sampler": "nope"})

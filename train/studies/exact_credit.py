@@ -90,6 +90,11 @@ class ExactCreditConfig:
                              f"{list(self.methods)}")
         if not self.delta > 0:
             raise ValueError(f"delta must be > 0, got {self.delta}")
+        from train.sampling import SAMPLERS
+
+        if self.sampler not in SAMPLERS:  # before any store directory is made
+            raise ValueError(f"unknown sampler {self.sampler!r}; choose from "
+                             f"{sorted(SAMPLERS)}")
 
 
 def tabular_policy(tasks: list[Task], config: ExactCreditConfig
