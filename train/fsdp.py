@@ -201,20 +201,90 @@ def save_sharded(path: Path, world: World, model: torch.nn.Module,
     return Path(path)
 
 
+_METADATA_MODULES = ("torch.distributed.checkpoint.", "collections")
+_METADATA_TORCH = {"Size", "device"}
+_METADATA_NAMES = {("torch.serialization", "_get_layout"),  # a layout by its name
+                   ("pathlib", "PosixPath")}  # the storage metadata's checkpoint id
+
+
+class CheckpointPickleError(ValueError):
+    """A DCP checkpoint's metadata names something other than DCP's own plain records."""
+
+
+def _safe_unpickler(stream: Any) -> Any:
+    """An unpickler for DCP's ``.metadata``, which torch writes with ``pickle``: it may build
+    only DCP's metadata records, ``collections`` containers, ``torch.Size``, devices,
+    dtypes, layouts (by name) and a path, so a planted payload (``os.system``,
+    ``builtins.eval``, ...) is refused by name and never runs."""
+    import pickle
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            ok = module.startswith(_METADATA_MODULES) or (module, name) in \
+                _METADATA_NAMES or (module == "torch" and (name in _METADATA_TORCH
+                                       or isinstance(getattr(torch, name, None), torch.dtype)))
+            if not ok:
+                raise CheckpointPickleError(f"DCP metadata names {module}.{name}, which a "
+                                            "checkpoint's metadata never holds")
+            return super().find_class(module, name)
+
+    return Unpickler(stream)
+
+
+def _safe_storage(where: str) -> tuple[Any, Any]:
+    """(reader, planner) for ``dcp.load`` that run no pickled code: the metadata through
+    ``_safe_unpickler``; tensors are read by torch with ``weights_only=True`` already,
+    and the planner reads the non-tensor entries (optimizer ``param_groups``) the same way
+    instead of DCP's default ``weights_only=False``."""
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            with open(os.path.join(where, ".metadata"), "rb") as f:
+                metadata = _safe_unpickler(f).load()
+            if not isinstance(metadata, Metadata):
+                raise CheckpointPickleError(f"{where}/.metadata holds no DCP metadata")
+            meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            meta.load_id = self.load_id
+            metadata.storage_meta = meta
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._nested_dict import set_element
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                            loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return Reader(where), Planner()
+
+
 def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Restore the model and optimizer state of a ``save_sharded`` checkpoint into
     ``model`` (sharded over any number of ranks, or unsharded) in place; every rank.
     A checkpoint saved before the optimizer's first step holds no optimizer state: the
-    optimizer is left as it is (fresh)."""
+    optimizer is left as it is (fresh). No pickled code runs (``_safe_storage``): a
+    planted payload is a ``CheckpointPickleError`` naming what it asked for."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     where = str(Path(path) / DCP_DIR)
-    stored = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    reader, planner = _safe_storage(where)
+    stored = reader.read_metadata().state_dict_metadata
     with_optim = any(k.split(".")[0] == OPTIM_KEY for k in stored)
     state = _state_dicts(model, optimizer, with_optim)
     with _quiet_one_process():
-        dcp.load(state, checkpoint_id=where, no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=reader, planner=planner,
+                 no_dist=not dist.is_initialized())
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state[OPTIM_KEY])
