@@ -50,6 +50,6 @@ def test_a_planted_metadata_pickle_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
     reader, _ = _safe_storage(str(tmp_path / "dcp"))
-    with pytest.raises(CheckpointPickleError, match="posix.system|os.system"):
+    with pytest.raises(CheckpointPickleError, match=r"(posix|os)\.system"):
         reader.read_metadata()
     assert not marker.exists()
