@@ -300,7 +300,7 @@ COLUMN_DOCS: dict[str, str] = {
     "trees.task_id": "task of the environment's generator",
     "trees.env": "environment: calc, python, workflow, sgls",
     "trees.env_config": "JSON of the environment's configuration",
-    "trees.sampler": "tree construction: group, random, entropy, bel, caliper, import, ...",
+    "trees.sampler": "tree construction: group, random, entropy, bel, caliper, rooted, import, ...",
     "trees.policy_version": "version of the weights that sampled the tree",
     "trees.policy_ref": "where the checkpoint that produced the tree lives (reloadable by "
                         "`load_policy_ref`)",

@@ -28,7 +28,7 @@ def train_command(
                                                 "fields.")] = None,
     env: Annotated[str | None, typer.Option(help="Environment (TrainConfig.env).")] = None,
     policy: Annotated[str | None, typer.Option(help="tiny or hf:PATH.")] = None,
-    sampler: Annotated[str | None, typer.Option(help="group, random, entropy, bel, caliper."
+    sampler: Annotated[str | None, typer.Option(help="group, random, entropy, bel, caliper, rooted."
                                                 )] = None,
     credit: Annotated[str | None, typer.Option(help="Credit estimator, e.g. grpo, elpo.")] = None,
     steps: Annotated[int | None, typer.Option(help="Training iterations.")] = None,

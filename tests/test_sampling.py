@@ -316,6 +316,22 @@ def test_phases_of_each_sampler() -> None:
     assert bel["explore"] == 7 and set(bel) <= {"explore", "probe", "fill"}
 
 
+def test_rooted_gives_each_root_action_its_share_of_trajectories() -> None:
+    for task in WF_TASKS[:4]:
+        tree = sample("rooted", task, 32, seed=3, n_root=2)
+        kids = tree.children()
+        root = tree.root().node_id
+        assert len(kids[root]) == 2
+        below = Counter(tree.path_to(leaf.node_id)[1].node_id for leaf in tree.leaves())
+        assert sorted(below.values()) == [16, 16]  # 1 + 15 continuations each
+        assert tree.rollouts_by_phase == {"root": 2, "continue": 30}
+    uneven = sample("rooted", WF_TASKS[0], 10, seed=1, n_root=3)
+    per_action = Counter(uneven.path_to(leaf.node_id)[1].node_id for leaf in uneven.leaves())
+    assert sorted(per_action.values()) == [3, 3, 4]
+    with pytest.raises(ValueError, match="n_root must be >= 1"):
+        make_sampler("rooted", n_root=0)
+
+
 def test_same_seed_same_tree_and_other_seed_differs() -> None:
     for name in SAMPLERS:
         a, b, c = (sample(name, WF_TASKS[2], 12, seed) for seed in (7, 7, 8))
@@ -836,3 +852,30 @@ def test_a_refreshed_truncated_leaf_has_the_reward_tree_builder_gives() -> None:
         assert n.reward == n.reward_parts["reward"] == 0.25 and not n.terminal
     by_leaf = {d.leaf: d.reward for d in out.draws[0]}
     assert by_leaf and all(by_leaf[n.node_id] == n.reward for n in leaves)
+
+
+def test_a_site_the_cap_leaves_undrawn_leaves_no_empty_copy() -> None:
+    """A refresh of several comparisons whose tool-step cap runs out before the last site
+    draws commits a valid tree: a site's stored path is copied only when it draws (the
+    grafted copy of an undrawn site used to stay a leaf without a reward, and the store
+    refused the whole refresh step)."""
+    from functools import partial
+
+    from train.sampling.engine import Engine
+    from train.sampling.refresh import Site, refresh_program
+
+    task = _stochastic_task(5)
+    policy = TabularAdapter(tabular_policies([task]))
+    stored = make_sampler("rooted", n_root=2).sample_tree(WorkflowEnv(), policy, task, 12,
+                                                         seed=3, tree_id="s")
+    kids = stored.children()
+    sites = [Site(v, tuple(kids[v]), tuple((0.5, 0.05, 4.0) for _ in kids[v]))
+             for v in (stored.root().node_id, *kids[stored.root().node_id]) if len(kids[v]) > 1]
+    assert len(sites) == 3
+    out = Engine(policy).run([partial(
+        refresh_program, stored, sites, WorkflowEnv, policy, config=SamplerConfig(), seed=1,
+        tree_id="fresh", run_id="r", cap=3)])[0]
+    assert any(out.draws) and not all(out.draws)  # the cap stopped some site from drawing
+    tree = out.builder.finish()
+    tree.validate()
+    assert all(n.reward is not None for n in tree.nodes if not tree.children()[n.node_id])

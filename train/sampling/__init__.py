@@ -40,6 +40,7 @@ from train.sampling.caliper import CaliperConfig, CaliperSampler, CaliperState, 
 from train.sampling.entropy import EntropyConfig, EntropySampler
 from train.sampling.group import GroupSampler
 from train.sampling.random_branch import RandomBranchConfig, RandomBranchSampler
+from train.sampling.rooted import RootedConfig, RootedSampler
 
 SAMPLERS: dict[str, type[Sampler]] = {
     "group": GroupSampler,
@@ -47,6 +48,7 @@ SAMPLERS: dict[str, type[Sampler]] = {
     "entropy": EntropySampler,
     "bel": BelSampler,
     "caliper": CaliperSampler,
+    "rooted": RootedSampler,
 }
 
 
@@ -83,6 +85,8 @@ __all__ = [
     "NodeStart",
     "RandomBranchConfig",
     "RandomBranchSampler",
+    "RootedConfig",
+    "RootedSampler",
     "Sampler",
     "SamplerConfig",
     "SamplerName",

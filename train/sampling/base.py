@@ -79,8 +79,9 @@ if TYPE_CHECKING:
     import duckdb
     import pyarrow as pa
 
-SamplerName = Literal["group", "random", "entropy", "bel", "caliper"]
-SAMPLER_NAMES: tuple[SamplerName, ...] = ("group", "random", "entropy", "bel", "caliper")
+SamplerName = Literal["group", "random", "entropy", "bel", "caliper", "rooted"]
+SAMPLER_NAMES: tuple[SamplerName, ...] = ("group", "random", "entropy", "bel", "caliper",
+                                         "rooted")
 
 _MASK63 = (1 << 63) - 1
 _MASK62 = (1 << 62) - 1
@@ -404,12 +405,19 @@ class TreeBuilder:
                       root=(stored_root.observation_text or "",
                             tree.snapshots[stored_root.snapshot_id]))
         copied = {stored_root.node_id: 0}
+        builder.copy_paths(tree, node_ids, copied, phase)
+        return builder, copied
+
+    def copy_paths(self, tree: Tree, node_ids: Sequence[int], copied: dict[int, int],
+                   phase: str = "copy") -> None:
+        """Copy the stored paths root -> v of ``node_ids`` that ``copied`` ({stored node
+        id: new node id}, updated) does not hold yet (``graft``; a refresh copies a site's
+        path only when it draws there, so no copied step is left without a rollout)."""
         for v in node_ids:
             for stored in tree.path_to(v)[1:]:
                 if stored.node_id not in copied:
-                    copied[stored.node_id] = builder._copy(
+                    copied[stored.node_id] = self._copy(
                         stored, copied[stored.parent_id or 0], tree, phase)
-        return builder, copied
 
     def _copy(self, stored: Node, parent: int, tree: Tree, phase: str) -> int:
         """Add a copy of a stored step under ``parent`` (``graft``); returns its id."""
