@@ -344,8 +344,8 @@ def refresh_program(tree: Tree, sites: Sequence[Site], env: EnvSource, policy: P
     owned = not isinstance(env, Environment)
     environment = yield from open_env(env)
     try:
-        builder, copied = TreeBuilder.graft(
-            environment, policy, tree, [s.node for s in sites], sampler="refresh",
+        builder, copied = TreeBuilder.graft(  # paths copied when a site first draws
+            environment, policy, tree, [], sampler="refresh",
             config=config, seed=seed, tree_id=tree_id, run_id=run_id, phase="refresh")
         shared = StepCap(cap)
         runs = [ProtocolRun(np.array([p[0] for p in s.prior]), np.array([p[1] for p in s.prior]),
@@ -364,6 +364,7 @@ def refresh_program(tree: Tree, sites: Sequence[Site], env: EnvSource, policy: P
             owners = [(i, route) for i, groups in rounds for route, count in groups
                       for _ in range(count)][:room]
             rounds = _prefix(rounds, owners)
+            builder.copy_paths(tree, [sites[i].node for i, _ in owners], copied, "refresh")
             got = yield from forced_draws(builder, [
                 (copied[sites[i].node], tree.node(sites[i].children[route]))
                 for i, route in owners])
