@@ -1,122 +1,301 @@
-"""The reuse experiment of issue 12: does reusing stored trees save interaction?
+"""The reuse experiment (issue 28): can training on stored trees save new interaction?
 
-For each env (``workflow``, ``calc``), each arm (by default every rule of
-``train.reuse.resolve.RULES`` and ``none``: ``all``, ``transport``, ``dsc``, ``refresh``,
-``m2po``, ``prox-interp``; ``--rules NAME=RULE:KEY=VALUE;...`` names an arm with its own
-``reuse_params``, e.g. ``utd3=all:stored_passes=3``) and each of ``--seeds`` seeds,
-``rtrees train`` (the tiny policy) runs one iteration at a time (``--resume``) until the
-run has spent ``--budget`` NEW tool steps (fresh trees plus refreshes) or ``--max-steps``
-iterations, with held-out success measured after every iteration. So the arms are
-compared at equal new tool steps.
+Design (the defaults; every knob is a flag):
 
-Writes to ``--out``: ``results.json``; ``report.md`` with, per env and rule, held-out
-sampled success at the budget (mean and std over seeds), iterations, new tool steps,
-pairs reused / transported / refreshed, refresh tool steps and what a refresh of every
-stored trajectory would have cost, the tool steps ``dsc`` saved against ``refresh``, and
-on workflow the decision regret of each rule against the env's exact optimal Q* values
-(``WorkflowModel.optimal_values``; the leader a rule picks at a stored tree's root is
-the root action with the best value after the rule, from the run's ``reuse.jsonl``);
-and ``reuse_curve.png`` (held-out sampled success against new tool steps).
+* **where credit matters**: ``workflow`` at horizon 12 (``--horizons 12,18`` adds 18), the
+  tiny policy, ``epochs=2`` and ``minibatches=4`` (so the PPO ratio moves and clipping
+  binds on some tokens), 4 fresh trees per iteration;
+* **trees a gate can resolve**: the ``rooted`` sampler (``n_total=32``, ``n_root=2``): two
+  root actions with 16 trajectories each, so a stored root gap has a resolvable size;
+* **arms**: ``none`` (fresh trees only) and, at each staleness of ``--staleness``
+  (``max_staleness``: stored trees at most that many policy versions old, this run's own
+  trees), ``all`` / ``transport`` / ``gap-gate`` / ``dsc`` (its D7 calibration runs in the
+  run and its tool steps are reported apart, not charged to the budget) / ``refresh`` /
+  ``m2po``, 4 stored trees per iteration; ``--arms RULE@S,...`` picks a subset;
+* **paired**: every arm of a seed starts from the same weights, draws the same training
+  tasks, and is evaluated on the same 200 held-out tasks with the same evaluation seeds at
+  each version (the trainer's ``_heldout``); seeds 0..S-1;
+* **budget**: each run trains (resumably, ``eval_every`` iterations at a time) until it
+  has spent ``--budget`` new tool steps (fresh trees, refreshes, dynamic-sampling extras);
+* **primary metric**: the area under held-out success against new tool steps on [0, B],
+  divided by B (the mean success over the budget), per (seed, task) from the per-task
+  ``evaluations`` rows (each task's 0/1 outcome at each evaluated version, linearly
+  interpolated in tool steps; B = ``--budget``). Sampled success is primary, greedy is
+  reported beside it;
+* **verdicts** (docs/METHODS.md section 8, ``analysis.verdicts``): each arm minus ``none``
+  on the paired (seed, task) AUC differences, four-way at delta ``--delta``, Bonferroni
+  over the arms; and the issue's target as its own claim per arm: success at B/2 minus
+  ``none``'s success at B ("equal success at half the new tool steps"), equivalent or
+  superior meaning the target is met;
+* **power before running**: the effect the design can detect (``analysis.verdicts.Design``
+  with its stated variance components) is printed before anything trains, and
+  ``--power`` prints it without training.
 
-    .venv/bin/python benchmarks/reuse.py --out out/reuse                 # the full run
-    .venv/bin/python benchmarks/reuse.py --out /tmp/r --seeds 1 --budget 40 \\
-        --set heldout_tasks=8 --set tasks_per_step=2 --set n_total=3      # a smoke run
+Writes to ``--out``: ``results.json`` (per run: curves, costs, per-task AUCs), ``report.md``
+(the table, the verdicts, the power statement, the command) and ``reuse_curve.png``. A
+rerun of the same command continues every unfinished run (``--resume`` per chunk), so a
+longer run (more seeds, ``--horizons 12,18``, a larger ``--budget``) extends this one.
+
+    .venv/bin/python benchmarks/reuse.py --out out/reuse                 # the full design
+    .venv/bin/python benchmarks/reuse.py --out /tmp/r --power            # power only
+    .venv/bin/python benchmarks/reuse.py --out /tmp/r --seeds 2 --budget 300 \\
+        --arms all@2 --set heldout_tasks=8 --set n_total=8 --set tasks_per_step=2 \\
+        --set minibatches=2                                              # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from analysis.verdicts import (
+    Design,
+    family_level,
+    paired_difference,
+    verdict,
+    verdict_lines,
+)
+from rollout_store import connect, open_store
 from rollout_store.reader import read_trees
 from train.config import load_config
 from train.reuse.params import REUSE_MODES
 from train.trainer import read_metrics, train
 
-RULES: tuple[str, ...] = REUSE_MODES
-"""The default arms: one per rule, no extra ``reuse_params``."""
+REUSE_RULES: tuple[str, ...] = ("all", "transport", "gap-gate", "dsc", "refresh", "m2po")
+"""The reuse arms of the issue's design (``none`` is always run)."""
+DEFAULTS: dict[str, str] = {
+    "env": "workflow", "sampler": "rooted", "n_total": "32", "tasks_per_step": "4",
+    "epochs": "2", "minibatches": "4", "heldout_tasks": "200", "eval_every": "2",
+    "reuse_per_step": "4", "progress": "false"}
+"""TrainConfig fields of every run (``--set`` overrides them)."""
+SAMPLER_PARAMS = {"n_root": 2}
 
 
-def parse_arm(text: str) -> tuple[str, str, str]:
-    """``NAME=RULE:KEY=VALUE;KEY=VALUE`` (or a bare rule name) -> (arm name, rule,
-    ``reuse_params`` text with commas); a one-line ``SystemExit`` for an unknown rule."""
-    name, _, spec = text.partition("=") if "=" in text.split(":", 1)[0] else ("", "", text)
-    rule, _, params = spec.partition(":")
-    if rule not in REUSE_MODES:
-        raise SystemExit(f"error: arm {text!r}: unknown rule {rule!r}; rules: "
-                         f"{', '.join(REUSE_MODES)}")
-    return name or rule, rule, params.replace(";", ",")
-DEFAULTS: dict[str, str] = {"tasks_per_step": "8", "n_total": "4", "heldout_tasks": "64",
-                            "eval_every": "1", "reuse_per_step": "8", "max_staleness": "4",
-                            "minibatches": "2", "progress": "false"}
+class Arm:
+    """One arm: a reuse rule at a staleness (``none`` has no staleness)."""
+
+    def __init__(self, text: str) -> None:
+        rule, _, stale = text.partition("@")
+        if rule not in REUSE_MODES:
+            raise SystemExit(f"error: arm {text!r}: unknown rule {rule!r}; rules: "
+                             f"{', '.join(REUSE_MODES)}")
+        if rule == "none":
+            if stale:
+                raise SystemExit(f"error: arm {text!r}: none reuses nothing, so it has no "
+                                 "staleness")
+            self.rule, self.staleness = rule, None
+        else:
+            try:
+                self.staleness = int(stale)
+            except ValueError:
+                raise SystemExit(f"error: arm {text!r}: write RULE@STALENESS, e.g. "
+                                 "all@2") from None
+            if self.staleness < 1:
+                raise SystemExit(f"error: arm {text!r}: staleness must be >= 1")
+            self.rule = rule
+
+    @property
+    def name(self) -> str:
+        return self.rule if self.staleness is None else f"{self.rule}@{self.staleness}"
 
 
-def _std(xs: list[float]) -> float:
-    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+def default_arms(staleness: list[int]) -> list[Arm]:
+    return [Arm("none")] + [Arm(f"{rule}@{s}") for s in staleness for rule in REUSE_RULES]
 
 
-def _cum(points: list[tuple[int, float]]) -> dict[int, float]:
-    total, out = 0.0, {}
-    for step, value in sorted(points):
-        total += value
-        out[step] = total
+def _interp(x: float, xs: list[float], ys: np.ndarray) -> np.ndarray:
+    """(T,) outcomes at tool steps ``x``: linear between evaluated versions, flat after the
+    last. ``xs`` ascending (K,), ``ys`` (K, T)."""
+    if x >= xs[-1]:
+        return ys[-1]
+    j = max(i for i, v in enumerate(xs) if v <= x)
+    w = (x - xs[j]) / (xs[j + 1] - xs[j]) if xs[j + 1] > xs[j] else 0.0
+    return (1 - w) * ys[j] + w * ys[j + 1]
+
+
+def auc(xs: list[float], ys: np.ndarray, budget: float) -> np.ndarray:
+    """(T,) area under each task's outcome curve on [0, budget] divided by budget:
+    (1/B) integral_0^B y_t(x) dx with y_t piecewise linear through (xs, ys[:, t])."""
+    grid = sorted({0.0, budget, *(x for x in xs if 0 < x < budget)})
+    vals = [_interp(x, xs, ys) for x in grid]
+    area = sum((grid[i + 1] - grid[i]) * (vals[i] + vals[i + 1]) / 2
+               for i in range(len(grid) - 1))
+    return np.asarray(area, np.float64) / budget
+
+
+def run_dir(out: Path, horizon: int, arm: Arm, seed: int) -> tuple[str, Path, Path]:
+    name = f"H{horizon}-{arm.name.replace('@', '-s')}-seed{seed}"
+    return name, out / "runs" / name, out / "stores" / name
+
+
+def run_one(out: Path, horizon: int, arm: Arm, seed: int, budget: float, max_steps: int,
+            overrides: dict[str, str], train_more: bool = True) -> dict[str, Any] | None:
+    """Train (resumably, ``eval_every`` iterations per call) until ``budget`` new tool
+    steps or ``max_steps`` iterations, then read the run back (None: nothing committed)."""
+    name, run, store = run_dir(out, horizon, arm, seed)
+    base: dict[str, Any] = {**DEFAULTS, **overrides, "reuse": arm.rule, "seed": str(seed),
+            "store": str(store), "out": str(run), "run_id": name,
+            "task_params": {"horizons": horizon}, "sampler_params": dict(SAMPLER_PARAMS)}
+    if arm.staleness is not None:
+        base["max_staleness"] = str(arm.staleness)
+    chunk = max(1, int(base["eval_every"]))
+    k = 0
+    while train_more and k < max_steps:
+        spent = 0.0
+        if store.is_dir():
+            spent = sum(v for _, v in read_metrics(str(store), name).get("new_tool_steps", []))
+        if spent >= budget:
+            break
+        k = min(max_steps, k + chunk)
+        if not (run / "checkpoints" / f"step-{k:06d}").is_dir():  # else: done before
+            t0 = time.time()
+            train(load_config(None, {**base, "steps": str(k)}),
+                  resume=(run / "config.json").exists())
+            print(f"  {name}: {k} iterations ({time.time() - t0:.0f} s)", flush=True)
+    return read_run(run, store, name, horizon, arm, seed)
+
+def evaluations(store: Path, name: str) -> dict[str, dict[int, np.ndarray]]:
+    """{mode: {step: (T,) success}} of a run's held-out evaluations (step -1: the starting
+    weights); a step a retried iteration evaluated again keeps its newest rows."""
+    con = connect(open_store(str(store)))
+    rows = con.execute(
+        "SELECT mode, step, task_index, arg_max(success, created_at) FROM evaluations "
+        "WHERE run_id = ? GROUP BY ALL ORDER BY mode, step, task_index", [name]).fetchall()
+    out: dict[str, dict[int, list[float]]] = {}
+    for mode, step, _, ok in rows:
+        out.setdefault(mode, {}).setdefault(int(step), []).append(float(ok))
+    return {m: {s: np.asarray(v) for s, v in by.items()} for m, by in out.items()}
+
+
+def read_run(run: Path, store: Path, name: str, horizon: int, arm: Arm, seed: int
+             ) -> dict[str, Any] | None:
+    if not store.is_dir():
+        return None
+    m = read_metrics(str(store), name)
+    if not m.get("new_tool_steps"):
+        return None
+    cum, tools = 0.0, {-1: 0.0}
+    for step, v in sorted(m["new_tool_steps"]):
+        cum += v
+        tools[step] = cum
+    evals = evaluations(store, name)
+    curves = {mode: [(tools[s], float(v.mean())) for s, v in sorted(by.items()) if s in tools]
+              for mode, by in evals.items()}
+
+    def total(key: str) -> float:
+        return float(sum(v for _, v in m.get(key, [])))
+
+    def mean(key: str) -> float | None:
+        vals = [v for _, v in m.get(key, [])]
+        return statistics.mean(vals) if vals else None
+
+    return {"name": name, "horizon": horizon, "arm": arm.name, "rule": arm.rule,
+            "staleness": arm.staleness, "seed": seed, "curves": curves,
+            "evaluations": {mode: {str(s): v.astype(int).tolist() for s, v in by.items()}
+                            for mode, by in evals.items()},
+            "tool_steps_at": {str(s): x for s, x in tools.items()},
+            "iterations": len(m.get("loss", [])), "new_tool_steps": total("new_tool_steps"),
+            "refresh_tool_steps": total("reuse_new_tool_steps"),
+            "calibration_tool_steps": total("reuse_calibration_tool_steps"),
+            "reused": total("reuse_pairs_reuse"), "transported": total("reuse_pairs_transport"),
+            "refreshed": total("reuse_pairs_refresh"),
+            "clip_frac": mean("clip_frac_low"), "clip_frac_high": mean("clip_frac_high"),
+            "is_weight_mean": mean("is_weight_mean"), "m2po_masked_frac": mean("m2po_masked_frac"),
+            "seconds": total("seconds_sample") + total("seconds_commit")
+            + total("seconds_credit") + total("seconds_train"),
+            "regret": workflow_regret(run, str(store)) if arm.rule != "none" else None,
+            "calibration": calibration(run) if arm.rule == "dsc" else None}
+
+
+def task_outcomes(r: dict[str, Any], mode: str) -> tuple[list[float], np.ndarray]:
+    """(K,) tool steps of a run's evaluated versions and the (K, T) per-task outcomes."""
+    by = r["evaluations"].get(mode, {})
+    steps = sorted(int(s) for s in by if s in r["tool_steps_at"])
+    xs = [float(r["tool_steps_at"][str(s)]) for s in steps]
+    return xs, np.asarray([by[str(s)] for s in steps], np.float64)
+
+
+def arm_matrix(results: list[dict[str, Any]], horizon: int, arm: str, seeds: list[int],
+               mode: str, budget: float, at: float = 1.0) -> np.ndarray | None:
+    """(S, T) per-(seed, task) values of ``arm``: the AUC on [0, budget] (``at`` = 1.0),
+    or, with ``at`` < 0, the outcome at tool steps -at * budget. None when a seed is
+    missing or its run never reached the point."""
+    rows = []
+    for seed in seeds:
+        got = [r for r in results if r["horizon"] == horizon and r["arm"] == arm
+               and r["seed"] == seed]
+        if not got:
+            return None
+        xs, ys = task_outcomes(got[0], mode)
+        if len(xs) < 2 or xs[-1] < (budget if at > 0 else -at * budget):
+            return None
+        rows.append(auc(xs, ys, budget) if at > 0 else _interp(-at * budget, xs, ys))
+    return np.asarray(rows)
+
+
+def verdicts(results: list[dict[str, Any]], arms: list[str], seeds: list[int],
+             budget: float, delta: float, mode: str = "sampled") -> list[dict[str, Any]]:
+    """Per horizon and reuse arm: (1) AUC(arm) - AUC(none) > 0; (2) success(arm) at B/2 -
+    success(none) at B > 0 (the issue's target, met when superior or equivalent). Paired
+    by seed and task; Bonferroni over every claim of the study."""
+    horizons = sorted({r["horizon"] for r in results})
+    others = [a for a in arms if a != "none"]
+    k = max(1, 2 * len(others) * len(horizons))
+    level = family_level(k)
+    out = []
+    for h in horizons:
+        base_auc = arm_matrix(results, h, "none", seeds, mode, budget)
+        base_end = arm_matrix(results, h, "none", seeds, mode, budget, at=-1.0)
+        for arm in others:
+            claims = (
+                (f"H{h} {arm} vs none: AUC of {mode} success over {budget:.0f} new tool "
+                 "steps", "AUC(arm) - AUC(none)", arm_matrix(results, h, arm, seeds, mode,
+                                                            budget), base_auc,
+                 "no paper number on this metric (DSC-Gate: 39% fewer new tool steps than "
+                 "a gap gate; M2PO: stable at 256 stale updates)"),
+                (f"H{h} {arm} at B/2 vs none at B ({mode}): equal success at half the new "
+                 "tool steps", "success(arm, B/2) - success(none, B)",
+                 arm_matrix(results, h, arm, seeds, mode, budget, at=-0.5), base_end,
+                 "issue 28's target: met when superior or equivalent"))
+            for claim, stat, a, b, paper in claims:
+                if a is None or b is None or len(seeds) < 2:
+                    out.append(verdict(claim, stat, math.nan, (None, None), 0.0, "above",
+                                       paper, note="missing runs", delta=delta,
+                                       level=level).to_json())
+                    continue
+                d = paired_difference(a, b, level)
+                out.append(verdict(claim, stat, d.estimate, d.ci, 0.0, "above", paper,
+                                   note=f"{d.n_seeds} seeds x {d.n_tasks} tasks, paired",
+                                   delta=delta, level=level, se=d.se, df=d.df).to_json())
     return out
 
 
-def run_one(out: Path, env: str, arm: str, seed: int, budget: float, max_steps: int,
-            overrides: dict[str, str], report_only: bool = False) -> dict[str, Any] | None:
-    """Train (resumably) until ``budget`` new tool steps or ``max_steps`` iterations, then
-    read the run's metrics; ``report_only``: only read what the run has committed so far
-    (None when it has no finished iteration)."""
-    label, rule, params = parse_arm(arm)
-    name = f"{env}-{label}-seed{seed}"
-    run = out / name
-    base = {**DEFAULTS, **overrides, "env": env, "reuse": rule, "seed": str(seed),
-            "store": str(out / "stores" / name), "out": str(run), "run_id": name}
-    if params:
-        base["reuse_params"] = ",".join(x for x in (overrides.get("reuse_params", ""), params)
-                                        if x)
-    cfg = load_config(None, {**base, "steps": "1"})
-    for k in range(1, 0 if report_only else max_steps + 1):
-        cfg = load_config(None, {**base, "steps": str(k)})
-        if not (run / "checkpoints" / f"step-{k:06d}").is_dir():  # else: an earlier call did
-            train(cfg, resume=(run / "config.json").exists())
-        m = read_metrics(cfg.store, name)
-        if sum(v for s, v in m["new_tool_steps"] if s < k) >= budget:
-            break
-    if not (out / "stores" / name).is_dir():
-        return None
-    m = read_metrics(str(out / "stores" / name), name)
-    if not m.get("new_tool_steps"):
-        return None
-    tools = _cum(m["new_tool_steps"])
-    curve = [(0.0, v) for s, v in m.get("heldout_sampled", []) if s == -1]
-    curve += [(tools[s], v) for s, v in m.get("heldout_sampled", []) if s >= 0]
-
-    def total(key: str) -> float:
-        return sum(v for _, v in m.get(key, []))
-
-    return {"env": env, "rule": label, "reuse": rule, "seed": seed, "curve": curve,
-            "final": curve[-1][1] if curve else float("nan"),
-            "iterations": len(m["loss"]), "new_tool_steps": total("new_tool_steps"),
-            "reused": total("reuse_pairs_reuse"), "transported": total("reuse_pairs_transport"),
-            "refreshed": total("reuse_pairs_refresh"),
-            "refresh_tool_steps": total("reuse_new_tool_steps"),
-            "refresh_all_tool_steps": total("reuse_refresh_all_tool_steps"),
-            "is_weight_mean": statistics.mean(v for _, v in m["is_weight_mean"])
-            if m.get("is_weight_mean") else 1.0,
-            "extra_optimizer_steps": total("reuse_extra_optimizer_steps"),
-            "prox_forward_tokens_saved": total("reuse_prox_forward_tokens_saved"),
-            "m2po_masked_frac": statistics.mean(v for _, v in m["m2po_masked_frac"])
-            if m.get("m2po_masked_frac") else None,
-            "regret": workflow_regret(run, cfg.store) if env == "workflow" and rule != "none"
-            else None, "calibration": calibration(run) if rule == "dsc" else None}
+def power_lines(n_arms: int, n_horizons: int, seeds: int, tasks: int, delta: float) -> list[str]:
+    """What the design can detect before it runs (``Design``'s stated components; an AUC
+    averages several evaluated versions, so its evaluation noise is at most this)."""
+    design = Design()
+    k = max(1, 2 * (n_arms - 1) * n_horizons)
+    level = family_level(k)
+    det = design.detectable(seeds, tasks, level)
+    eq = design.detectable(seeds, tasks, level, "equivalence")
+    need = design.seeds_needed(0.05, tasks, level)
+    return [f"Power (analysis.verdicts.Design: sd_seed {design.sd_seed}, sd_task "
+            f"{design.sd_task}, p {design.p}, rho {design.rho}; {k} claims, each at "
+            f"{level:.2%}): with {seeds} seeds x {tasks} tasks a difference of "
+            f"{det:.3f} is called superior with 80% power; a true 0 is called equivalent "
+            f"with 80% power only for delta >= {eq:.3f} (registered delta {delta}); a "
+            f"difference of 0.05 needs "
+            f"{'more than 10,000' if need is None else need} seeds per arm."]
 
 
 def calibration(run: Path) -> dict[str, Any] | None:
@@ -173,85 +352,90 @@ def workflow_regret(run: Path, store: str) -> dict[str, float] | None:
             "p_over_002": sum(x > 0.02 for x in regrets) / len(regrets), "n": len(regrets)}
 
 
-def _fewer(a: float, b: float) -> str:
-    """``a`` against ``b`` as "N% fewer" or "N% more"."""
-    if not b:
-        return "no baseline"
-    pct = (1.0 - a / b) * 100.0
-    return f"{abs(pct):.0f}% {'fewer' if pct >= 0 else 'more'}"
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None or not math.isfinite(x) else format(x, spec)
 
 
-def report(results: list[dict[str, Any]], out: Path) -> str:
-    arms = list(dict.fromkeys(r["rule"] for r in results))
-    lines = ["| env | rule | held-out sampled at budget | iterations | new tool steps | "
-             "pairs reused / transported / refreshed | refresh tool steps | refresh-all "
-             "would spend | mean w | regret vs Q* (workflow) |", "|" + "---|" * 10]
-    for env in sorted({r["env"] for r in results}):
-        for rule in arms:
-            runs = [r for r in results if r["env"] == env and r["rule"] == rule]
+def report(results: list[dict[str, Any]], arms: list[str], seeds: list[int], budget: float,
+           delta: float, head: list[str], out: Path) -> str:
+    lines = [*head, "",
+             "| H | arm | AUC sampled | AUC greedy | sampled at B | greedy at B | "
+             "iterations | new tool steps | refresh steps | calibration steps (apart) | "
+             "pairs reused / transported / refreshed | clip frac | regret vs Q* | train s |",
+             "|" + "---|" * 14]
+    for h in sorted({r["horizon"] for r in results}):
+        for arm in arms:
+            runs = [r for r in results if r["horizon"] == h and r["arm"] == arm]
             if not runs:
                 continue
-            final = [r["final"] for r in runs]
+            cells = []
+            for mode, at in (("sampled", 1.0), ("greedy", 1.0), ("sampled", -1.0),
+                             ("greedy", -1.0)):
+                mat = arm_matrix(results, h, arm, sorted(r["seed"] for r in runs), mode,
+                                 budget, at)
+                if mat is None:
+                    cells.append("-")
+                    continue
+                per_seed = mat.mean(axis=1)
+                sd = statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0
+                cells.append(f"{per_seed.mean():.3f} ± {sd:.3f}")
 
-            def mean(key: str, rs: list[dict[str, Any]] = runs) -> float:
-                return statistics.mean(float(r[key]) for r in rs)
+            def avg(key: str, rs: list[dict[str, Any]] = runs) -> float | None:
+                vals = [float(r[key]) for r in rs if r.get(key) is not None]
+                return statistics.mean(vals) if vals else None
 
-            regs = [r["regret"]["mean"] for r in runs if r["regret"]]
-            p02 = [r["regret"]["p_over_002"] for r in runs if r["regret"]]
-            reg = (f"{statistics.mean(regs):.4f} (P>0.02 {statistics.mean(p02):.2f})"
-                   if regs else "-")
+            regs = [r["regret"]["mean"] for r in runs if r.get("regret")]
             lines.append(
-                f"| {env} | {rule} | {statistics.mean(final):.3f} ± {_std(final):.3f} | "
-                f"{mean('iterations'):.1f} | {mean('new_tool_steps'):.0f} | "
-                f"{mean('reused'):.0f} / {mean('transported'):.0f} / {mean('refreshed'):.0f} | "
-                f"{mean('refresh_tool_steps'):.0f} | {mean('refresh_all_tool_steps'):.0f} | "
-                f"{mean('is_weight_mean'):.3f} | {reg} |")
-        dsc = [r for r in results if r["env"] == env and r["reuse"] == "dsc"]
-        ref = [r for r in results if r["env"] == env and r["reuse"] == "refresh"]
-        if dsc and ref:
-            a = statistics.mean(float(r["refresh_tool_steps"]) for r in dsc)
-            cal = statistics.mean(float((r["calibration"] or {}).get("tool_steps") or 0)
-                                  for r in dsc)
-            b = statistics.mean(float(r["refresh_tool_steps"]) for r in ref)
-            lines.append(f"\n{env}: dsc spent {a:.0f} stored-tree tool steps ({cal:.0f} of "
-                         f"them on the D7 calibration draws) vs {b:.0f} for refresh "
-                         f"({_fewer(a, b)}; without the calibration {_fewer(a - cal, b)}; "
-                         "DSC-Gate reports 39% fewer than a gap gate at matched regret)\n")
-            for r in dsc:
-                c = r["calibration"] or {}
-                kap = c.get("kappas") or {}
-                lines.append(f"- dsc seed {r['seed']}: calibration {c.get('status')} at "
-                             f"iteration {c.get('iteration')} on {len(c.get('trees') or {})} "
-                             f"held-apart trees ({c.get('split')}); kappa_R "
-                             f"{kap.get('kappa_R')}, kappa_delta {kap.get('kappa_delta')}, "
-                             f"kappa_T {kap.get('kappa_T')}")
+                f"| {h} | {arm} | {' | '.join(cells)} | {_fmt(avg('iterations'), '.1f')} | "
+                f"{_fmt(avg('new_tool_steps'), '.0f')} | {_fmt(avg('refresh_tool_steps'), '.0f')}"
+                f" | {_fmt(avg('calibration_tool_steps'), '.0f')} | "
+                f"{_fmt(avg('reused'), '.0f')} / {_fmt(avg('transported'), '.0f')} / "
+                f"{_fmt(avg('refreshed'), '.0f')} | {_fmt(avg('clip_frac'), '.4f')} | "
+                f"{_fmt(statistics.mean(regs) if regs else None, '.4f')} | "
+                f"{_fmt(avg('seconds'), '.0f')} |")
+    lines += ["", "AUC: mean held-out success over [0, B] new tool steps (B = "
+              f"{budget:.0f}), per task interpolated between evaluated versions; ± is the sd "
+              "over seeds. 'at B': success at B tool steps (interpolated). Calibration steps "
+              "are dsc's D7 draws, not charged to the budget.", "", "## Verdicts", ""]
+    vs = verdicts(results, arms, seeds, budget, delta)
+    lines += verdict_lines(vs)
+    for r in results:
+        c = r.get("calibration")
+        if c:
+            lines.append(f"- {r['name']}: D7 calibration {c.get('status')} at iteration "
+                         f"{c.get('iteration')} on {len(c.get('trees') or {})} held-apart trees, "
+                         f"{c.get('tool_steps')} tool steps; kappas {c.get('kappas')}")
     text = "\n".join(lines)
-    (out / "report.md").write_text("# Reuse experiment (issue 12)\n\n`" + " ".join(sys.argv)
+    (out / "report.md").write_text("# Reuse experiment (issue 28)\n\n`" + " ".join(sys.argv)
                                    + "`\n\n" + text + "\n")
+    (out / "verdicts.json").write_text(json.dumps(vs, indent=2) + "\n")
     return text
 
 
-def plot(results: list[dict[str, Any]], out: Path) -> None:
+def plot(results: list[dict[str, Any]], arms: list[str], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    envs = sorted({r["env"] for r in results})
-    if not envs:
+    horizons = sorted({r["horizon"] for r in results})
+    if not horizons:
         return
-    fig, axes = plt.subplots(1, len(envs), figsize=(6 * len(envs), 4), squeeze=False)
-    arms = list(dict.fromkeys(r["rule"] for r in results))
-    for ax, env in zip(axes[0], envs, strict=True):
-        for rule in arms:
-            for i, r in enumerate(x for x in results if x["env"] == env and x["rule"] == rule):
-                xs, ys = zip(*r["curve"], strict=True) if r["curve"] else ((), ())
-                ax.plot(xs, ys, color=f"C{arms.index(rule) % 10}", alpha=0.7,
-                        label=rule if i == 0 else None)
-        ax.set_title(env)
+    fig, axes = plt.subplots(1, len(horizons), figsize=(7 * len(horizons), 4.5),
+                             squeeze=False)
+    for ax, h in zip(axes[0], horizons, strict=True):
+        for j, arm in enumerate(arms):
+            for i, r in enumerate(x for x in results if x["horizon"] == h and x["arm"] == arm):
+                pts = r["curves"].get("sampled") or []
+                if pts:
+                    xs, ys = zip(*pts, strict=True)
+                    ax.plot(xs, ys, color=f"C{j % 10}", alpha=0.7, marker=".",
+                            linestyle="-" if "@8" not in arm else "--",
+                            label=arm if i == 0 else None)
+        ax.set_title(f"workflow H={h}")
         ax.set_xlabel("new tool steps")
         ax.set_ylabel("held-out sampled success")
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "reuse_curve.png", dpi=120)
 
@@ -260,33 +444,55 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--envs", default="workflow,calc")
-    ap.add_argument("--rules", default=",".join(RULES),
-                    help="comma-separated arms: a rule, or NAME=RULE:KEY=VALUE;... "
-                    "(reuse_params of that arm)")
+    ap.add_argument("--horizons", default="12", help="comma-separated workflow horizons")
+    ap.add_argument("--staleness", default="2,8", help="max_staleness values of the arms")
+    ap.add_argument("--arms", default="", help="comma-separated RULE@STALENESS (and none) "
+                    "instead of every rule at every staleness")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--seed-ids", default="", help="comma-separated seeds (instead of "
-                    "0..SEEDS-1): one process per seed runs them side by side")
-    ap.add_argument("--budget", type=float, default=1500.0, help="new tool steps per run")
-    ap.add_argument("--max-steps", type=int, default=60)
+    ap.add_argument("--seed-ids", default="", help="comma-separated seeds to train (instead "
+                    "of 0..SEEDS-1), e.g. one process per seed side by side; the report "
+                    "covers every seed found")
+    ap.add_argument("--budget", type=float, default=6000.0, help="new tool steps per run")
+    ap.add_argument("--max-steps", type=int, default=40)
+    ap.add_argument("--delta", type=float, default=0.05, help="equivalence margin")
     ap.add_argument("--set", action="append", default=[], help="TrainConfig FIELD=VALUE")
+    ap.add_argument("--power", action="store_true", help="print the power statement, train "
+                    "nothing")
     ap.add_argument("--report-only", action="store_true",
-                    help="train nothing: report the iterations the runs have finished")
+                    help="train nothing: report what the runs have committed")
     args = ap.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
-    for arm in args.rules.split(","):
-        parse_arm(arm)  # refuse a bad arm before anything runs
-    got = [run_one(args.out, env, rule, seed, args.budget, args.max_steps, overrides,
-                   args.report_only)
-               for env in args.envs.split(",") for rule in args.rules.split(",")
-               for seed in ([int(x) for x in args.seed_ids.split(",")] if args.seed_ids
-                            else range(args.seeds))]
+    horizons = [int(x) for x in args.horizons.split(",")]
+    arms = ([Arm(a) for a in args.arms.split(",")] if args.arms
+            else default_arms([int(x) for x in args.staleness.split(",")]))
+    if arms[0].rule != "none":
+        arms.insert(0, Arm("none"))
+    names = [a.name for a in arms]
+    tasks = int(overrides.get("heldout_tasks", DEFAULTS["heldout_tasks"]))
+    head = power_lines(len(arms), len(horizons), args.seeds, tasks, args.delta)
+    print(head[0], flush=True)
+    if args.power:
+        return
+    seeds = ([int(x) for x in args.seed_ids.split(",")] if args.seed_ids
+             else list(range(args.seeds)))
+    got = []
+    for seed in sorted(set(seeds) | set(range(args.seeds))):
+        if seed not in seeds:  # another process trains it: report what it committed
+            got += [run_one(args.out, h, arm, seed, args.budget, args.max_steps, overrides,
+                            train_more=False) for h in horizons for arm in arms]
+            continue  # seed-major: a cut-short run still has complete seeds to compare
+        for h in horizons:
+            for arm in arms:
+                got.append(run_one(args.out, h, arm, seed, args.budget, args.max_steps,
+                                   overrides, train_more=not args.report_only))
     results = [r for r in got if r is not None]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(
-        {"argv": sys.argv, "results": results}, indent=2) + "\n")
-    print(report(results, args.out))
-    plot(results, args.out)
+        {"argv": sys.argv, "budget": args.budget, "arms": names, "results": results},
+        indent=2) + "\n")
+    done = sorted({r["seed"] for r in results})
+    print(report(results, names, done, args.budget, args.delta, head, args.out))
+    plot(results, names, args.out)
 
 
 if __name__ == "__main__":
