@@ -86,6 +86,8 @@ class Arm:
 
     def __init__(self, text: str) -> None:
         rule, _, stale = text.partition("@")
+        self.rule: str = rule
+        self.staleness: int | None = None
         if rule not in REUSE_MODES:
             raise SystemExit(f"error: arm {text!r}: unknown rule {rule!r}; rules: "
                              f"{', '.join(REUSE_MODES)}")
@@ -93,7 +95,6 @@ class Arm:
             if stale:
                 raise SystemExit(f"error: arm {text!r}: none reuses nothing, so it has no "
                                  "staleness")
-            self.rule, self.staleness = rule, None
         else:
             try:
                 self.staleness = int(stale)
@@ -102,7 +103,6 @@ class Arm:
                                  "all@2") from None
             if self.staleness < 1:
                 raise SystemExit(f"error: arm {text!r}: staleness must be >= 1")
-            self.rule = rule
 
     @property
     def name(self) -> str:
