@@ -209,6 +209,7 @@ def read_run(run: Path, store: Path, name: str, horizon: int, arm: Arm, seed: in
             "calibration_tool_steps": total("reuse_calibration_tool_steps"),
             "reused": total("reuse_pairs_reuse"), "transported": total("reuse_pairs_transport"),
             "refreshed": total("reuse_pairs_refresh"),
+            "feasible": total("reuse_pairs_feasible") if "reuse_pairs_feasible" in m else None,
             "clip_frac": mean("clip_frac_low"), "clip_frac_high": mean("clip_frac_high"),
             "is_weight_mean": mean("is_weight_mean"), "m2po_masked_frac": mean("m2po_masked_frac"),
             "seconds": total("seconds_sample") + total("seconds_commit")
@@ -361,8 +362,9 @@ def report(results: list[dict[str, Any]], arms: list[str], seeds: list[int], bud
     lines = [*head, "",
              "| H | arm | AUC sampled | AUC greedy | sampled at B | greedy at B | "
              "iterations | new tool steps | refresh steps | calibration steps (apart) | "
-             "pairs reused / transported / refreshed | clip frac | regret vs Q* | train s |",
-             "|" + "---|" * 14]
+             "pairs reused / transported / refreshed | feasible pairs | clip frac | regret vs Q* | "
+             "train s |",
+             "|" + "---|" * 15]
     for h in sorted({r["horizon"] for r in results}):
         for arm in arms:
             runs = [r for r in results if r["horizon"] == h and r["arm"] == arm]
@@ -390,7 +392,8 @@ def report(results: list[dict[str, Any]], arms: list[str], seeds: list[int], bud
                 f"{_fmt(avg('new_tool_steps'), '.0f')} | {_fmt(avg('refresh_tool_steps'), '.0f')}"
                 f" | {_fmt(avg('calibration_tool_steps'), '.0f')} | "
                 f"{_fmt(avg('reused'), '.0f')} / {_fmt(avg('transported'), '.0f')} / "
-                f"{_fmt(avg('refreshed'), '.0f')} | {_fmt(avg('clip_frac'), '.4f')} | "
+                f"{_fmt(avg('refreshed'), '.0f')} | {_fmt(avg('feasible'), '.0f')} | "
+                f"{_fmt(avg('clip_frac'), '.4f')} | "
                 f"{_fmt(statistics.mean(regs) if regs else None, '.4f')} | "
                 f"{_fmt(avg('seconds'), '.0f')} |")
     lines += ["", "AUC: mean held-out success over [0, B] new tool steps (B = "

@@ -639,3 +639,25 @@ def test_refresh_does_not_depend_on_the_row_budget() -> None:
             if a.tree is not None and b.tree is not None:
                 diff, worst = differences(a.tree, b.tree)
                 assert diff == [] and worst < LOGPROB_TOL, (budget, diff[:5])
+
+
+def test_feasible_pairs_need_eight_trajectories_a_side() -> None:
+    """A pair is feasible with at least FEASIBLE_TRAJECTORIES trajectories on both sides;
+    an all-leaf comparison's pairs count as feasible (reused soundly)."""
+    from train.reuse.resolve import FEASIBLE_TRAJECTORIES, feasible_pairs
+
+    assert FEASIBLE_TRAJECTORIES == 8
+    clear = Tree(tree_id="t", run_id="r", env="calc", nodes=[
+        _node(0, None), _node(1, 0), _node(2, 0),
+        *[_node(3 + i, 1, 1.0) for i in range(8)], *[_node(11 + i, 2, 0.0) for i in range(8)]])
+    res = resolve_tree(clear, "dsc", _stored_logprobs(clear), ReuseParams())
+    assert res.feasible == 15 == sum(res.pairs.values())  # 1 root pair + 2 x 7 leaf pairs
+    tied = Tree(tree_id="u", run_id="r", env="calc", nodes=[
+        _node(0, None), _node(1, 0), _node(2, 0), _node(3, 1, 1.0), _node(4, 1, 0.0),
+        _node(5, 2, 1.0), _node(6, 2, 0.0)])
+    res = resolve_tree(tied, "gap-gate", _stored_logprobs(tied), ReuseParams())
+    assert res.feasible == 2 and sum(res.pairs.values()) == 3  # the root pair: 2 a side
+    # the leader is the best stored mean; a short competitor makes only its own pair fail
+    leaves = {1: list(range(8)), 2: list(range(8, 16)), 3: [16]}
+    assert feasible_pairs(leaves, {1: 0.2, 2: 0.9, 3: 0.5}) == 1
+    assert feasible_pairs(leaves, {1: 0.2, 2: 0.1, 3: 0.9}) == 0  # the leader has 1

@@ -170,7 +170,8 @@ class Resolution:
     ``comparisons`` in preorder; ``route_of`` {leaf: its root action}; ``pairs``
     decisions counted per ``DECISIONS`` over all comparisons; ``transported`` /
     ``reward`` the root-anchored D4 T_i and the stored R_i per leaf; ``root`` the root's
-    node id.
+    node id; ``feasible`` the pairs whose stored data could resolve their gap at all
+    (``feasible_pair``).
     """
 
     comparisons: list[Comparison]
@@ -179,6 +180,7 @@ class Resolution:
     transported: dict[int, float]
     reward: dict[int, float]
     root: int = 0
+    feasible: int = 0
 
     @property
     def refresh(self) -> list[int]:
@@ -211,6 +213,23 @@ class Resolution:
         return ret
 
 
+FEASIBLE_TRAJECTORIES = 8
+"""Trajectories each side of a leader-versus-competitor pair needs before its stored gap
+can be resolved [R]: with one a side the reuse radius at kappa_R = 2 is about 1.41 for
+binary returns, more than any gap, so the gate can only refresh; 8 a side brings it to
+about 0.5 (docs/METHODS.md section 9, "Feasible pairs")."""
+
+
+def feasible_pairs(leaves: Mapping[int, Sequence[int]], plain: Mapping[int, float]) -> int:
+    """Of a comparison's A - 1 pairs (the child with the best stored mean ``plain``, ties
+    to the first, against each other child), those with at least ``FEASIBLE_TRAJECTORIES``
+    trajectories (``leaves``) on both sides."""
+    children = list(leaves)
+    leader = max(children, key=lambda c: (plain[c], -children.index(c)))
+    return sum(min(len(leaves[leader]), len(leaves[c])) >= FEASIBLE_TRAJECTORIES
+               for c in children if c != leader)
+
+
 def _stats(values: Sequence[float]) -> tuple[float, float, int]:
     vals = np.asarray(values, np.float64)
     var = float(vals.var(ddof=1)) / vals.size if vals.size > 1 else 0.0
@@ -236,6 +255,7 @@ def resolve_tree(tree: Tree, rule: Rule | str, prox: ProxLogp,
     n_children = np.bincount(parent[parent >= 0], minlength=arrays.n_nodes)
     pairs: Counter[str] = Counter()
     comparisons: list[Comparison] = []
+    feasible = 0
     for row in np.flatnonzero(n_children >= 2).tolist():  # preorder
         anchor = np.array([row])
         tr = transport_returns(arrays, anchor)
@@ -245,20 +265,23 @@ def resolve_tree(tree: Tree, rule: Rule | str, prox: ProxLogp,
         children = [int(ids[c]) for c in np.flatnonzero(parent == row)]
         below = {c: [lf for lf, a in child_of.items() if a == c] for c in children}
         use: dict[int, Decision] = {}
+        plain = {c: _stats([r_of[lf] for lf in below[c]])[0] for c in children}
         if not any(n_children[c] for c in np.flatnonzero(parent == row)):
             # every child is a leaf: no step below the forced actions, so no policy can
             # change their values (T = R) and a refresh would redraw only the env's noise
             pairs["reuse"] += len(children) - 1
+            feasible += len(children) - 1  # reused soundly whatever their counts
             use = {c: "reuse" for c in children}
         else:
             use, decided = rule.decide(arrays, row, params)
             pairs.update(decided)
+            feasible += feasible_pairs(below, plain)
         prior = {c: _stats([(r_of if use[c] == "reuse" else t_of)[lf] for lf in below[c]])
                  for c in children}
-        plain = {c: _stats([r_of[lf] for lf in below[c]])[0] for c in children}
         comparisons.append(Comparison(int(ids[row]), children, use,
                                       {c: prior[c][0] for c in children}, prior, below, plain))
-    return Resolution(comparisons, route_of, pairs, transported, reward, tree.root().node_id)
+    return Resolution(comparisons, route_of, pairs, transported, reward, tree.root().node_id,
+                      feasible)
 
 
 def with_returns(tree: Tree, returns: Mapping[int, float]) -> Tree:
@@ -274,5 +297,6 @@ def tool_steps(tree: Tree) -> int:
     return sum(int(n.tool_calls or 0) for n in tree.nodes)
 
 
-__all__ = ["DECISIONS", "RULES", "Comparison", "Decision", "ProxLogp", "Resolution", "Rule",
-           "dsc_extras", "get_rule", "resolve_tree", "tool_steps", "with_returns"]
+__all__ = ["DECISIONS", "FEASIBLE_TRAJECTORIES", "RULES", "Comparison", "Decision", "ProxLogp",
+           "Resolution", "Rule", "dsc_extras", "feasible_pairs", "get_rule", "resolve_tree",
+           "tool_steps", "with_returns"]

@@ -65,6 +65,8 @@ class StoredStep:
     new_tool_steps: int
     calibration_tool_steps: int = 0
     """Of ``new_tool_steps``, those the D7 calibration draws spent (0 but once)."""
+    feasible_pairs: int = 0
+    """Pairs whose stored data could resolve their gap (``resolve.feasible_pairs``)."""
 
 
 def resolve_stored(sel: Selection, rule: Rule | str, prox: ProxLogp, params: ReuseParams,
@@ -100,6 +102,7 @@ def resolve_stored(sel: Selection, rule: Rule | str, prox: ProxLogp, params: Reu
         max_new_tokens=max_new_tokens, temperature=temperature)
     for old, stale, res, got in zip(sel.trees, sel.staleness, resolved, refreshed, strict=True):
         step.pairs.update(res.pairs)
+        step.feasible_pairs += res.feasible
         returns = res.compose(got.posterior)
         step.credited.append(with_returns(old, returns))
         step.new_tool_steps += got.steps
@@ -316,10 +319,13 @@ class ReuseStage:
         credit = {**old_credit, **new_credit}
         staleness = {t.tree_id: s for t, s in zip(sel.trees, sel.staleness, strict=True)}
         staleness.update({t.tree_id: 0 for t in refreshed})
+        n_pairs = sum(step.pairs.get(k, 0) for k in DECISIONS)
         metrics.update({
             "reuse_trees": float(len(sel.trees)), "reuse_refreshed_trees": float(len(refreshed)),
             "reuse_credit_read_trees": float(read),
             **{f"reuse_pairs_{k}": float(step.pairs.get(k, 0)) for k in DECISIONS},
+            "reuse_pairs_feasible": float(step.feasible_pairs),
+            "reuse_feasible_frac": step.feasible_pairs / n_pairs if n_pairs else 0.0,
             "reuse_new_tool_steps": float(step.new_tool_steps),
             "reuse_calibration_tool_steps": float(step.calibration_tool_steps),
             "reuse_refresh_all_tool_steps": float(sum(tool_steps(t) for t in sel.trees)),
