@@ -171,7 +171,7 @@ class Resolution:
     decisions counted per ``DECISIONS`` over all comparisons; ``transported`` /
     ``reward`` the root-anchored D4 T_i and the stored R_i per leaf; ``root`` the root's
     node id; ``feasible`` the pairs whose stored data could resolve their gap at all
-    (``feasible_pair``).
+    (``feasible_pairs``).
     """
 
     comparisons: list[Comparison]
