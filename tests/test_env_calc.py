@@ -7,6 +7,7 @@ import builtins
 import dataclasses
 import json
 import random
+import sys
 import time
 from fractions import Fraction
 
@@ -418,3 +419,52 @@ def test_noisy_expert() -> None:
     kinds = {"answer" if a.startswith("<answer>") else
              "malformed" if '"}}' not in a else "call" for a in all_wrong}
     assert kinds == {"answer", "malformed", "call"}
+
+
+def test_expressions_parse_in_many_threads_at_once() -> None:
+    """The rollout engine runs calc tool calls in a thread pool. CPython 3.11's AST
+    constructor keeps its recursion depth in per-interpreter state, so parses in two
+    threads, interleaved by a garbage collection that runs a finalizer, raised a spurious
+    ``SystemError`` (it ended a 60-iteration training run); evaluation serialises the parse.
+    Without the lock this failed in about 2 of 3 rounds here."""
+    import gc
+    import threading
+
+    from train.envs.calc import evaluate
+
+    class Finalized:
+        def __del__(self) -> None:
+            sum(range(50))
+
+    def churn() -> None:
+        for _ in range(100_000):
+            a = Finalized()
+            b: list[object] = [a]
+            b.append(b)
+            del a, b
+
+    errors: list[str] = []
+
+    def work() -> None:
+        for i in range(2_000):
+            try:
+                assert evaluate(f"(({i} + 3) * 7 - 2) / (5 + {i % 7})") == \
+                    Fraction((i + 3) * 7 - 2, 5 + i % 7)
+            except Exception as exc:  # every kind is a failure of this test
+                errors.append(repr(exc))
+
+    interval, thresholds = sys.getswitchinterval(), gc.get_threshold()
+    try:
+        sys.setswitchinterval(1e-6)
+        gc.set_threshold(10, 1, 1)
+        for _ in range(3):
+            threads = [threading.Thread(target=work) for _ in range(6)]
+            threads += [threading.Thread(target=churn) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*thresholds)
+    assert errors == []

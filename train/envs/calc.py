@@ -60,6 +60,7 @@ import json
 import math
 import random
 import re
+import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
@@ -87,6 +88,12 @@ MAX_EXPR_CHARS = 1000
 MAX_PAREN_DEPTH = 32
 MAX_AST_DEPTH = 64
 MAX_AST_NODES = 256
+_PARSE_LOCK = threading.Lock()
+"""Serialises ``ast.parse``: CPython 3.11 keeps the AST constructor's recursion depth in
+per-interpreter state, so two threads parsing at once (the rollout engine runs tool calls
+in a thread pool) can corrupt it and one of them gets a spurious ``SystemError``
+("AST constructor recursion depth mismatch", CPython gh-106905), which ended a training
+run mid-way."""
 MAX_EXPONENT = 64
 MAX_ABS = 10**18  # bound on |value| and on the denominator of every intermediate result
 
@@ -205,13 +212,23 @@ def evaluate(expr: str) -> Fraction:
         elif char in ")]}":
             depth -= 1
     try:
-        tree = ast.parse(expr.strip(), mode="eval")
+        tree = _parse(expr.strip())
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         # SyntaxError messages vary across Python versions; the observation must not
         raise CalcError("invalid syntax") from None
     if sum(1 for _ in ast.walk(tree)) > MAX_AST_NODES:
         raise CalcError(f"expression has more than {MAX_AST_NODES} parts")
     return _eval_node(tree, 0)
+
+
+def _parse(expr: str) -> ast.Expression:
+    """``ast.parse(expr, mode="eval")`` under ``_PARSE_LOCK``; a ``SystemError`` (the
+    interpreter's AST state disturbed by a parse outside the lock) is retried once."""
+    with _PARSE_LOCK:
+        try:
+            return ast.parse(expr, mode="eval")
+        except SystemError:
+            return ast.parse(expr, mode="eval")
 
 
 def format_number(value: Fraction) -> str:
