@@ -67,7 +67,7 @@ from analysis.verdicts import (
 )
 from rollout_store import connect, open_store
 from rollout_store.reader import read_trees
-from train.config import load_config
+from train.config import ConfigError, load_config
 from train.reuse.params import REUSE_MODES
 from train.trainer import read_metrics, train
 
@@ -107,6 +107,18 @@ class Arm:
     @property
     def name(self) -> str:
         return self.rule if self.staleness is None else f"{self.rule}@{self.staleness}"
+
+
+def _ints(flag: str, text: str, low: int = 1) -> list[int]:
+    """Comma-separated integers >= ``low``; a one-line ``SystemExit`` otherwise."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < low:
+        raise SystemExit(f"error: {flag} takes comma-separated integers >= {low}, got "
+                         f"{text!r}")
+    return values
 
 
 def default_arms(staleness: list[int]) -> list[Arm]:
@@ -464,20 +476,34 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true",
                     help="train nothing: report what the runs have committed")
     args = ap.parse_args()
+    bad = [x for x in args.set if "=" not in x]
+    if bad:
+        raise SystemExit(f"error: --set takes FIELD=VALUE, got {bad[0]!r}")
     overrides = dict(item.split("=", 1) for item in args.set)
-    horizons = [int(x) for x in args.horizons.split(",")]
+    horizons = _ints("--horizons", args.horizons)
     arms = ([Arm(a) for a in args.arms.split(",")] if args.arms
-            else default_arms([int(x) for x in args.staleness.split(",")]))
+            else default_arms(_ints("--staleness", args.staleness)))
     if arms[0].rule != "none":
         arms.insert(0, Arm("none"))
     names = [a.name for a in arms]
-    tasks = int(overrides.get("heldout_tasks", DEFAULTS["heldout_tasks"]))
-    head = power_lines(len(arms), len(horizons), args.seeds, tasks, args.delta)
+    seeds = (_ints("--seed-ids", args.seed_ids, low=0) if args.seed_ids
+             else list(range(args.seeds)))
+    for flag, value in (("--seeds", args.seeds), ("--max-steps", args.max_steps)):
+        if value < 1:
+            raise SystemExit(f"error: {flag} must be >= 1, got {value}")
+    for flag, number in (("--budget", args.budget), ("--delta", args.delta)):
+        if not (math.isfinite(number) and number > 0):
+            raise SystemExit(f"error: {flag} must be a finite number > 0, got {number}")
+    try:  # every run's settings, refused before anything trains
+        cfg = load_config(None, {**DEFAULTS, **overrides, "steps": "1",
+                                 "task_params": {"horizons": horizons[0]},
+                                 "sampler_params": dict(SAMPLER_PARAMS)})
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    head = power_lines(len(arms), len(horizons), args.seeds, cfg.heldout_tasks, args.delta)
     print(head[0], flush=True)
     if args.power:
         return
-    seeds = ([int(x) for x in args.seed_ids.split(",")] if args.seed_ids
-             else list(range(args.seeds)))
     got = []
     for seed in sorted(set(seeds) | set(range(args.seeds))):
         if seed not in seeds:  # another process trains it: report what it committed
