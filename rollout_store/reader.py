@@ -42,7 +42,7 @@ write or stream (collectors, the trainer) do not pay for them.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -142,15 +142,20 @@ def find_corrupt_file(paths: list[str], cause: BaseException,
 
 
 def _read_files(paths: list[str], columns: list[str],
-                keys: pa.Array | None = None, loc: Location | None = None) -> pa.Table:
-    """Read ``columns`` of ``paths`` with page checksums verified, optionally key-filtered."""
+                keys: pa.Array | None = None, loc: Location | None = None,
+                dictionary: Sequence[str] = ()) -> pa.Table:
+    """Read ``columns`` of ``paths`` with page checksums verified, optionally key-filtered;
+    the ``dictionary`` columns come back dictionary-encoded as Parquet holds them (no
+    string is materialised or hashed)."""
+    opts = {"read_dictionary": list(dictionary)} if dictionary else {}
     if keys is None and len(paths) > 1:
         try:  # one multi-threaded read: files decode in parallel (and on an object store
             # the round trips overlap); cold `rtrees search` spends most of its time here
             if loc is not None and loc.remote:
                 return pq.read_table([loc.fs_path(p) for p in paths], filesystem=loc.fs,
-                                     columns=columns, page_checksum_verification=True)
-            return pq.read_table(paths, columns=columns, page_checksum_verification=True)
+                                     columns=columns, page_checksum_verification=True, **opts)
+            return pq.read_table(paths, columns=columns, page_checksum_verification=True,
+                                 **opts)
         except (OSError, pa.ArrowException):
             pass  # the file-by-file read below names the file at fault
     parts = []
@@ -158,9 +163,10 @@ def _read_files(paths: list[str], columns: list[str],
         try:
             cols = columns if keys is None or "commit_key" in columns else [*columns,
                                                                             "commit_key"]
-            table = (pq.read_table(path, columns=cols, page_checksum_verification=True)
+            table = (pq.read_table(path, columns=cols, page_checksum_verification=True, **opts)
                      if loc is None else
-                     loc.read_table(path, columns=cols, page_checksum_verification=True))
+                     loc.read_table(path, columns=cols, page_checksum_verification=True,
+                                    **opts))
             if keys is not None:
                 table = table.filter(pc.is_in(table.column("commit_key"), value_set=keys))
                 table = table.select(columns)
@@ -171,33 +177,47 @@ def _read_files(paths: list[str], columns: list[str],
 
 
 def _read(store: Store, name: TableName, version: StoreVersion,
-          columns: list[str] | None) -> pa.Table:
+          columns: list[str] | None, dictionary: Sequence[str] = ()) -> pa.Table:
     visible = visible_files(store, name, version)
     wanted = columns or SCHEMAS[name].names
     present = [c for c in wanted if c in visible.columns]
+    coded = [c for c in dictionary if c in present]
+
+    def field(c: str) -> pa.Field:
+        f = SCHEMAS[name].field(c)
+        return f.with_type(pa.dictionary(pa.int32(), f.type)) if c in dictionary else f
+
     parts = []
     if visible.whole:
-        parts.append(_read_files([f.path for f in visible.whole], present, loc=store.loc))
+        parts.append(_read_files([f.path for f in visible.whole], present, loc=store.loc,
+                                 dictionary=coded))
     if visible.filtered:
         parts.append(_read_files([f.path for f in visible.filtered], present, visible.keys,
-                                 loc=store.loc))
+                                 loc=store.loc, dictionary=coded))
+    schema = pa.schema([field(c) for c in present])
     if parts:
-        schema = pa.schema([SCHEMAS[name].field(c) for c in present])
-        table = pa.concat_tables([p.cast(schema) for p in parts])
+        table = pa.concat_tables([p if p.schema.equals(schema) else p.cast(schema)
+                                  for p in parts])
     else:
-        table = SCHEMAS[name].empty_table().select(present)
+        table = schema.empty_table()
     for c in wanted:  # columns an older schema version lacks read as nulls
         if c not in present:
-            f = SCHEMAS[name].field(c)
+            f = field(c)
             table = table.append_column(f, pa.nulls(len(table), f.type))
     return table.select(wanted)
 
 
 def read_arrow(store: StoreLike, table: TableName, version: StoreVersion | int | None = None,
-               columns: list[str] | None = None) -> pa.Table:
-    """One table as a pyarrow Table (committed rows only), optionally some columns."""
+               columns: list[str] | None = None, *,
+               dictionary: Sequence[str] = ()) -> pa.Table:
+    """One table as a pyarrow Table (committed rows only), optionally some columns.
+
+    ``dictionary`` names string columns to return dictionary-encoded (``dictionary<int32,
+    string>``, as Parquet stores them: cheaper to read and to group or join by than the
+    strings).
+    """
     s = as_store(store)
-    return _read(s, table, s.resolve(version), columns)
+    return _read(s, table, s.resolve(version), columns, dictionary)
 
 
 def read_polars(store: StoreLike, table: TableName,

@@ -59,11 +59,13 @@ the concurrency design.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -223,10 +225,18 @@ def _table_config(name: TableName) -> dict[str, str | None]:
 
 
 def _delta_fields(schema: DeltaSchema | pa.Schema) -> dict[str, str]:
+    """Column name -> its Delta type as canonical JSON (a copy: callers may keep it)."""
     if isinstance(schema, pa.Schema):
-        schema = DeltaSchema.from_arrow(schema)
+        return dict(_arrow_fields(schema))
     return {f.name: json.dumps(json.loads(f.to_json())["type"], sort_keys=True)
             for f in schema.fields}
+
+
+@functools.lru_cache(maxsize=128)
+def _arrow_fields(schema: pa.Schema) -> tuple[tuple[str, str], ...]:
+    """``_delta_fields`` of a declared schema, converted once per process (every store
+    opened compares each table with its declared schema)."""
+    return tuple(_delta_fields(DeltaSchema.from_arrow(schema)).items())
 
 
 class Store:
@@ -245,13 +255,17 @@ class Store:
         self._lease = Lease()  # the append lock while held (checked before each commit)
         self._pinned: dict[tuple[str, int], DeltaTable] = {}  # remote: see delta_table
         self._reading = 0  # > 0 inside pinned_reads (local stores cache pinned tables)
+        # Each table as ``_check_table`` opened it, for the first ``delta_table`` call to
+        # bring up to date (reading the log entries since) instead of opening it again.
+        self._opened: dict[str, DeltaTable] = {}
         if self.loc.remote:
             self._prepare_remote(create)
         else:
             self._prepare_local(create)
         self._add_new_tables()
+        opened = self._open_tables()
         for name in TABLE_NAMES:
-            self._check_table(name)
+            self._check_table(name, opened[name])
 
     def _prepare_local(self, create: bool) -> None:
         path = self.path
@@ -465,10 +479,29 @@ class Store:
                 raise StoreError(f"{self.path}: table {name!r} is missing but {other!r} "
                                  "holds data: the store is damaged (not recreating it)")
 
-    def _check_table(self, name: TableName) -> None:
+    def _open_tables(self) -> dict[str, DeltaTable | StoreError | TableNotFoundError]:
+        """Every table opened, side by side in threads (delta-rs reads the logs without the
+        GIL: half the time of one after another), or the error opening it raised."""
+        def one(name: str) -> DeltaTable | StoreError | TableNotFoundError:
+            try:
+                return open_delta(self._uri(name), what=f"{self.path}: table {name!r}",
+                                  loc=self.loc)
+            except (StoreError, TableNotFoundError) as exc:
+                return exc
+
+        with ThreadPoolExecutor(len(TABLE_NAMES)) as pool:
+            return dict(zip(TABLE_NAMES, pool.map(one, TABLE_NAMES), strict=True))
+
+    def _check_table(self, name: TableName,
+                     opened: DeltaTable | StoreError | TableNotFoundError | None = None
+                     ) -> None:
+        """Check the table's schema version and fingerprint (``opened``: the table as
+        ``_open_tables`` opened it, or the error that raised; None: open it here)."""
         uri = self._uri(name)
         try:
-            dt = open_delta(uri, what=f"{self.path}: table {name!r}", loc=self.loc)
+            if isinstance(opened, Exception):
+                raise opened
+            dt = opened or open_delta(uri, what=f"{self.path}: table {name!r}", loc=self.loc)
         except TableNotFoundError:
             raise StoreError(f"{self.path}: not a rollout-trees store (table {name!r} "
                              "is missing)") from None
@@ -508,6 +541,7 @@ class Store:
                     f"of version {SCHEMA_VERSION}; it cannot be read by this version"
                 )
         self.table_schema_version[name] = version
+        self._opened[name] = dt
 
     def columns(self, name: TableName, version: int | None = None) -> list[str]:
         """Columns physically present in the table (an older store may lack some), at
@@ -527,6 +561,13 @@ class Store:
         """The table at ``version`` (latest if None). On object storage a pinned version is
         loaded once per ``Store`` (a committed version never changes; loading one costs a
         listing and reads of the log)."""
+        if version is None and name in self._opened:
+            dt = self._opened.pop(name)
+            try:
+                dt.update_incremental()
+                return dt
+            except (DeltaError, OSError):
+                pass  # opened afresh below, which names what is wrong
         if version is None or not (self.loc.remote or self._reading):
             return open_delta(self._uri(name), version, f"{self.path}: table {name!r}",
                               self.loc)
@@ -557,10 +598,12 @@ class Store:
             if not self._reading and not self.loc.remote:
                 self._pinned.clear()
 
-    def version(self) -> StoreVersion:
-        """The current version of every table; pass it to readers to pin a view."""
+    def version(self, tables: Sequence[TableName] | None = None) -> StoreVersion:
+        """The current version of every table (or of ``tables`` only, for a reader that
+        reads just those: each table opened costs a read of its log); pass it to readers
+        to pin a view."""
         out: dict[str, int] = {}
-        for name in TABLE_NAMES:
+        for name in TABLE_NAMES if tables is None else tables:
             dt = self.delta_table(name)
             out[name] = dt.version()
             if self._reading:  # inside pinned_reads: the table at that version, loaded once
@@ -587,9 +630,12 @@ class Store:
                 out[name] = dt.version()
         return StoreVersion(out)
 
-    def resolve(self, version: StoreVersion | int | None) -> StoreVersion:
+    def resolve(self, version: StoreVersion | int | None,
+                tables: Sequence[TableName] | None = None) -> StoreVersion:
+        """A pinned view: ``version`` itself, the latest (None; of ``tables`` only when
+        given) or the store when ``trees`` reached that int version (time travel)."""
         if version is None:
-            return self.version()
+            return self.version(tables)
         if isinstance(version, StoreVersion):
             return version
         return self.version_at(int(version))
