@@ -47,9 +47,11 @@ Choices not fixed by the sources [R]:
   the same resamples for every method, so the paired difference between two
   methods gets its interval from the per-resample differences.
 
-Computation: three projected DuckDB scans of the store's views (the children, the
-references, the methods' credits), joined in numpy on one int64 key per (tree, node),
-give one row per child of every branching node (reference and every method's score);
+Computation: projected reads of ``nodes``, ``mc_references``, ``trees`` and ``credits``
+(``TableSource``: straight from the committed Parquet files of one pinned version, ids
+dictionary-encoded as stored, for ``ranking_audit``; or through a DuckDB connection's
+views), joined in numpy on one int64 key per (tree, node), give one row per child of
+every branching node (reference and every method's score);
 pairs are formed with numpy index arithmetic within each prefix and reduced with
 ``bincount`` (no Python loop per prefix); each bootstrap resample is a vector of tree
 counts, so all resamples are one matrix product with per-tree sums. Trees are indexed in
@@ -59,7 +61,8 @@ the order the ``nodes`` view first holds them.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -82,8 +85,11 @@ from analysis.stats import (
 if TYPE_CHECKING:
     import duckdb
 
+    from rollout_store.schema import TableName
     from rollout_store.store import Store, StoreVersion
 
+RANKING_TABLES: tuple[TableName, ...] = ("trees", "nodes", "credits", "mc_references")
+"""The tables the audit reads (``ranking_audit`` pins just these)."""
 MissingCredit = Literal["error", "drop"]
 SplitBy = Literal["sampler", "run"]
 SPLIT_COLUMNS: dict[str, str] = {"sampler": "sampler", "run": "run_id"}  # by -> trees column
@@ -118,19 +124,143 @@ class MethodRef:
         return cmd
 
 
-def credit_hashes(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[str, str | None]]]:
-    """Every method's parameter hashes with their params JSON, most recent first."""
-    rows = con.sql("""
-        SELECT method, method_params_hash, any_value(method_params), max(created_at) AS last
-        FROM credits GROUP BY method, method_params_hash
-        ORDER BY method, last DESC, method_params_hash""").fetchall()
+_CREDIT_COLUMNS = ("tree_id", "node_id", "value", "created_at", "method", "method_params_hash",
+                   "method_params")
+_READS: tuple[tuple[TableName, tuple[str, ...]], ...] = (
+    ("nodes", ("tree_id", "parent_id", "node_id")),
+    ("mc_references", ("tree_id", "node_id", "successes", "k", "policy_version")),
+    ("trees", ("tree_id", "policy_version")),
+    ("credits", _CREDIT_COLUMNS))  # what the audit reads (``_branching_children``)
+_CODED = frozenset({"tree_id", "method", "method_params_hash", "method_params",
+                    "policy_version", "sampler", "run_id"})  # read dictionary-encoded
+
+
+class TableSource:
+    """Projected reads of a store's tables as Arrow, each (table, columns) read once.
+
+    From a DuckDB connection with the store's views (``rollout_store.connect``; ``SELECT
+    columns FROM table``, ``TableSource.of``), or straight from the committed Parquet files
+    of one pinned version (``TableSource.pinned``): no DuckDB connection or views, the id
+    and name columns (``_CODED``) read dictionary-encoded as Parquet holds them, so joins
+    on tree ids hash each distinct id once rather than every row's string.
+    """
+
+    def __init__(self, read: Callable[[TableName, tuple[str, ...]], pa.Table],
+                 threads: bool = False) -> None:
+        self._read = read
+        self._threads = threads  # reads may run side by side (a DuckDB connection may not)
+        self._cache: dict[tuple[TableName, tuple[str, ...]], pa.Table] = {}
+
+    @classmethod
+    def of(cls, source: duckdb.DuckDBPyConnection | TableSource) -> TableSource:
+        if isinstance(source, TableSource):
+            return source
+        con = source
+
+        def read(name: TableName, columns: tuple[str, ...]) -> pa.Table:
+            # constant table and column names of this module, never user text
+            return con.sql(f"SELECT {', '.join(columns)} FROM {name}").to_arrow_table()
+
+        return cls(read)
+
+    @classmethod
+    def pinned(cls, store: Store, version: StoreVersion) -> TableSource:
+        """Reads of ``store`` at ``version`` (call within ``store.pinned_reads()`` so each
+        table's log is read once)."""
+        from rollout_store.reader import read_arrow
+
+        def read(name: TableName, columns: tuple[str, ...]) -> pa.Table:
+            return read_arrow(store, name, version, list(columns),
+                              dictionary=[c for c in columns if c in _CODED])
+
+        return cls(read, threads=True)
+
+    def table(self, name: TableName, columns: Sequence[str]) -> pa.Table:
+        key = (name, tuple(columns))
+        if key not in self._cache:
+            self._cache[key] = self._read(*key)
+        return self._cache[key]
+
+    def prefetch(self, reads: Sequence[tuple[TableName, Sequence[str]]]) -> None:
+        """Read these (table, columns) now; from Parquet files in threads (decoding
+        releases the GIL, so the files of several tables decode side by side)."""
+        todo = [(name, tuple(cols)) for name, cols in reads
+                if (name, tuple(cols)) not in self._cache]
+        if len(todo) < 2 or not self._threads:
+            for name, cols in todo:
+                self.table(name, cols)
+            return
+        with ThreadPoolExecutor(len(todo)) as pool:
+            tables = list(pool.map(lambda key: self._read(*key), todo))
+        self._cache.update(zip(todo, tables, strict=True))
+
+
+def _unified(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The column dictionary-encoded, every chunk with one dictionary (first-seen order)."""
+    if not pa.types.is_dictionary(column.type):
+        column = pc.dictionary_encode(column)
+    return column.unify_dictionaries()
+
+
+def _values(column: pa.ChunkedArray) -> pa.Array:
+    """The distinct values of a column (dictionary values when it is encoded: a value
+    no row uses may be among them)."""
+    column = _unified(column)
+    return (column.chunk(0).dictionary if column.num_chunks
+            else pa.array([], column.type.value_type))
+
+
+def _encode(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
+    """(the distinct values in first-seen order, (N,) int64 code of each row: its index
+    in them, -1 for a null), for a plain or dictionary-encoded column."""
+    column = _unified(column)
+    if not column.num_chunks:
+        return pa.array([], column.type.value_type), np.zeros(0, np.int64)
+    codes = [(c.indices if not c.null_count else pc.fill_null(c.indices, -1)).to_numpy()
+             .astype(np.int64) for c in column.chunks]
+    return column.chunk(0).dictionary, np.concatenate(codes)
+
+
+def _codes_in(column: pa.ChunkedArray, names: pa.Array, null: int = -1) -> np.ndarray:
+    """(N,) int64: each row's index in ``names``, -1 where absent, ``null`` for a null;
+    the distinct values are looked up once (cheap for dictionary-encoded ids)."""
+    values, codes = _encode(column)
+    found = pc.fill_null(pc.index_in(values, value_set=names), -1).to_numpy()
+    return np.append(found.astype(np.int64), null)[codes]  # code -1 takes the last entry
+
+
+def credit_hashes(source: duckdb.DuckDBPyConnection | TableSource
+                  ) -> dict[str, list[tuple[str, str | None]]]:
+    """Every method's parameter hashes with their params JSON (the first non-null one
+    stored), most recent first (by the latest ``created_at``; ties by hash)."""
+    t = TableSource.of(source).table("credits", _CREDIT_COLUMNS)
+    methods, m = _encode(t.column("method"))
+    hashes, h = _encode(t.column("method_params_hash"))
+    params, p = _encode(t.column("method_params"))
+    at = pc.cast(t.column("created_at"), pa.int64()).to_numpy()
+    pair = m * len(hashes) + h
+    size = len(methods) * len(hashes)
+    last = np.full(size, np.iinfo(np.int64).min)
+    first = np.full(size, len(pair))
+    has = np.flatnonzero(p >= 0)
+    if size == 1:  # one method, one hash (no scatter over every row)
+        last[:] = at.max(initial=last[0])
+        first[:] = has[0] if len(has) else len(pair)
+    else:
+        np.maximum.at(last, pair, at)
+        np.minimum.at(first, pair[has], has)
+    present = np.flatnonzero(np.bincount(pair, minlength=size))
+    m_names, h_names, p_values = methods.to_pylist(), hashes.to_pylist(), params.to_pylist()
+    rows = sorted(((m_names[g // len(hashes)], -int(last[g]), h_names[g % len(hashes)],
+                    None if first[g] == len(pair) else p_values[p[first[g]]])
+                   for g in present), key=lambda r: r[:3])
     out: dict[str, list[tuple[str, str | None]]] = {}
-    for method, h, params, _ in rows:
-        out.setdefault(method, []).append((h, params))
+    for method, _, hash_, js in rows:
+        out.setdefault(method, []).append((hash_, js))
     return out
 
 
-def resolve_methods(con: duckdb.DuckDBPyConnection, names: Sequence[str],
+def resolve_methods(source: duckdb.DuckDBPyConnection | TableSource, names: Sequence[str],
                     store: str = "STORE") -> list[MethodRef]:
     """``method`` or ``method@HASH`` names to the credits they denote.
 
@@ -140,7 +270,7 @@ def resolve_methods(con: duckdb.DuckDBPyConnection, names: Sequence[str],
     """
     if not names:
         raise RankingError("no methods to audit")
-    available = credit_hashes(con)
+    available = credit_hashes(source)
     refs = []
     for name in names:
         method, _, prefix = name.strip().partition("@")
@@ -296,12 +426,14 @@ class _NodeKeys:
     def size(self) -> int:
         return len(self.names) * self.span
 
-    def of(self, t: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    def of(self, t: pa.Table) -> tuple[np.ndarray, np.ndarray | slice]:
         """(keys, row indices) of the rows of ``t`` (``tree_id``, ``node_id``) whose tree is in
-        ``names`` and node in range: the others can match no child."""
-        code = pc.fill_null(pc.index_in(t.column("tree_id"), value_set=self.names), -1)
-        code = code.to_numpy().astype(np.int64)
+        ``names`` and node in range: the others can match no child. The indices are
+        ``slice(None)`` when that is every row (no copy to index with)."""
+        code = _codes_in(t.column("tree_id"), self.names)
         node = t.column("node_id").to_numpy().astype(np.int64, copy=False) - self.lo
+        if not len(code) or (code.min() >= 0 and node.min() >= 0 and node.max() < self.span):
+            return code * self.span + node, slice(None)  # every row (the usual)
         rows = np.flatnonzero((code >= 0) & (node >= 0) & (node < self.span))
         return code[rows] * self.span + node[rows], rows
 
@@ -314,9 +446,35 @@ def _at_keys(keys: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndar
     return pos, keys[pos] == targets
 
 
+def _unique_rows(nk: _NodeKeys, keys: np.ndarray, targets: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """With dense keys each held by at most one row (the usual case: one reference, one
+    credit per node): (the row of each target key, whether it has one), by one scatter of
+    row numbers over the key space; None when keys are sparse or some key has several."""
+    if not nk.dense:
+        return None
+    index = np.full(nk.size, -1, np.int64)
+    index[keys] = np.arange(len(keys))
+    if np.count_nonzero(index >= 0) != len(keys):
+        return None
+    rows = index[targets]
+    return rows, rows >= 0
+
+
+def _pick(column: np.ndarray, rows: np.ndarray, hit: np.ndarray, fill: float = 0) -> np.ndarray:
+    """``column[rows]`` where ``hit``, else ``fill``."""
+    if not len(column):
+        return np.full(len(rows), fill, column.dtype)
+    return np.where(hit, column[rows], fill)
+
+
 def _sums_at(nk: _NodeKeys, keys: np.ndarray, columns: Sequence[np.ndarray],
              targets: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """(per column, Σ of its int values at each target key; whether the key has any row)."""
+    unique = _unique_rows(nk, keys, targets)
+    if unique is not None:  # nothing to add up
+        rows, hit = unique
+        return [_pick(c.astype(np.int64, copy=False), rows, hit) for c in columns], hit
     if nk.dense:
         n = np.bincount(keys, minlength=nk.size)
         return [np.bincount(keys, c.astype(np.float64), minlength=nk.size)[targets].astype(
@@ -333,12 +491,10 @@ def _latest_at(nk: _NodeKeys, keys: np.ndarray, created: np.ndarray, values: np.
                targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(value of the largest ``created`` per target key (ties: the first row), whether the key
     has any row)."""
-    if nk.dense:
-        n = np.bincount(keys, minlength=nk.size)
-        if not len(n) or n.max() <= 1:  # one write per node, the usual case: no sort
-            dense = np.zeros(nk.size)
-            dense[keys] = values
-            return dense[targets], n[targets] > 0
+    unique = _unique_rows(nk, keys, targets)
+    if unique is not None:  # one write per node: no sort
+        rows, hit = unique
+        return _pick(values.astype(np.float64, copy=False), rows, hit), hit
     order = np.lexsort((-created, keys))  # per key the latest first; ties in row order
     found, first = np.unique(keys[order], return_index=True)
     pos, hit = _at_keys(found, targets)
@@ -373,33 +529,35 @@ class _Children:
     has_score: np.ndarray  # (N, K) bool
 
 
-def _branching_children(con: duckdb.DuckDBPyConnection, methods: Sequence[MethodRef],
+def _branching_children(source: TableSource, methods: Sequence[MethodRef],
                         k: int, reference_policy: str | None = None) -> _Children:
     """The children of every branching node with their reference and latest scores:
     ``successes`` = Σ successes and ``k`` = Σ k over the child's ``mc_references`` rows at
-    ``k`` from the tree's policy version (or ``reference_policy``), and per method the
-    ``value`` of its largest ``created_at`` (ties: the first row scanned, as DuckDB's
-    ``arg_max``).
+    ``k`` from the tree's policy version (or ``reference_policy``; a tree without a
+    ``trees`` row has none), and per method the ``value`` of its largest ``created_at``
+    (ties: the first row read).
 
-    Three projected scans (the children; references joined with ``trees``; the methods'
-    credits), no token column read; the grouping and the joins on (tree, node) run in numpy
-    on one int64 key per node (``_NodeKeys``: tree ids dictionary-encoded once), by
-    ``bincount`` over the key space when it is at most 4x the children (else by sorting),
-    rather than as DuckDB hash joins and aggregates on string ids (about 4x the bare query
-    of ``benchmarks/bench_ranking.py`` on their own).
+    Four projected reads (``nodes``' ids, the references, ``trees``' policy versions, the
+    credits; no token column), joined in numpy on one int64 key per node (``_NodeKeys``:
+    tree ids coded once, by their first row in ``nodes``), by ``bincount`` over the key
+    space when it is at most 4x the children (else by sorting), rather than as DuckDB hash
+    joins and aggregates on string ids (about 4x the bare query of
+    ``benchmarks/bench_ranking.py`` on their own).
     """
-    kids = con.sql("SELECT tree_id, parent_id, node_id FROM nodes "
-                   "WHERE parent_id IS NOT NULL").to_arrow_table()
-    enc = pc.dictionary_encode(kids.column("tree_id")).combine_chunks()
-    code = enc.indices.to_numpy().astype(np.int64)
-    parent = kids.column("parent_id").to_numpy().astype(np.int64, copy=False)
-    node = kids.column("node_id").to_numpy().astype(np.int64, copy=False)
+    source.prefetch(_READS)
+    nodes = source.table(*_READS[0])
+    names, code = _encode(nodes.column("tree_id"))
+    has_parent = np.flatnonzero(pc.is_valid(nodes.column("parent_id")).to_numpy(
+        zero_copy_only=False))
+    code = code[has_parent]
+    parent = pc.fill_null(nodes.column("parent_id"), 0).to_numpy().astype(
+        np.int64, copy=False)[has_parent]
+    node = nodes.column("node_id").to_numpy().astype(np.int64, copy=False)[has_parent]
     lo = int(min(parent.min(), node.min())) if len(node) else 0
     span = int(max(parent.max(), node.max())) - lo + 1 if len(node) else 1
-    if len(enc.dictionary) * span * span >= 2**62:
-        raise RankingError(f"node ids span {span} in {len(enc.dictionary)} trees: too wide "
-                           "to key")
-    nk = _NodeKeys(enc.dictionary, lo, span, len(enc.dictionary) * span <= 4 * len(node) + 1024)
+    if len(names) * span * span >= 2**62:
+        raise RankingError(f"node ids span {span} in {len(names)} trees: too wide to key")
+    nk = _NodeKeys(names, lo, span, len(names) * span <= 4 * len(node) + 1024)
     prefix = code * span + (parent - lo)
     if nk.dense:
         n_children = np.bincount(prefix, minlength=nk.size)[prefix]
@@ -407,39 +565,59 @@ def _branching_children(con: duckdb.DuckDBPyConnection, methods: Sequence[Method
         _, inverse, counts = np.unique(prefix, return_inverse=True, return_counts=True)
         n_children = counts[inverse]
     rows = np.flatnonzero(n_children >= 2)
-    position = prefix[rows] * span + (node[rows] - lo)  # sorts by (tree, parent, node)
+    every = len(rows) == len(node)  # every child is a sibling (no copies needed)
+    position = (prefix * span + (node - lo) if every  # sorts by (tree, parent, node)
+                else prefix[rows] * span + (node[rows] - lo))
     if np.any(np.diff(position) < 0):
-        rows = rows[np.argsort(position, kind="stable")]
-    code, parent, node = code[rows], parent[rows], node[rows]
+        rows, every = rows[np.argsort(position, kind="stable")], False
+    if not every:
+        code, parent, node = code[rows], parent[rows], node[rows]
     target = code * span + (node - lo)
 
-    ref = con.sql(
-        "SELECT r.tree_id, r.node_id, r.successes, r.k FROM mc_references r "
-        "JOIN trees t USING (tree_id) WHERE r.k = $k AND r.policy_version IS NOT "
-        "DISTINCT FROM coalesce($policy, t.policy_version)",
-        params={"k": int(k), "policy": reference_policy}).to_arrow_table()
+    ref = source.table(*_READS[1])
     keys, at = nk.of(ref)
+    # IS NOT DISTINCT FROM on policy versions, as codes in one vocabulary (null -> -2):
+    # the reference's against the named one or its tree's (-3: the tree has no row).
+    trees = source.table(*_READS[2])
+    vocab = pa.concat_arrays([
+        pc.unique(pc.drop_null(trees.column("policy_version").cast(pa.string()))),
+        pa.array([reference_policy], pa.string())])
+    tree_policy = np.full(len(names) + 1, -3)
+    tree_code = _codes_in(trees.column("tree_id"), names)
+    tree_policy[tree_code] = _codes_in(trees.column("policy_version"), vocab, -2)
+    tree_policy[-1] = -3  # trees outside ``names`` (code -1) hold no child
+    want = tree_policy[keys // span]
+    if reference_policy is not None:
+        want = np.where(want == -3, -3, len(vocab) - 1)
+    ok = ((ref.column("k").to_numpy()[at] == k)
+          & (_codes_in(ref.column("policy_version"), vocab, -2)[at] == want))
+    if not ok.all():
+        keys, at = keys[ok], np.flatnonzero(ok) if isinstance(at, slice) else at[ok]
     (successes, k_total), has_ref = _sums_at(
         nk, keys, [ref.column(c).to_numpy()[at] for c in ("successes", "k")], target)
 
+    credit = source.table(*_READS[3])
     pairs = list(dict.fromkeys((m.method, m.params_hash) for m in methods))
-    params: dict[str, object] = {}
-    cases, terms = ["WHEN false THEN -1"], ["false"]
-    for j, (method, params_hash) in enumerate(pairs):
-        params[f"m{j}"], params[f"h{j}"] = method, params_hash
-        terms.append(f"(method = $m{j} AND method_params_hash = $h{j})")
-        cases.append(f"WHEN {terms[-1]} THEN {j}")
-    credit = con.sql(
-        f"SELECT tree_id, node_id, value, epoch_us(created_at) AS at, "
-        f"CASE {' '.join(cases)} END AS pair FROM credits WHERE {' OR '.join(terms)}",
-        params=params).to_arrow_table()
+    credit_keys, credit_at = nk.of(credit)
+    created = pc.cast(credit.column("created_at"), pa.int64()).to_numpy()[credit_at]
+    values = credit.column("value").to_numpy().astype(np.float64, copy=False)[credit_at]
+    method_names = _values(credit.column("method"))
+    hash_names = _values(credit.column("method_params_hash"))
+    pair_of = None  # one method, one hash, the one audited: every row is its
+    if (len(pairs), len(method_names), len(hash_names)) != (1, 1, 1) or (
+            method_names[0].as_py(), hash_names[0].as_py()) != pairs[0]:
+        lookup = np.full((len(method_names) + 1, len(hash_names) + 1), -1)  # -1: null
+        for j, (method, params_hash) in enumerate(pairs):
+            mi = method_names.index(method).as_py()
+            hi = hash_names.index(params_hash).as_py()
+            if mi >= 0 and hi >= 0:
+                lookup[mi, hi] = j
+        pair_of = lookup[_encode(credit.column("method"))[1],
+                         _encode(credit.column("method_params_hash"))[1]][credit_at]
     latest: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
     for j, pair in enumerate(pairs):
-        mine = credit.filter(pc.equal(credit.column("pair"), j)) if len(pairs) > 1 else credit
-        keys, at = nk.of(mine)
-        latest[pair] = _latest_at(nk, keys, mine.column("at").to_numpy()[at],
-                                  mine.column("value").to_numpy().astype(np.float64)[at],
-                                  target)
+        mine = slice(None) if pair_of is None else np.flatnonzero(pair_of == j)
+        latest[pair] = _latest_at(nk, credit_keys[mine], created[mine], values[mine], target)
     scores = np.zeros((len(rows), len(methods)))
     has_score = np.zeros((len(rows), len(methods)), bool)
     for i, m in enumerate(methods):
@@ -448,7 +626,8 @@ def _branching_children(con: duckdb.DuckDBPyConnection, methods: Sequence[Method
                      np.where(has_ref, k_total, 0), has_ref, scores, has_score)
 
 
-def load_ranking_data(con: duckdb.DuckDBPyConnection, methods: Sequence[MethodRef], k: int,
+def load_ranking_data(source: duckdb.DuckDBPyConnection | TableSource,
+                      methods: Sequence[MethodRef], k: int,
                       reference_policy: str | None = None, *, store: str = "STORE",
                       on_missing_credit: MissingCredit = "error"
                       ) -> tuple[RankingData, dict[str, str]]:
@@ -462,7 +641,7 @@ def load_ranking_data(con: duckdb.DuckDBPyConnection, methods: Sequence[MethodRe
     (``"drop"``; returned with the reason). Trees are indexed in the order the ``nodes``
     view first holds them (the bootstrap's resampling units).
     """
-    c = _branching_children(con, methods, k, reference_policy)
+    c = _branching_children(TableSource.of(source), methods, k, reference_policy)
     # Complete prefixes (every child referenced); rows are sorted, so prefixes contiguous.
     group = group_index([c.code, c.parent])
     sizes = np.bincount(group)
@@ -470,7 +649,9 @@ def load_ranking_data(con: duckdb.DuckDBPyConnection, methods: Sequence[MethodRe
     complete = n_ref == sizes
     n_branching, n_partial = len(sizes), int(np.sum(~complete & (n_ref > 0)))
     rows = np.flatnonzero(complete[group])
-    codes, tree = np.unique(c.code[rows], return_inverse=True)  # first-seen order kept
+    # c.code is non-decreasing and numbers trees by their first row in ``nodes``
+    starts = np.r_[True, c.code[rows][1:] != c.code[rows][:-1]] if len(rows) else rows > 0
+    codes, tree = c.code[rows][starts], np.cumsum(starts) - 1
     dropped: dict[str, str] = {}
     keep = []
     for i, m in enumerate(methods):
@@ -488,7 +669,7 @@ def load_ranking_data(con: duckdb.DuckDBPyConnection, methods: Sequence[MethodRe
     parent = c.parent[rows]
     data = RankingData(
         labels=tuple(methods[i].label for i in keep),
-        tree_ids=[str(t) for t in c.names.take(pa.array(codes)).to_pylist()], tree=tree,
+        tree_ids=c.names.take(pa.array(codes)).cast(pa.string()).to_pylist(), tree=tree,
         group=group_index([tree, parent]), parent_id=parent, node_id=c.node[rows],
         successes=c.successes[rows], k_total=c.k[rows], scores=c.scores[rows][:, keep],
         n_prefixes_branching=n_branching, n_prefixes_missing_reference=n_partial)
@@ -618,13 +799,15 @@ def _stats_json(s: RankingStatistics) -> dict[str, Any]:
     }
 
 
-def split_statistics(con: duckdb.DuckDBPyConnection, data: RankingData, by: SplitBy,
-                     n_boot: int, level: float, seed: int) -> dict[str, RankingStatistics]:
+def split_statistics(source: duckdb.DuckDBPyConnection | TableSource, data: RankingData,
+                     by: SplitBy, n_boot: int, level: float, seed: int
+                     ) -> dict[str, RankingStatistics]:
     """E10-E11 of each group of trees (``trees.sampler`` or ``trees.run_id``), in group
     name order; groups without an audited prefix are left out."""
     column = SPLIT_COLUMNS[by]
-    rows = con.sql(f"SELECT tree_id, {column} FROM trees").fetchall()
-    value = {t: str(v) for t, v in rows}
+    rows = TableSource.of(source).table("trees", ("tree_id", column))
+    value = {t: str(v) for t, v in zip(rows.column("tree_id").to_pylist(),
+                                       rows.column(column).to_pylist(), strict=True)}
     names = np.array([value.get(t, "") for t in data.tree_ids], dtype=object)
     out: dict[str, RankingStatistics] = {}
     for name in sorted(set(names.tolist())):
@@ -643,15 +826,17 @@ def ranking_audit(store: Store | str | Path, config: RankingConfig, *,
     "error"``) lacks credit for an audited tree, or no prefix has references at
     ``config.k``; the message names the command that fixes it.
     """
-    from rollout_store.reader import as_store, connect
+    from rollout_store.reader import as_store
 
     s = as_store(store)
-    pinned = s.resolve(version)
-    con = connect(s, pinned)
     path = str(s.path)
-    methods = resolve_methods(con, config.methods, path)
-    data, dropped = load_ranking_data(con, methods, config.k, config.reference_policy,
-                                      store=path, on_missing_credit=on_missing_credit)
+    with s.pinned_reads():  # each table's log read once
+        pinned = s.resolve(version, RANKING_TABLES)
+        source = TableSource.pinned(s, pinned)
+        source.prefetch(_READS)
+        methods = resolve_methods(source, config.methods, path)
+        data, dropped = load_ranking_data(source, methods, config.k, config.reference_policy,
+                                          store=path, on_missing_credit=on_missing_credit)
     if len(data.q) == 0:
         who = ("each tree's own policy" if config.reference_policy is None
                else f"policy version {config.reference_policy!r}")
@@ -665,8 +850,9 @@ def ranking_audit(store: Store | str | Path, config: RankingConfig, *,
                            + "; ".join(dropped.values()))
     stats = data.statistics(config.n_boot, config.level, config.seed)
     kept = [m for m in methods if m.label in data.labels]
-    groups = (split_statistics(con, data, config.by, config.n_boot, config.level, config.seed)
-              if config.by else {})
+    with s.pinned_reads():
+        groups = (split_statistics(source, data, config.by, config.n_boot, config.level,
+                                   config.seed) if config.by else {})
     return RankingResult(config, path, dict(pinned.versions), kept, data, stats, dropped,
                          groups)
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 _PAIR_CHUNK = 4_000_000  # pairs formed at a time (bounds memory on huge prefixes)
+_SMALL_PREFIX = 16  # prefixes up to this many children are paired as one matrix per size
 _BOOT_CHUNK = 4_000_000  # resample-by-tree matrix entries held at a time
 
 
@@ -88,10 +89,14 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
 # ----- E10 / E11 ----------------------------------------------------------------------------
 
 
-def _sign_diff(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """sign(x[a] - x[b]) as int8, exact (compares, never subtracts)."""
-    xa, xb = x[a], x[b]
+def _sign(xa: np.ndarray, xb: np.ndarray) -> np.ndarray:
+    """sign(xa - xb) as int8, exact (compares, never subtracts)."""
     return (xa > xb).astype(np.int8) - (xa < xb).astype(np.int8)
+
+
+def _sign_diff(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """sign(x[a] - x[b]) as int8, exact."""
+    return _sign(x[a], x[b])
 
 
 def group_index(keys: Sequence[np.ndarray]) -> np.ndarray:
@@ -140,7 +145,8 @@ class PrefixStats:
 
 
 def prefix_stats(tree: np.ndarray, group: np.ndarray, q: np.ndarray, scores: np.ndarray,
-                 pair_chunk: int = _PAIR_CHUNK) -> PrefixStats:
+                 pair_chunk: int = _PAIR_CHUNK, small_prefix: int = _SMALL_PREFIX
+                 ) -> PrefixStats:
     """E10-E11 sufficient statistics of every prefix.
 
     Inputs, one entry per child, sorted so that each prefix's children are
@@ -150,7 +156,10 @@ def prefix_stats(tree: np.ndarray, group: np.ndarray, q: np.ndarray, scores: np.
     child c (position p in a prefix of size M) pairs with the M-1-p children after
     it, so ``a = repeat(c, M-1-p)`` and ``b = a + 1 + offset``; pair counts are
     summed per prefix with ``bincount``. O(Σ M²) time; pairs are formed at most
-    ``pair_chunk`` at a time.
+    ``pair_chunk`` at a time. Prefixes of at most ``small_prefix`` children (nearly all,
+    in agent trees) take a shorter road: the children of the prefixes of one size M are
+    a (G_M, M) matrix, their pairs its M(M-1)/2 upper-triangle column pairs, summed
+    along rows.
     """
     scores = np.asarray(scores, dtype=np.float64)
     if scores.ndim == 1:
@@ -167,6 +176,19 @@ def prefix_stats(tree: np.ndarray, group: np.ndarray, q: np.ndarray, scores: np.
     conc = np.zeros((n_groups, k))
     untied_s = np.zeros((n_groups, k))
     untied_q = np.zeros(n_groups)
+    for size in np.unique(sizes[(sizes >= 2) & (sizes <= small_prefix)]).tolist():
+        gs = np.flatnonzero(sizes == size)  # (G_M,) prefixes of this size
+        first_of, second_of = np.triu_indices(size, 1)
+        at = offsets[gs][:, None] + np.arange(size)  # (G_M, M) their children
+        qm = q[at]  # (G_M, M); below, columns first_of / second_of are the pairs i < j
+        dq = _sign(qm[:, first_of], qm[:, second_of])
+        untied_q[gs] = np.count_nonzero(dq, axis=1)
+        for m in range(k):
+            sm = scores[at, m]
+            ds = _sign(sm[:, first_of], sm[:, second_of])
+            conc[gs, m] = np.sum(ds * dq, axis=1, dtype=np.int64)
+            untied_s[gs, m] = np.count_nonzero(ds, axis=1)
+    later[sizes[group] <= small_prefix] = 0  # done above: the loop below pairs the rest
     cum = np.cumsum(later)
     bounds = np.searchsorted(cum, np.arange(pair_chunk, int(cum[-1]) if n else 0, pair_chunk))
     starts = np.concatenate([[0], bounds + 1]) if n else np.zeros(0, np.int64)

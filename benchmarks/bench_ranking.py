@@ -19,9 +19,10 @@ starts from that file and computes the same point estimates: pairwise accuracy
   group (``a.node_id < b.node_id``), per-group sums, then the totals.
 
 Also timed: the whole audit path over a real store holding the same trees
-(``connect`` + ``load_ranking_data``'s scans of ``nodes``, ``credits`` and
-``mc_references`` + the statistics, no bootstrap), and, informative, the
-2,000-resample tree bootstrap on its own.
+(``analysis.ranking.ranking_audit`` of the store's directory, as ``rtrees audit
+ranking`` runs it: the store opened, the projected reads of ``trees``, ``nodes``,
+``credits`` and ``mc_references`` at one pinned version + the statistics, no
+bootstrap), and, informative, the 2,000-resample tree bootstrap on its own.
 
 Targets: ours at least 150x faster than (a), at most 1.5x (b) (issue 5); the store
 path at most 1.5x (b) (issue 26); every number equal within 1e-9.
@@ -46,12 +47,12 @@ import scipy.stats
 from _common import Timings, print_table, print_timings, timed, verdict
 
 from analysis.ranking import (
+    RankingConfig,
     RankingData,
-    load_ranking_data,
+    ranking_audit,
     ranking_statistics,
-    resolve_methods,
 )
-from rollout_store import Store, connect
+from rollout_store import Store
 from rollout_store.schema import CREDITS, MC_REFERENCES, NODE_INPUT, SNAPSHOT_INPUT, TREE_INPUT
 from rollout_store.tree import TreeBatch
 
@@ -232,11 +233,11 @@ def bare_sql(path: Path) -> str:
         FROM g"""
 
 
-def store_path(store: Store) -> tuple[float, ...]:
-    con = connect(store)
-    methods = resolve_methods(con, ["m"])
-    data, _ = load_ranking_data(con, methods, K)
-    return _numbers(data.statistics(n_boot=0))
+def store_path(store: Path) -> tuple[float, ...]:
+    """What ``rtrees audit ranking --store DIR --methods m --n-boot 0`` computes: the store
+    opened from its path, the audited tables pinned and read, the statistics."""
+    result = ranking_audit(store, RankingConfig(("m",), k=K, n_boot=0))
+    return _numbers(result.stats)
 
 
 # ----- main --------------------------------------------------------------------------------
@@ -257,7 +258,8 @@ def main() -> None:
         children, nodes = make_data(args.groups, args.seed)
         path = root / "children.parquet"
         pq.write_table(children, path, compression="zstd")
-        store = build_store(root / "store", children, nodes)
+        store_dir = root / "store"
+        build_store(store_dir, children, nodes)
         print(f"{args.groups:,} groups of 2-8 children ({children.num_rows:,} children, "
               f"{nodes.num_rows:,} nodes in {nodes.num_rows - children.num_rows:,} trees), "
               f"k = {K}; file and store written in {time.perf_counter() - start:.1f} s "
@@ -269,7 +271,7 @@ def main() -> None:
             return tuple(float(x) for x in con.sql(sql).fetchall()[0])
 
         results = {"ours": ours(path), "(a) scipy loop": scipy_loop(path),
-                   "(b) bare DuckDB": duck(), "store path": store_path(store)}
+                   "(b) bare DuckDB": duck(), "store path": store_path(store_dir)}
         print_table(["side", *NAMES], [[k, *(f"{x:.12g}" for x in v)]
                                        for k, v in results.items()])
         base = np.array(results["ours"])
@@ -280,11 +282,11 @@ def main() -> None:
         ours_t = Timings("ours: read file + RankingData + statistics")
         duck_t = Timings("(b) bare DuckDB query over the file")
         loop_t = Timings("(a) per-group scipy.stats.kendalltau loop")
-        store_t = Timings("store path: connect + query + statistics")
+        store_t = Timings("store path: ranking_audit(DIR), n_boot 0")
         for i in range(args.repeat):  # interleaved, so load spikes hit every side
             ours_t.seconds.append(timed(lambda: ours(path)))
             duck_t.seconds.append(timed(duck))
-            store_t.seconds.append(timed(lambda: store_path(store)))
+            store_t.seconds.append(timed(lambda: store_path(store_dir)))
             if i < args.loop_repeat:
                 loop_t.seconds.append(timed(lambda: scipy_loop(path)))
         d = RankingData.from_table(pq.read_table(path).rename_columns(

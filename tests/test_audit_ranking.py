@@ -234,10 +234,12 @@ def random_groups(rng: np.random.Generator, n_groups: int, n_methods: int = 2
     return tree, group, q, scores
 
 
-def test_tau_b_equals_scipy_on_every_prefix() -> None:
+@pytest.mark.parametrize("small_prefix", [0, 5, 16])  # pair loop only, both roads, matrices
+def test_tau_b_equals_scipy_on_every_prefix(small_prefix: int) -> None:
     rng = np.random.default_rng(0)
     tree, group, q, scores = random_groups(rng, 600)
-    tau = prefix_stats(tree, group, q, scores, pair_chunk=97).tau_b()  # chunks split prefixes
+    tau = prefix_stats(tree, group, q, scores, pair_chunk=97,  # chunks split prefixes
+                       small_prefix=small_prefix).tau_b()
     starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
     bounds = np.r_[starts, len(group)]
     checked = skipped = zeroed = 0
