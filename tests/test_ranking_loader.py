@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from analysis.ranking import load_ranking_data, resolve_methods
+from analysis.ranking import RANKING_TABLES, TableSource, load_ranking_data, resolve_methods
 from rollout_store import Store, connect
 from rollout_store.schema import CREDITS, MC_REFERENCES
 from rollout_store.store import now_utc
@@ -95,11 +95,18 @@ def _store(path: Path, wide: bool) -> Store:
 
 @pytest.mark.parametrize("wide", [False, True], ids=["dense-keys", "sparse-keys"])
 @pytest.mark.parametrize("policy", [None, "elsewhere"])
-def test_loader_equals_plain_sql(tmp_path: Path, wide: bool, policy: str | None) -> None:
+@pytest.mark.parametrize("source", ["duckdb", "parquet"])
+def test_loader_equals_plain_sql(tmp_path: Path, wide: bool, policy: str | None,
+                                 source: str) -> None:
+    """Both sources: a DuckDB connection's views, and the pinned Parquet files read with
+    dictionary-encoded ids (what ``ranking_audit`` uses)."""
     store = _store(tmp_path / "s", wide)
     con = connect(store)
-    methods = resolve_methods(con, ["m@aaa", "m@bbb"])
-    data, dropped = load_ranking_data(con, methods, K, policy)
+    with store.pinned_reads():
+        tables = (con if source == "duckdb" else
+                  TableSource.pinned(store, store.resolve(None, RANKING_TABLES)))
+        methods = resolve_methods(tables, ["m@aaa", "m@bbb"])
+        data, dropped = load_ranking_data(tables, methods, K, policy)
     assert not dropped
     tree_ids = np.array(data.tree_ids, dtype=object)[data.tree]
     got = sorted(zip(tree_ids.tolist(), data.parent_id.tolist(), data.node_id.tolist(),

@@ -121,3 +121,19 @@ def test_credit_metric_and_reference_appends(store: Store) -> None:
                              pa.array([float("nan")]))
     with pytest.raises(ValueError, match="non_finite"):
         store.append_metrics(nan)
+
+
+def test_a_store_opened_before_another_writer_commits_sees_the_commit(store: Store) -> None:
+    """``Store`` keeps the table handles its schema check opened for the first read; that
+    read must bring them up to date, not return the tables as they were at open."""
+    late = Store(store.path)  # its handles unused until the read below
+    store.append_trees(bel_shaped_batch(2, rollouts=2, depth=2, seed=9, tree_prefix="w"),
+                       key="late")
+    assert late.version()["trees"] == store.version()["trees"]
+    assert read_arrow(late, "trees", columns=["tree_id"]).num_rows == read_arrow(
+        store, "trees", columns=["tree_id"]).num_rows
+    dictionary = read_arrow(late, "nodes", columns=["tree_id", "node_id"],
+                            dictionary=["tree_id"])
+    assert pa.types.is_dictionary(dictionary.column("tree_id").type)
+    assert dictionary.column("tree_id").cast(pa.string()).to_pylist() == read_arrow(
+        store, "nodes", columns=["tree_id"]).column("tree_id").to_pylist()
