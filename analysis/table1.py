@@ -110,17 +110,27 @@ def read_run_metrics(store_dir: Path, run_id: str) -> dict[str, dict[int, float]
             for name, rows in training_metrics(connect(Store(store_dir)), run_id).items()}
 
 
-def read_run_outcomes(store_dir: Path, run_id: str, step: int, mode: str
-                      ) -> dict[int, float] | None:
-    """``{task_index: success}`` of one run's evaluation at metric ``step`` in ``mode``
-    from its store's ``evaluations`` table; None when the store holds no such rows."""
+def read_outcomes(store_dir: Path, run_id: str) -> dict[str, dict[int, dict[int, float]]]:
+    """``{mode: {step: {task_index: success}}}`` of one run's held-out evaluations from its
+    store's ``evaluations`` table (step -1: the starting weights); a step a retried
+    iteration evaluated again keeps its newest row per task (largest ``created_at``)."""
     from rollout_store import Store, connect
 
     con = connect(Store(store_dir))
-    rows = con.execute("SELECT task_index, success FROM evaluations WHERE run_id = ? AND "
-                       "step = ? AND mode = ? ORDER BY task_index",
-                       [run_id, step, mode]).fetchall()
-    return {int(i): float(s) for i, s in rows} or None
+    rows = con.execute(
+        "SELECT mode, step, task_index, arg_max(success, created_at) FROM evaluations "
+        "WHERE run_id = ? GROUP BY ALL ORDER BY mode, step, task_index", [run_id]).fetchall()
+    out: dict[str, dict[int, dict[int, float]]] = {}
+    for mode, step, task, ok in rows:
+        out.setdefault(str(mode), {}).setdefault(int(step), {})[int(task)] = float(ok)
+    return out
+
+
+def read_run_outcomes(store_dir: Path, run_id: str, step: int, mode: str
+                      ) -> dict[int, float] | None:
+    """``{task_index: success}`` of one run's evaluation at metric ``step`` in ``mode``
+    (``read_outcomes``); None when the store holds no such rows."""
+    return read_outcomes(store_dir, run_id).get(mode, {}).get(step) or None
 
 
 def run_summary(metrics: Mapping[str, Mapping[int, float]], steps: int) -> dict[str, Any]:
@@ -393,5 +403,5 @@ def build_table1_report(study_dir: Path, out: Path) -> ReportOutput:
 
 
 __all__ = ["CLAIMS", "KIND", "PAPER_TABLE", "build_table1_report", "compare",
-           "read_run_metrics", "read_run_outcomes", "run_summary", "table1_report",
+           "read_outcomes", "read_run_metrics", "read_run_outcomes", "run_summary", "table1_report",
            "table1_results"]

@@ -58,6 +58,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from analysis.table1 import read_outcomes
 from analysis.verdicts import (
     Design,
     family_level,
@@ -65,7 +66,7 @@ from analysis.verdicts import (
     verdict,
     verdict_lines,
 )
-from rollout_store import connect, open_store
+from rollout_store import open_store
 from rollout_store.reader import read_trees
 from train.config import ConfigError, load_config
 from train.reuse.params import REUSE_MODES
@@ -177,16 +178,13 @@ def run_one(out: Path, horizon: int, arm: Arm, seed: int, budget: float, max_ste
     return read_run(run, store, name, horizon, arm, seed)
 
 def evaluations(store: Path, name: str) -> dict[str, dict[int, np.ndarray]]:
-    """{mode: {step: (T,) success}} of a run's held-out evaluations (step -1: the starting
-    weights); a step a retried iteration evaluated again keeps its newest rows."""
-    con = connect(open_store(str(store)))
-    rows = con.execute(
-        "SELECT mode, step, task_index, arg_max(success, created_at) FROM evaluations "
-        "WHERE run_id = ? GROUP BY ALL ORDER BY mode, step, task_index", [name]).fetchall()
-    out: dict[str, dict[int, list[float]]] = {}
-    for mode, step, _, ok in rows:
-        out.setdefault(mode, {}).setdefault(int(step), []).append(float(ok))
-    return {m: {s: np.asarray(v) for s, v in by.items()} for m, by in out.items()}
+    """{mode: {step: (T,) success in task order}} of a run's held-out evaluations
+    (``analysis.table1.read_outcomes``: step -1 the starting weights, a retried step's
+    newest rows)."""
+    open_store(str(store))  # a missing or damaged store is a one-line error here
+    return {mode: {step: np.asarray([ok for _, ok in sorted(tasks.items())])
+                   for step, tasks in by.items()}
+            for mode, by in read_outcomes(store, name).items()}
 
 
 def read_run(run: Path, store: Path, name: str, horizon: int, arm: Arm, seed: int

@@ -63,6 +63,27 @@ def _commit_outcomes(store_dir: Path, run_id: str, step: int, mode: str, k: int)
         schema=EVALUATIONS), key=f"{run_id}:eval:{mode}")
 
 
+def test_a_retried_evaluation_keeps_its_newest_rows(tmp_path: Path) -> None:
+    """A step evaluated twice (an iteration retried after a crash) reads as its later
+    rows, not as a mixture of both attempts."""
+    Store(tmp_path / "s", create=True)
+    _commit_outcomes(tmp_path / "s", "r", 1, "sampled", 3)
+    store = Store(tmp_path / "s")
+    retry = pa.table({
+        "run_id": ["r"] * 2, "step": pa.array([1, 1], pa.int64()),
+        "mode": ["sampled"] * 2, "task_index": pa.array([0, 5], pa.int32()),
+        "task_id": ["t0", "t5"], "eval_seed": pa.array([7, 7], pa.int64()),
+        "reward": [0.0, 1.0], "success": [False, True], "steps": pa.array([1, 1], pa.int32()),
+        "created_at": pa.array([now_utc()] * 2, EVALUATIONS.field("created_at").type)},
+        schema=EVALUATIONS)
+    store.append_evaluations(retry, key="r:eval:sampled:retry-1")
+    got = t1.read_outcomes(tmp_path / "s", "r")["sampled"][1]
+    want = {i: float(i < 3) for i in range(N_TASKS)} | {0: 0.0, 5: 1.0}
+    assert got == want
+    assert t1.read_run_outcomes(tmp_path / "s", "r", 1, "sampled") == want
+    assert t1.read_run_outcomes(tmp_path / "s", "r", 2, "sampled") is None
+
+
 def _study(tmp_path: Path, finals: dict[str, list[int]], truncate: str | None = None,
            per_task: bool = True) -> Path:
     """A study directory in the layout of ``run_table1_study``: per (config, seed) a
