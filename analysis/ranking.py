@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -126,11 +125,9 @@ class MethodRef:
 
 _CREDIT_COLUMNS = ("tree_id", "node_id", "value", "created_at", "method", "method_params_hash",
                    "method_params")
-_READS: tuple[tuple[TableName, tuple[str, ...]], ...] = (
-    ("nodes", ("tree_id", "parent_id", "node_id")),
-    ("mc_references", ("tree_id", "node_id", "successes", "k", "policy_version")),
-    ("trees", ("tree_id", "policy_version")),
-    ("credits", _CREDIT_COLUMNS))  # what the audit reads (``_branching_children``)
+_NODE_COLUMNS = ("tree_id", "parent_id", "node_id")
+_REFERENCE_COLUMNS = ("tree_id", "node_id", "successes", "k", "policy_version")
+_TREE_COLUMNS = ("tree_id", "policy_version")
 _CODED = frozenset({"tree_id", "method", "method_params_hash", "method_params",
                     "policy_version", "sampler", "run_id"})  # read dictionary-encoded
 
@@ -145,10 +142,8 @@ class TableSource:
     on tree ids hash each distinct id once rather than every row's string.
     """
 
-    def __init__(self, read: Callable[[TableName, tuple[str, ...]], pa.Table],
-                 threads: bool = False) -> None:
+    def __init__(self, read: Callable[[TableName, tuple[str, ...]], pa.Table]) -> None:
         self._read = read
-        self._threads = threads  # reads may run side by side (a DuckDB connection may not)
         self._cache: dict[tuple[TableName, tuple[str, ...]], pa.Table] = {}
 
     @classmethod
@@ -173,26 +168,13 @@ class TableSource:
             return read_arrow(store, name, version, list(columns),
                               dictionary=[c for c in columns if c in _CODED])
 
-        return cls(read, threads=True)
+        return cls(read)
 
     def table(self, name: TableName, columns: Sequence[str]) -> pa.Table:
         key = (name, tuple(columns))
         if key not in self._cache:
             self._cache[key] = self._read(*key)
         return self._cache[key]
-
-    def prefetch(self, reads: Sequence[tuple[TableName, Sequence[str]]]) -> None:
-        """Read these (table, columns) now; from Parquet files in threads (decoding
-        releases the GIL, so the files of several tables decode side by side)."""
-        todo = [(name, tuple(cols)) for name, cols in reads
-                if (name, tuple(cols)) not in self._cache]
-        if len(todo) < 2 or not self._threads:
-            for name, cols in todo:
-                self.table(name, cols)
-            return
-        with ThreadPoolExecutor(len(todo)) as pool:
-            tables = list(pool.map(lambda key: self._read(*key), todo))
-        self._cache.update(zip(todo, tables, strict=True))
 
 
 def _unified(column: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -544,8 +526,7 @@ def _branching_children(source: TableSource, methods: Sequence[MethodRef],
     joins and aggregates on string ids (about 4x the bare query of
     ``benchmarks/bench_ranking.py`` on their own).
     """
-    source.prefetch(_READS)
-    nodes = source.table(*_READS[0])
+    nodes = source.table("nodes", _NODE_COLUMNS)
     names, code = _encode(nodes.column("tree_id"))
     has_parent = np.flatnonzero(pc.is_valid(nodes.column("parent_id")).to_numpy(
         zero_copy_only=False))
@@ -574,11 +555,11 @@ def _branching_children(source: TableSource, methods: Sequence[MethodRef],
         code, parent, node = code[rows], parent[rows], node[rows]
     target = code * span + (node - lo)
 
-    ref = source.table(*_READS[1])
+    ref = source.table("mc_references", _REFERENCE_COLUMNS)
     keys, at = nk.of(ref)
     # IS NOT DISTINCT FROM on policy versions, as codes in one vocabulary (null -> -2):
     # the reference's against the named one or its tree's (-3: the tree has no row).
-    trees = source.table(*_READS[2])
+    trees = source.table("trees", _TREE_COLUMNS)
     vocab = pa.concat_arrays([
         pc.unique(pc.drop_null(trees.column("policy_version").cast(pa.string()))),
         pa.array([reference_policy], pa.string())])
@@ -596,7 +577,7 @@ def _branching_children(source: TableSource, methods: Sequence[MethodRef],
     (successes, k_total), has_ref = _sums_at(
         nk, keys, [ref.column(c).to_numpy()[at] for c in ("successes", "k")], target)
 
-    credit = source.table(*_READS[3])
+    credit = source.table("credits", _CREDIT_COLUMNS)
     pairs = list(dict.fromkeys((m.method, m.params_hash) for m in methods))
     credit_keys, credit_at = nk.of(credit)
     created = pc.cast(credit.column("created_at"), pa.int64()).to_numpy()[credit_at]
@@ -833,7 +814,6 @@ def ranking_audit(store: Store | str | Path, config: RankingConfig, *,
     with s.pinned_reads():  # each table's log read once
         pinned = s.resolve(version, RANKING_TABLES)
         source = TableSource.pinned(s, pinned)
-        source.prefetch(_READS)
         methods = resolve_methods(source, config.methods, path)
         data, dropped = load_ranking_data(source, methods, config.k, config.reference_policy,
                                           store=path, on_missing_credit=on_missing_credit)

@@ -21,7 +21,6 @@ Column names are the public interface (issue 2): ``tree_id``, ``node_id``,
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Mapping
 from datetime import datetime
@@ -284,10 +283,8 @@ def describe_type(schema: pa.Schema) -> str:
     return "\n".join(lines)
 
 
-@functools.lru_cache(maxsize=128)
 def fingerprint(schema: pa.Schema) -> str:
-    """A short sha256 of a table schema's names, types and nullability (cached: every
-    store opened fingerprints each table's declared schema)."""
+    """A short sha256 of a table schema's names, types and nullability."""
     return hashlib.sha256(describe_type(schema).encode()).hexdigest()[:16]
 
 

@@ -59,7 +59,6 @@ the concurrency design.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -225,18 +224,10 @@ def _table_config(name: TableName) -> dict[str, str | None]:
 
 
 def _delta_fields(schema: DeltaSchema | pa.Schema) -> dict[str, str]:
-    """Column name -> its Delta type as canonical JSON (a copy: callers may keep it)."""
     if isinstance(schema, pa.Schema):
-        return dict(_arrow_fields(schema))
+        schema = DeltaSchema.from_arrow(schema)
     return {f.name: json.dumps(json.loads(f.to_json())["type"], sort_keys=True)
             for f in schema.fields}
-
-
-@functools.lru_cache(maxsize=128)
-def _arrow_fields(schema: pa.Schema) -> tuple[tuple[str, str], ...]:
-    """``_delta_fields`` of a declared schema, converted once per process (every store
-    opened compares each table with its declared schema)."""
-    return tuple(_delta_fields(DeltaSchema.from_arrow(schema)).items())
 
 
 class Store:
