@@ -37,11 +37,14 @@ newest checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import logging
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -104,6 +107,23 @@ def finish(world: World) -> None:
     """Leave the process group if ``init_world`` joined it."""
     if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_process(code: int = 0) -> NoReturn:
+    """End a spawned rank now, skipping the interpreter's finalization: flush the
+    standard streams and logging, then ``os._exit(code)``.
+
+    A rank that returned normally could still abort at exit ("terminate called without
+    an active exception", SIGABRT) after every result was written: ``destroy_process_group``
+    only drops c10d's own references, the FSDP device mesh keeps the gloo group alive,
+    and gloo's worker threads are then torn down while the interpreter finalizes. Call
+    it only when everything the rank produces is already on disk.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def barrier(world: World) -> None:
@@ -187,4 +207,5 @@ def all_reduce_grads(world: World, params: Iterable[torch.nn.Parameter]) -> None
 
 
 __all__ = ["DistributedError", "World", "all_max", "all_reduce_grads", "all_sum", "backend_for",
-           "barrier", "finish", "gather_list", "gather_shards", "init_world", "reduce_sums"]
+           "barrier", "finish", "gather_list", "gather_shards", "init_world", "leave_process",
+           "reduce_sums"]

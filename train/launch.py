@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from train.config import ConfigError, TrainConfig
-from train.distributed import DistributedError
+from train.distributed import DistributedError, leave_process
 from train.trainer import TrainError, TrainReport, check_config, train
 
 ERROR_FILE = "rank-{rank}.error"
@@ -55,6 +55,7 @@ def _worker(rank: int, size: int, port: int, config: TrainConfig, resume: bool,
         raise SystemExit(2) from None
     if rank == 0:
         Path(scratch, REPORT_FILE).write_bytes(pickle.dumps(report))
+    leave_process(0)  # everything is on disk: skip the teardown that can abort (see there)
 
 
 def launch(config: TrainConfig, resume: bool = False, nproc: int = 1) -> TrainReport:
