@@ -807,9 +807,10 @@ def ranking_audit(store: Store | str | Path, config: RankingConfig, *,
     "error"``) lacks credit for an audited tree, or no prefix has references at
     ``config.k``; the message names the command that fixes it.
     """
-    from rollout_store.reader import as_store
+    from rollout_store.store import Store
 
-    s = as_store(store)
+    # a path: open (and check) just the tables the audit reads
+    s = store if isinstance(store, Store) else Store(store, tables=RANKING_TABLES)
     path = str(s.path)
     with s.pinned_reads():  # each table's log read once
         pinned = s.resolve(version, RANKING_TABLES)

@@ -81,7 +81,7 @@ def info(store: Store) -> dict[str, Any]:
             "uncommitted_rows": stored - rows,
             "files": len(files),
             "bytes": sum(f.size for f in files),
-            "schema_version": store.table_schema_version[name],
+            "schema_version": store.schema_version_of(name),
         }
     return {
         "store": str(store.path),

@@ -69,7 +69,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -235,11 +235,15 @@ class Store:
 
     ``Store(path)`` opens an existing store and checks every table's schema
     version and fingerprint; ``Store(path, create=True)`` creates missing
-    tables first. Appends are methods; reads go through ``rollout_store.reader``
-    (DuckDB views, polars, arrow, streaming), pinned to ``store.version()``.
+    tables first. ``Store(path, tables=(...))`` opens and checks only the named
+    tables at once and any other at its first use (a reader of a few tables:
+    each table opened costs a read of its Delta log). Appends are methods; reads
+    go through ``rollout_store.reader`` (DuckDB views, polars, arrow, streaming),
+    pinned to ``store.version()``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, create: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = False,
+                 tables: Sequence[TableName] | None = None) -> None:
         self.loc = Location(path)  # a local directory or s3://bucket/prefix (objectstore.py)
         self.path: Path | ObjectPath = self.loc.path
         self.table_schema_version: dict[str, int] = {}
@@ -249,14 +253,31 @@ class Store:
         # Each table as ``_check_table`` opened it, for the first ``delta_table`` call to
         # bring up to date (reading the log entries since) instead of opening it again.
         self._opened: dict[str, DeltaTable] = {}
+        now = TABLE_NAMES if tables is None or create else tuple(dict.fromkeys(tables))
+        unknown = sorted(set(now) - set(TABLE_NAMES))
+        if unknown:
+            raise StoreError(f"no table named {', '.join(map(repr, unknown))} (the tables: "
+                             f"{', '.join(TABLE_NAMES)})")
+        # Tables not opened yet: checked at first use (delta_table, a write).
+        self._unchecked: set[str] = {str(n) for n in TABLE_NAMES} - set(now)
         if self.loc.remote:
             self._prepare_remote(create)
         else:
             self._prepare_local(create)
         self._add_new_tables()
-        opened = self._open_tables()
-        for name in TABLE_NAMES:
+        opened = self._open_tables(now)
+        for name in now:
             self._check_table(name, opened[name])
+
+    def _ensure_checked(self, name: str) -> None:
+        """Check a table ``Store(path, tables=...)`` left unopened, once."""
+        if name in self._unchecked:
+            self._unchecked.discard(name)  # first: _check_table itself opens the table
+            try:
+                self._check_table(cast(TableName, name))
+            except BaseException:
+                self._unchecked.add(name)
+                raise
 
     def _prepare_local(self, create: bool) -> None:
         path = self.path
@@ -470,9 +491,10 @@ class Store:
                 raise StoreError(f"{self.path}: table {name!r} is missing but {other!r} "
                                  "holds data: the store is damaged (not recreating it)")
 
-    def _open_tables(self) -> dict[str, DeltaTable | StoreError | TableNotFoundError]:
-        """Every table opened, side by side in threads (delta-rs reads the logs without the
-        GIL: half the time of one after another), or the error opening it raised."""
+    def _open_tables(self, names: Sequence[TableName]
+                     ) -> dict[str, DeltaTable | StoreError | TableNotFoundError]:
+        """The tables ``names`` opened, side by side in threads (delta-rs reads the logs
+        without the GIL: half the time of one after another), or the error each raised."""
         def one(name: str) -> DeltaTable | StoreError | TableNotFoundError:
             try:
                 return open_delta(self._uri(name), what=f"{self.path}: table {name!r}",
@@ -480,8 +502,10 @@ class Store:
             except (StoreError, TableNotFoundError) as exc:
                 return exc
 
-        with ThreadPoolExecutor(len(TABLE_NAMES)) as pool:
-            return dict(zip(TABLE_NAMES, pool.map(one, TABLE_NAMES), strict=True))
+        if len(names) == 1:
+            return {names[0]: one(names[0])}
+        with ThreadPoolExecutor(len(names)) as pool:
+            return dict(zip(names, pool.map(one, names), strict=True))
 
     def _check_table(self, name: TableName,
                      opened: DeltaTable | StoreError | TableNotFoundError | None = None
@@ -539,8 +563,13 @@ class Store:
         ``version`` (latest if None)."""
         return list(_delta_fields(self.delta_table(name, version).schema()))
 
+    def schema_version_of(self, name: TableName) -> int:
+        """The store schema version table ``name`` was written with (checked first)."""
+        self._ensure_checked(name)
+        return self.table_schema_version[name]
+
     def _require_current(self, name: TableName) -> None:
-        if self.table_schema_version[name] != SCHEMA_VERSION:
+        if self.schema_version_of(name) != SCHEMA_VERSION:
             raise SchemaMismatchError(
                 f"{self.path / name}: store schema version "
                 f"{self.table_schema_version[name]} is read-only for this rollout-trees "
@@ -552,6 +581,7 @@ class Store:
         """The table at ``version`` (latest if None). On object storage a pinned version is
         loaded once per ``Store`` (a committed version never changes; loading one costs a
         listing and reads of the log)."""
+        self._ensure_checked(name)
         if version is None and name in self._opened:
             dt = self._opened.pop(name)
             try:

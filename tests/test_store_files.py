@@ -114,6 +114,24 @@ def test_mismatched_schema_names_the_difference(store: Store) -> None:
         Store(store.path)
 
 
+def test_a_store_opened_for_some_tables_checks_the_others_at_first_use(
+        store: Store) -> None:
+    """``Store(path, tables=...)`` (the ranking audit's open) checks only the named
+    tables at once; a damaged other table is refused, by name, when first used."""
+    changed = schema_mod.METRICS.set(schema_mod.METRICS.get_field_index("value"),
+                                     pa.field("value", pa.string()))
+    _rewrite_table(store, "metrics", changed, "1", schema_mod.fingerprint(schema_mod.METRICS))
+    some = Store(store.path, tables=("trees", "nodes"))
+    assert set(some.table_schema_version) == {"trees", "nodes"}
+    assert some.version(("trees",)).versions["trees"] >= 0
+    assert some.schema_version_of("credits") == schema_mod.SCHEMA_VERSION
+    for _ in range(2):  # refused every time, not only the first
+        with pytest.raises(SchemaMismatchError, match="column 'value' has type"):
+            some.delta_table("metrics")
+    with pytest.raises(StoreError, match="no table named 'bogus'"):
+        Store(store.path, tables=("trees", "bogus"))  # type: ignore[arg-type]
+
+
 def test_older_store_opens_and_reads_missing_columns_as_null(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store from an older schema version (here a made-up version 0 whose
