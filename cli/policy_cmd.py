@@ -21,7 +21,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from cli._common import fail, require
+from cli._common import fail, parse_params, require
 
 policy_app = typer.Typer(help="Train the embedded tiny policy; inspect policies.",
                          no_args_is_help=True)
@@ -42,6 +42,9 @@ def init(
              "in band (default: the env's, train.policies.tiny_train.DEFAULT_MINUTES).")
     ] = None,
     force: Annotated[bool, typer.Option(help="Retrain even if a checkpoint exists.")] = False,
+    task_param: Annotated[list[str] | None, typer.Option(
+        help="KEY=VALUE option of the env's task generator for every split, e.g. calc "
+             "one_op=true (repeatable; needs --out).")] = None,
 ) -> None:
     """Train the tiny policy by SFT on noisy expert traces; print held-out success."""
     from train.policies import PolicyUnavailableError
@@ -52,9 +55,18 @@ def init(
     if env not in TINY_ENVS:
         fail(f"tiny policies exist for {', '.join(TINY_ENVS)}, not {env!r}", 2)
     require(minutes is None or minutes > 0, f"--minutes must be positive, got {minutes}")
+    extra: dict[str, Any] = {}
+    if task_param:
+        from train.coerce import CoerceError, literal_value
+
+        try:
+            extra["task_params"] = {k: literal_value(v, f"--task-param {k}") for k, v in
+                                    parse_params(task_param, "--task-param").items()}
+        except CoerceError as exc:
+            fail(str(exc), 2)
     try:
         result = init_policy(env, seed=seed, out=out, minutes=minutes, force=force,
-                             log=console.print, evaluate=success_report)
+                             log=console.print, evaluate=success_report, **extra)
     except (ValueError, PolicyUnavailableError) as exc:
         fail(str(exc), 2)
     if result is None:  # reused: show what was measured when it was trained

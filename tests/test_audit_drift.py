@@ -1,7 +1,7 @@
 """Credit drift and branch sensitivity (``train.studies.drift`` / ``.sensitivity`` generate,
 ``analysis.drift`` reports), exact.
 
-Three ways (STYLE rule 8): a hand-computed one-state case; exact G against a Monte
+Three ways: a hand-computed one-state case; exact G against a Monte
 Carlo estimate through the real environment (the DSC transport correction of
 stored trees); invariants (pi = mu gives zero drift, G is the first-order drift,
 the two global-KL computations agree).

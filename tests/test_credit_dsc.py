@@ -1,4 +1,4 @@
-"""DSC-Gate (METHODS D3-D5 transport, D7-D10 gate) tested three ways (STYLE rule 8).
+"""DSC-Gate (METHODS D3-D5 transport, D7-D10 gate) tested three ways:
 
 1. hand-computed trees and gate cases (numbers worked out in the comments);
 2. a slow per-trajectory reference loop, written straight from D3-D5 on

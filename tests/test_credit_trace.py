@@ -1,4 +1,4 @@
-"""TRACE (METHODS T1-T7) tested three ways (STYLE rule 8).
+"""TRACE (METHODS T1-T7) tested three ways:
 
 1. small hand-computed trees (numbers worked out in the comments), including
    METHODS' numeric unit test;

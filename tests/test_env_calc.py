@@ -468,3 +468,71 @@ def test_expressions_parse_in_many_threads_at_once() -> None:
         sys.setswitchinterval(interval)
         gc.set_threshold(*thresholds)
     assert errors == []
+
+
+# ----- the one-operation variant (issue 23: errors irrecoverable mid-trajectory) ---------
+
+
+def test_one_op_plan_computes_the_expression_one_operation_a_call() -> None:
+    from train.envs.calc import count_operations, one_op_plan
+
+    assert one_op_plan("(3+4)*5") == ["3+4", "7*5"]
+    assert one_op_plan("(2-7)*(10/4)") == ["2-7", "10/4", "(-5)*2.5"]
+    assert one_op_plan("7") == []
+    for task in CalcEnv.generate_tasks(40, seed=2, one_op=True):
+        plan = one_op_plan(task.config["expr"])
+        assert len(plan) == task.config["difficulty"]
+        assert all(count_operations(call) == 1 for call in plan)
+        assert evaluate(plan[-1]) == Fraction(task.answer)
+
+
+def test_one_op_tasks_have_no_step_slack_and_say_so() -> None:
+    tasks = CalcEnv.generate_tasks(50, seed=4, one_op=True)
+    assert {t.config["difficulty"] for t in tasks} == {4, 5, 6}
+    for t in tasks:
+        assert t.max_steps == t.config["difficulty"] + 1 and t.config["one_op"] is True
+        assert t.prompt.endswith(", one operation per calc call.")
+    fixed = CalcEnv.generate_tasks(5, seed=4, one_op=True, difficulties=(2,), max_steps=6)
+    assert {(t.config["difficulty"], t.max_steps) for t in fixed} == {(2, 6)}
+    # the default tasks are unchanged by the option's existence
+    assert CalcEnv.generate_tasks(5, seed=4) == CalcEnv.generate_tasks(5, seed=4, one_op=False)
+    with pytest.raises(ValueError, match="one_op must be true or false"):
+        CalcEnv.generate_tasks(1, seed=0, one_op="yes")
+
+
+def test_one_op_expert_solves_in_exactly_the_step_limit() -> None:
+    env = CalcEnv()
+    for task in CalcEnv.generate_tasks(30, seed=6, one_op=True):
+        env.reset(task)
+        steps = 0
+        while True:
+            result = env.step(env.expert_action())
+            steps += 1
+            if result.done:
+                break
+        assert result.reward_parts["reward"] == 1.0, task
+        assert steps == task.max_steps and result.reward_parts["tool_errors"] == 0.0
+
+
+def test_one_op_refuses_a_longer_call_and_the_lost_step_loses_the_episode() -> None:
+    env = CalcEnv()
+    task = CalcEnv.generate_tasks(1, seed=8, one_op=True)[0]
+    env.reset(task)
+    first = env.step(call_text(task.config["expr"]))  # the whole expression at once
+    n = task.config["difficulty"]
+    assert first.observation == ("<tool_response>error: one operation per call "
+                                 f"(this has {n})</tool_response>")
+    assert first.reward_parts["tool_errors"] == 1.0 and not first.done
+    state = env.snapshot()
+    while True:  # the expert goes on, but one step short
+        result = env.step(env.expert_action())
+        if result.done:
+            break
+    assert result.reward_parts["reward"] == 0.0
+    other = CalcEnv()
+    other.restore(state)  # the variant's snapshots restore like any calc state
+    assert other.snapshot() == state
+    # a one-operation call and a malformed one are judged as in plain calc
+    env.reset(task)
+    assert env.step(call_text("2+3")).observation == "<tool_response>5</tool_response>"
+    assert env.step(call_text("2+")).observation.startswith("<tool_response>error: ")

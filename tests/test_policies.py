@@ -528,6 +528,28 @@ def test_cli_policy_init_reuses_a_checkpoint(tmp_path: Path) -> None:
     assert info.exit_code == 0 and "policy_version" in info.output
 
 
+def test_policy_init_task_params_reach_every_split_and_need_out(tmp_path: Path) -> None:
+    """``--task-param`` sets the generator's options of the SFT data and of the check and
+    test tasks (calc ``one_op``: one-operation episodes of the expert); a bad option or a
+    missing ``--out`` is one line before anything trains."""
+    tasks = make_tasks("calc", 5, seed=3, one_op=True)
+    assert all(t.config["one_op"] and t.max_steps == t.config["difficulty"] + 1
+               for t in tasks)
+    episode = expert_episode("calc", tasks[0], random.Random(0), p_error=0.0)
+    calls = [text for role, text in episode.turns if role == "action"][:-1]
+    assert len(calls) == tasks[0].config["difficulty"]  # one call per operation
+    runner = CliRunner()
+    for args, message in [
+            ([], "needs --out"), (["--out", str(tmp_path / "p")], "unknown calc task option"),
+    ]:
+        bad = "one_op=true" if not args else "bogus=1"
+        result = runner.invoke(app, ["policy", "init", "--env", "calc", "--task-param", bad,
+                                     *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "Traceback" not in result.output
+    assert not (tmp_path / "p").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("env", ["calc", "workflow"])
 def test_cli_policy_init_trains_into_band(tmp_path: Path, env: str) -> None:

@@ -1,4 +1,4 @@
-"""Property round trips: random valid trees written, read back, equal (STYLE rule 9)."""
+"""Property round trips: random valid trees written, read back, equal."""
 
 from __future__ import annotations
 

@@ -36,7 +36,12 @@ Episode format (the text protocol of ``train.envs.base``)::
   reward; ``restore()`` loads it with no replay, into any instance.
 
 Tasks come from ``CalcEnv.generate_tasks`` (difficulty = number of binary
-operations, 1 to 6, default mix 1-2); the scripted expert is
+operations, 1 to 6, default mix 1-2). With ``one_op=True`` (``--task-param
+one_op=true``) the calculator takes one binary operation per call (a longer
+expression is answered with an error and costs the step) and the step limit is
+the operations plus the answer, with no slack: depth 4-6 by default, so one
+wrong or refused call mid-trajectory loses the episode (docs/METHODS.md
+section 8.6, C1-C4). The scripted expert is
 ``CalcEnv.expert_action`` and, for SFT data with mistakes and recoveries,
 ``CalcEnv.noisy_expert_action``.
 
@@ -101,6 +106,7 @@ DIFFICULTIES = range(1, 7)
 DEFAULT_DIFFICULTIES = (1, 2)
 DEFAULT_MAX_OPERAND = 30
 DEFAULT_MAX_STEPS = 4
+ONE_OP_DIFFICULTIES = (4, 5, 6)  # the one-operation variant's default depths
 MAX_TASK_VALUE = 10_000  # generated tasks keep every intermediate |value| <= this
 
 SNAPSHOT_FORMAT = "calc/1"
@@ -231,6 +237,43 @@ def _parse(expr: str) -> ast.Expression:
             return ast.parse(expr, mode="eval")
 
 
+def count_operations(expr: str) -> int:
+    """The binary operations in ``expr`` (0 when it does not parse: ``evaluate`` then
+    names what is wrong with it)."""
+    if len(expr) > MAX_EXPR_CHARS or not expr.strip():
+        return 0
+    try:
+        tree = _parse(expr.strip())
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return 0
+    return sum(isinstance(node, ast.BinOp) for node in ast.walk(tree))
+
+
+def one_op_plan(expr: str) -> list[str]:
+    """The one-operation calls that compute ``expr``: its binary operations in post-order
+    (left operand first), each with its operands' values written out, e.g. ``(3+4)*5``
+    -> ``["3+4", "7*5"]``. A negative operand is parenthesised (``5-(-3)``)."""
+
+    def text(value: Fraction) -> str:
+        number = format_number(value)
+        return f"({number})" if value < 0 or "/" in number else number
+
+    calls: list[str] = []
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.BinOp):
+            left, right = walk(node.left), walk(node.right)
+            op = _BINOPS[type(node.op)]
+            calls.append(f"{text(left)}{op}{text(right)}")
+            return _apply(op, left, right)
+        return _eval_node(node, 0)
+
+    walk(_parse(expr))
+    return calls
+
+
 def format_number(value: Fraction) -> str:
     """Exact text of a value: ``391``, ``-3.5`` (terminating decimals) or ``10/3``."""
     if value.denominator == 1:
@@ -260,6 +303,9 @@ def parse_number(text: str) -> Fraction | None:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):
         return None
+
+
+_RESPONSE_RE = re.compile(r"<tool_response>(.*)</tool_response>", re.DOTALL)
 
 
 def call_text(expr: str) -> str:
@@ -394,6 +440,10 @@ class CalcEnv(OneToolEnv[_State]):
         return 1.0 if value is not None and value == parse_number(s.expected) else 0.0
 
     def _run_tool(self, s: _State, arguments: dict[str, Any]) -> tuple[str, bool]:
+        if s.task.config.get("one_op"):
+            n = count_operations(arguments["expr"])
+            if n > 1:
+                return error_response(f"one operation per call (this has {n})"), True
         try:
             result = format_number(evaluate(arguments["expr"]))
         except CalcError as exc:
@@ -416,10 +466,23 @@ class CalcEnv(OneToolEnv[_State]):
 
     def expert_action(self) -> str:
         """Call ``calc`` on the task's expression until the last response shows the
-        right value, then answer it; with one step left, answer at once."""
+        right value, then answer it; with one step left, answer at once. One-operation
+        tasks: the calls of ``one_op_plan`` in order, then the value the last response
+        shows."""
         s = self._require()
         if s.done:
             raise RuntimeError("CalcEnv.expert_action: the episode is over")
+        if s.task.config.get("one_op"):
+            # the plan's calls in order (the position: the steps that were not errors; a
+            # refused call is redone), then the answer the last response shows: what an
+            # agent could know, so the gold answer does not repair a lost step
+            plan = one_op_plan(s.task.config["expr"])
+            done = s.steps - s.tool_errors
+            if done >= len(plan) or s.steps + 1 >= s.task.max_steps:
+                shown = _RESPONSE_RE.fullmatch(s.last_observation)
+                value = parse_number(shown.group(1)) if shown else None
+                return answer_text("0" if value is None else format_number(value))
+            return call_text(plan[done])
         if (s.last_observation == tool_response(s.expected)
                 or s.steps + 1 >= s.task.max_steps):
             return answer_text(s.expected)
@@ -473,14 +536,21 @@ class CalcEnv(OneToolEnv[_State]):
         and one recovered mistake. The default mix is 1-2 operations because a
         tiny CPU policy learns one-operation tasks well and two-operation ones
         only slowly (the calculator feasibility study); harder mixes are
-        there for evaluation and curricula.
+        there for evaluation and curricula. ``one_op`` (default False): the
+        one-operation variant (module docstring): ``difficulties`` default to
+        4-6, the prompt says so, and ``max_steps`` defaults to each task's
+        operations + 1 (the answer), no slack.
 
         Tasks are drawn one after another from ``random.Random(seed)``, so
         ``generate_tasks(k, s)`` is a prefix of ``generate_tasks(n, s)`` for k < n.
         """
-        options: dict[str, Any] = {"difficulties": DEFAULT_DIFFICULTIES,
-                                   "max_operand": DEFAULT_MAX_OPERAND,
-                                   "max_steps": DEFAULT_MAX_STEPS}
+        one_op = mix.get("one_op", False)
+        if not isinstance(one_op, bool):
+            raise ValueError(f"one_op must be true or false, got {one_op!r}")
+        options: dict[str, Any] = {
+            "difficulties": ONE_OP_DIFFICULTIES if one_op else DEFAULT_DIFFICULTIES,
+            "max_operand": DEFAULT_MAX_OPERAND, "max_steps": None if one_op
+            else DEFAULT_MAX_STEPS, "one_op": one_op}
         unknown = sorted(set(mix) - set(options))
         if unknown:
             raise ValueError(f"unknown calc task option(s) {unknown}; choose from "
@@ -495,16 +565,22 @@ class CalcEnv(OneToolEnv[_State]):
         max_operand, max_steps = options["max_operand"], options["max_steps"]
         if not isinstance(max_operand, int) or not 1 <= max_operand <= 1000:
             raise ValueError(f"max_operand must be an integer in 1..1000, got {max_operand!r}")
-        if not isinstance(max_steps, int) or max_steps < 1:
+        if not (max_steps is None and one_op) and (
+                not isinstance(max_steps, int) or max_steps < 1):
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
         rng = random.Random(seed)
         tasks = []
         for i in range(n):
             difficulty = rng.choice(difficulties)
             expr = _random_expr(rng, difficulty, max_operand)
-            prompt = f"Compute {expr.text}."
+            prompt = (f"Compute {expr.text}, one operation per calc call." if one_op
+                      else f"Compute {expr.text}.")
             digest = hashlib.sha256(prompt.encode()).hexdigest()[:8]
+            config: dict[str, Any] = {"expr": expr.text, "difficulty": difficulty}
+            if one_op:
+                config["one_op"] = True
             tasks.append(Task(task_id=f"calc-{seed}-{i}-{digest}", env=cls.name, prompt=prompt,
-                              answer=str(expr.value), max_steps=max_steps,
-                              config={"expr": expr.text, "difficulty": difficulty}))
+                              answer=str(expr.value),
+                              max_steps=difficulty + 1 if max_steps is None else max_steps,
+                              config=config))
         return tasks

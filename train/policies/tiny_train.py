@@ -19,7 +19,9 @@
    world, ``view_cart``, or the expert's call with its JSON broken), which costs one of
    the task's three spare steps and changes no effect. The default task mix of the
    environment is used (calc: 1-2 operations; workflow: horizons 6, 9, 12; sgls: the
-   shop and flight worlds alternating, every task kind).
+   shop and flight worlds alternating, every task kind) unless ``task_params`` (``policy
+   init --task-param``, e.g. calc ``one_op=true``) set the generator's options for every
+   split; such a policy is written to ``--out`` only, never the default cache.
 2. Loss. Episodes are rendered with ``tiny.render_segments`` and tokenized; the loss
    is the mean next-token cross-entropy over ACTION tokens only: prompt,
    observations (tool responses) and role markers are masked out. sgls, like workflow,
@@ -111,9 +113,10 @@ class SFTConfig:
     train_tasks: int = 40_000
     """Training episodes generated (one noisy-expert episode per task)."""
     batch_tokens: int = 2048
-    """Padded tokens per batch (GOTCHAS: ~2k tokens per batch learned on 2 cores)."""
+    """Padded tokens per batch (about 2k learned within the minutes budget on 2 cores when
+    this policy was tuned)."""
     lr: float = 3e-3
-    """Peak learning rate (GOTCHAS: 3e-3 for the 0.8M model)."""
+    """Peak learning rate (3e-3 for the 0.8M-parameter model, found when it was tuned)."""
     warmup_steps: int = 100
     p_error: float = 0.1
     """Probability that the expert's action is replaced by a mistake."""
@@ -136,6 +139,9 @@ class SFTConfig:
     """Torch threads, capped at the CPUs this process may run on (``os.sched_getaffinity``,
     e.g. under ``taskset``): more threads than CPUs oversubscribe them and run many times
     slower."""
+    task_params: dict[str, Any] = field(default_factory=dict)
+    """Options of the env's task generator for training, check and test tasks
+    (``generate_tasks(n, seed, **task_params)``), e.g. calc ``one_op=True``."""
     init_from: str | None = None
     """Start from this env's seed-0 tiny checkpoint (``find_checkpoint``: the cached one,
     else the committed one; its path and version go into the new checkpoint's record)
@@ -207,11 +213,12 @@ DEFAULT_MINUTES: dict[str, float] = {"calc": 10.0, "workflow": 10.0, "sgls": 40.
 # Data
 
 
-def make_tasks(env: str, n: int, seed: int) -> list[Task]:
-    """``n`` tasks of the default mix of ``env``, seeded."""
+def make_tasks(env: str, n: int, seed: int, **task_params: Any) -> list[Task]:
+    """``n`` tasks of ``env``, seeded: the default mix, or the generator's options
+    ``task_params``."""
     if env == "sgls":
-        return SglsEnv.generate_tasks(n, seed)
-    return (CalcEnv if env == "calc" else WorkflowEnv).generate_tasks(n, seed)
+        return SglsEnv.generate_tasks(n, seed, **task_params)
+    return (CalcEnv if env == "calc" else WorkflowEnv).generate_tasks(n, seed, **task_params)
 
 
 @dataclass(frozen=True)
@@ -332,7 +339,8 @@ class Dataset:
 
 
 def build_dataset(config: SFTConfig, tokenizer: Any, exclude_prompts: set[str]) -> Dataset:
-    tasks = [t for t in make_tasks(config.env, config.train_tasks, config.seed)
+    tasks = [t for t in make_tasks(config.env, config.train_tasks, config.seed,
+                                   **config.task_params)
              if t.prompt not in exclude_prompts]
     rng = random.Random(config.seed)
     ids, targets = [], []
@@ -427,8 +435,10 @@ def _train(config: SFTConfig, out: Path, evaluate: Evaluate, log: Log, start: fl
                 f"and there is none: run `rtrees policy init --env {config.init_from}`")
         model = warm_start_model(tokenizer, source, seed=config.seed)
         log(f"starting from the {config.init_from} policy at {source}")
-    eval_tasks = make_tasks(config.env, config.eval_tasks, EVAL_SEED_OFFSET + config.seed)
-    test_tasks = make_tasks(config.env, config.test_tasks, TEST_SEED_OFFSET + config.seed)
+    eval_tasks = make_tasks(config.env, config.eval_tasks, EVAL_SEED_OFFSET + config.seed,
+                            **config.task_params)
+    test_tasks = make_tasks(config.env, config.test_tasks, TEST_SEED_OFFSET + config.seed,
+                            **config.task_params)
     data = build_dataset(config, tokenizer, {t.prompt for t in (*eval_tasks, *test_tasks)})
     log(f"{config.env}: {len(data.ids):,} noisy-expert episodes "
         f"({sum(map(len, data.ids)):,} tokens, {sum(map(sum, data.targets)):,} action "
@@ -511,8 +521,15 @@ def init_policy(env: str, seed: int = 0, out: Path | None = None, minutes: float
     """``rtrees policy init``: train into ``out`` (default: the cache directory) unless a
     checkpoint is already there (``force`` retrains). Returns None when one was reused.
     ``evaluate``: the held-out success check (``train_sft``)."""
+    if overrides.get("task_params") and out is None:
+        raise ValueError("a policy of other task options (--task-param) needs --out: the "
+                         "default cache holds the default-mix policy every run finds")
     target = Path(out) if out is not None else default_cache_dir(env, seed)
     config = default_config(env, seed=seed, minutes=minutes, **overrides)
+    try:  # a bad option is named before any data is generated
+        make_tasks(env, 1, seed, **config.task_params)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--task-param: {exc}") from None
     if not force:
         from train.policies.tiny import is_checkpoint
 
