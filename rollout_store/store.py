@@ -237,7 +237,8 @@ class Store:
     version and fingerprint; ``Store(path, create=True)`` creates missing
     tables first. ``Store(path, tables=(...))`` opens and checks only the named
     tables at once and any other at its first use (a reader of a few tables:
-    each table opened costs a read of its Delta log). Appends are methods; reads
+    each table opened costs a read of its Delta log; with ``create`` every table
+    is opened). Appends are methods; reads
     go through ``rollout_store.reader`` (DuckDB views, polars, arrow, streaming),
     pinned to ``store.version()``.
     """

@@ -10,6 +10,7 @@ import random
 import sys
 import time
 from fractions import Fraction
+from typing import Any
 
 import pytest
 from env_properties import (
@@ -64,16 +65,21 @@ def test_registry_builds_calc() -> None:
     assert isinstance(make_env("calc"), CalcEnv)
 
 
+def _expert_episode(env: CalcEnv) -> tuple[Any, int]:
+    """The scripted expert played to the end: (the last step's result, steps taken)."""
+    steps = 0
+    while True:
+        result = env.step(env.expert_action())
+        steps += 1
+        if result.done:
+            return result, steps
+
+
 def test_expert_solves_every_difficulty() -> None:
     env = CalcEnv()
     for task in CalcEnv.generate_tasks(60, seed=5, difficulties=(1, 2, 3, 4, 5, 6)):
         env.reset(task)
-        steps = 0
-        while True:
-            result = env.step(env.expert_action())
-            steps += 1
-            if result.done:
-                break
+        result, steps = _expert_episode(env)
         assert result.reward_parts["reward"] == 1.0, task
         assert steps == 2
 
@@ -504,12 +510,7 @@ def test_one_op_expert_solves_in_exactly_the_step_limit() -> None:
     env = CalcEnv()
     for task in CalcEnv.generate_tasks(30, seed=6, one_op=True):
         env.reset(task)
-        steps = 0
-        while True:
-            result = env.step(env.expert_action())
-            steps += 1
-            if result.done:
-                break
+        result, steps = _expert_episode(env)
         assert result.reward_parts["reward"] == 1.0, task
         assert steps == task.max_steps and result.reward_parts["tool_errors"] == 0.0
 
@@ -524,10 +525,7 @@ def test_one_op_refuses_a_longer_call_and_the_lost_step_loses_the_episode() -> N
                                  f"(this has {n})</tool_response>")
     assert first.reward_parts["tool_errors"] == 1.0 and not first.done
     state = env.snapshot()
-    while True:  # the expert goes on, but one step short
-        result = env.step(env.expert_action())
-        if result.done:
-            break
+    result, _ = _expert_episode(env)  # the expert goes on, but one step short
     assert result.reward_parts["reward"] == 0.0
     other = CalcEnv()
     other.restore(state)  # the variant's snapshots restore like any calc state
