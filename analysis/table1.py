@@ -86,6 +86,9 @@ CLAIMS: tuple[tuple[str, str, str, str], ...] = (
     ("SGCD: SGCD beats GRPO", "sgcd+group", "grpo+group",
      "sibling-guided credit distillation beats GRPO (abstract; docs/METHODS.md "
      "section 11)"),
+    ("FACTOR F6: the action-mean loss beats token-mean", "factor+group",
+     "factor+group (tm)", "the action-mean reduction removes the dependence of an "
+     "action's surrogate weight on its token length (abstract; docs/METHODS.md F6)"),
     ("ELPO E8: ELC beats ELPO without it", "elpo+bel", "elpo+bel (no ELC)",
      "ELPO's ablation: the wider lower clip bound on the critical suffix helps"),
     ("ELPO Table 1 on workflow: ELPO beats GRPO", "elpo+bel (workflow)",
