@@ -89,6 +89,9 @@ CLAIMS: tuple[tuple[str, str, str, str], ...] = (
     ("FACTOR F6: the action-mean loss beats token-mean", "factor+group",
      "factor+group (tm)", "the action-mean reduction removes the dependence of an "
      "action's surrogate weight on its token length (abstract; docs/METHODS.md F6)"),
+    ("FACTOR F5: hindsight token weights beat uniform ones", "factor+group",
+     "factor+group (eta 0)", "feedback-conditioned likelihood gaps allocate each "
+     "action's credit across its tokens (abstract; docs/METHODS.md F3-F5)"),
     ("ELPO E8: ELC beats ELPO without it", "elpo+bel", "elpo+bel (no ELC)",
      "ELPO's ablation: the wider lower clip bound on the critical suffix helps"),
     ("ELPO Table 1 on workflow: ELPO beats GRPO", "elpo+bel (workflow)",

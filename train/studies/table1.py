@@ -24,6 +24,8 @@ elpo+bel (no ELC)      calc    bel         elpo with eps_elc = 0 (not run by def
 factor+group (tm)      calc    group       factor with the token-mean loss (not run by
                                            default): whether F6's aggregation or F1-F5's
                                            credit decides FACTOR's row
+factor+group (eta 0)   calc    group       factor without hindsight token weights
+                                           (F5 eta = 0; not run by default)
 =====================  ======  ==========  ===========
 
 and, not run by default, on workflow (``WORKFLOW_CONFIGS``): ``grpo+group (workflow)``,
@@ -96,13 +98,15 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
     "sgcd+group": ("calc", "group", "sgcd"),
     "elpo+bel (no ELC)": ("calc", "bel", "elpo"),
     "factor+group (tm)": ("calc", "group", "factor"),
+    "factor+group (eta 0)": ("calc", "group", "factor"),
     "grpo+group (workflow)": ("workflow", "group", "grpo"),
     "elpo+bel (workflow)": ("workflow", "bel", "elpo"),
     "tree_grpo+random (workflow)": ("workflow", "random", "tree_grpo"),
     "caliper+caliper (workflow)": ("workflow", "caliper", "caliper"),
 }
 # Configs that share (env, sampler, credit) with another: their directory's suffix.
-SLUG_SUFFIX: dict[str, str] = {"elpo+bel (no ELC)": "-noelc", "factor+group (tm)": "-tm"}
+SLUG_SUFFIX: dict[str, str] = {"elpo+bel (no ELC)": "-noelc", "factor+group (tm)": "-tm",
+                               "factor+group (eta 0)": "-eta0"}
 # The configs a default study runs (factor and sgcd, issue 24, are accepted but their
 # claims and the powered runs belong to the verdicts issue).
 DEFAULT_CONFIGS: tuple[str, ...] = tuple(CONFIGS)[:7]
@@ -114,6 +118,7 @@ CONFIG_FIELDS: dict[str, dict[str, Any]] = {
     "sgcd+group": {"dynamic_sampling": "resample"},
     "elpo+bel (no ELC)": {"credit_params": {"eps_elc": "0"}},
     "factor+group (tm)": {"aggregation": "token-mean"},
+    "factor+group (eta 0)": {"aggregation": "action-mean", "credit_params": {"eta": "0"}},
 }
 Log = Callable[[str], None]
 RUN_FILE = "table1_run.json"  # beside train/ and store/: the run's status and seconds
