@@ -199,12 +199,15 @@ def _eval_node(node: ast.AST, depth: int) -> Fraction:
 
 
 def evaluate(expr: str) -> Fraction:
-    """The exact value of an arithmetic expression, or ``CalcError`` with the reason.
+    """The exact value of an arithmetic expression, or ``CalcError`` with the reason
+    (``_checked_tree``, then a depth-limited walk that bounds every intermediate value)."""
+    return _eval_node(_checked_tree(expr), 0)
 
-    The checks run cheapest first, so a hostile string is refused before the
-    parser sees it: length, parenthesis depth, syntax, node count, then a
-    depth-limited walk that bounds every intermediate value.
-    """
+
+def _checked_tree(expr: str) -> ast.Expression:
+    """The parsed expression, or ``CalcError``. The checks run cheapest first, so a
+    hostile string is refused before the parser sees it: length, parenthesis depth,
+    syntax, node count."""
     if len(expr) > MAX_EXPR_CHARS:
         raise CalcError(f"expression is longer than {MAX_EXPR_CHARS} characters")
     if not expr.strip():
@@ -224,7 +227,11 @@ def evaluate(expr: str) -> Fraction:
         raise CalcError("invalid syntax") from None
     if sum(1 for _ in ast.walk(tree)) > MAX_AST_NODES:
         raise CalcError(f"expression has more than {MAX_AST_NODES} parts")
-    return _eval_node(tree, 0)
+    return tree
+
+
+def _operations(tree: ast.AST) -> int:
+    return sum(isinstance(node, ast.BinOp) for node in ast.walk(tree))
 
 
 def _parse(expr: str) -> ast.Expression:
@@ -238,15 +245,11 @@ def _parse(expr: str) -> ast.Expression:
 
 
 def count_operations(expr: str) -> int:
-    """The binary operations in ``expr`` (0 when it does not parse: ``evaluate`` then
-    names what is wrong with it)."""
-    if len(expr) > MAX_EXPR_CHARS or not expr.strip():
-        return 0
+    """The binary operations in ``expr`` (0 when ``evaluate`` would refuse it)."""
     try:
-        tree = _parse(expr.strip())
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return _operations(_checked_tree(expr))
+    except CalcError:
         return 0
-    return sum(isinstance(node, ast.BinOp) for node in ast.walk(tree))
 
 
 def one_op_plan(expr: str) -> list[str]:
@@ -440,12 +443,11 @@ class CalcEnv(OneToolEnv[_State]):
         return 1.0 if value is not None and value == parse_number(s.expected) else 0.0
 
     def _run_tool(self, s: _State, arguments: dict[str, Any]) -> tuple[str, bool]:
-        if s.task.config.get("one_op"):
-            n = count_operations(arguments["expr"])
-            if n > 1:
-                return error_response(f"one operation per call (this has {n})"), True
         try:
-            result = format_number(evaluate(arguments["expr"]))
+            tree = _checked_tree(arguments["expr"])  # parsed once, for both checks
+            if s.task.config.get("one_op") and (n := _operations(tree)) > 1:
+                return error_response(f"one operation per call (this has {n})"), True
+            result = format_number(_eval_node(tree, 0))
         except CalcError as exc:
             return error_response(str(exc)), True
         return tool_response(result), False
