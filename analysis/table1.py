@@ -246,9 +246,9 @@ def table1_results(study_dir: str | Path, out_dir: str | Path | None = None
                 store_dir = study_path(src, f"{r['dir']}/{r['store']}", "runs[].dir/store")
                 m = read_run_metrics(store_dir, r["run_id"])
                 row.update(run_summary(m, steps))
+                outcomes = read_outcomes(store_dir, r["run_id"])  # both modes, one read
                 for mode in ("sampled", "greedy"):
-                    row[f"tasks_{mode}"] = read_run_outcomes(store_dir, r["run_id"],
-                                                             steps - 1, mode)
+                    row[f"tasks_{mode}"] = outcomes.get(mode, {}).get(steps - 1) or None
                 if not row["complete"]:
                     row["status"] = f"incomplete ({row['iterations']}/{steps} iterations)"
             else:

@@ -66,7 +66,6 @@ from analysis.verdicts import (
     verdict,
     verdict_lines,
 )
-from rollout_store import open_store
 from rollout_store.reader import read_trees
 from train.config import ConfigError, load_config
 from train.reuse.params import REUSE_MODES
@@ -181,7 +180,6 @@ def evaluations(store: Path, name: str) -> dict[str, dict[int, np.ndarray]]:
     """{mode: {step: (T,) success in task order}} of a run's held-out evaluations
     (``analysis.table1.read_outcomes``: step -1 the starting weights, a retried step's
     newest rows)."""
-    open_store(str(store))  # a missing or damaged store is a one-line error here
     return {mode: {step: np.asarray([ok for _, ok in sorted(tasks.items())])
                    for step, tasks in by.items()}
             for mode, by in read_outcomes(store, name).items()}

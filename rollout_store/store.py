@@ -224,6 +224,7 @@ def _table_config(name: TableName) -> dict[str, str | None]:
 
 
 def _delta_fields(schema: DeltaSchema | pa.Schema) -> dict[str, str]:
+    """Column name -> its Delta type as canonical JSON."""
     if isinstance(schema, pa.Schema):
         schema = DeltaSchema.from_arrow(schema)
     return {f.name: json.dumps(json.loads(f.to_json())["type"], sort_keys=True)
@@ -254,11 +255,11 @@ class Store:
         # Each table as ``_check_table`` opened it, for the first ``delta_table`` call to
         # bring up to date (reading the log entries since) instead of opening it again.
         self._opened: dict[str, DeltaTable] = {}
-        now = TABLE_NAMES if tables is None or create else tuple(dict.fromkeys(tables))
-        unknown = sorted(set(now) - set(TABLE_NAMES))
+        unknown = sorted(set(tables or ()) - set(TABLE_NAMES))
         if unknown:
             raise StoreError(f"no table named {', '.join(map(repr, unknown))} (the tables: "
                              f"{', '.join(TABLE_NAMES)})")
+        now = TABLE_NAMES if tables is None or create else tuple(dict.fromkeys(tables))
         # Tables not opened yet: checked at first use (delta_table, a write).
         self._unchecked: set[str] = {str(n) for n in TABLE_NAMES} - set(now)
         if self.loc.remote:
