@@ -392,8 +392,13 @@ def table1_report(results: Mapping[str, Any]) -> str:
                if d["status"] != "done"]
     if partial:
         lines += ["Runs not in the table:", "", *partial, ""]
-    lines += ["## Verdicts", "", *verdict_lines(results["verdicts"]), "",
-              "Plots: " + ", ".join(f"`{p}`" for p in results["plots"]), "",
+    lines += ["## Verdicts", "", *verdict_lines(results["verdicts"]), ""]
+    if any(d["credit"] == "sgcd" for d in results["configs"].values()):
+        lines += ["SGCD's contrast reference here is the deterministic `template` "
+                  "summariser (the first differing action of a successful and a failed "
+                  "sibling, as a hint): a stand-in for the paper's LLM summary, not the "
+                  "method as published (docs/METHODS.md section 11).", ""]
+    lines += ["Plots: " + ", ".join(f"`{p}`" for p in results["plots"]), "",
               "Reproduce: `rtrees study table1 --out DIR` with the settings in "
               f"`results.json` ({results['seconds']:.0f} s of data generation in the last "
               "invocation; finished runs are skipped on a rerun)."]

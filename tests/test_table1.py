@@ -161,6 +161,11 @@ def test_report_numbers_come_from_the_metric_rows(tmp_path: Path) -> None:
     report = (study / "report.md").read_text()
     assert "0.450 ± 0.050" in report and "0.850 ± 0.050" in report
     assert "ELPO's Table 1" in report and (study / "table1_curves.png").stat().st_size
+    # issue 24: a report with an SGCD row says its reference is the template stand-in
+    assert "stand-in for the paper's LLM summary" not in report
+    with_sgcd = {**res, "configs": {**res["configs"], "sgcd+group": {
+        "env": "calc", "sampler": "group", "credit": "sgcd", "status": "not run"}}}
+    assert "stand-in for the paper's LLM summary" in t1.table1_report(with_sgcd)
     # the audit's rebuild from the files alone gives the same numbers
     again = build_study_report(study, tmp_path / "rebuilt")
     assert again.name == "table1"
