@@ -420,19 +420,20 @@ def choices(settings: Mapping[str, Any], collection: Mapping[str, Any]) -> list[
     children = sum(c["referenced_children"] for c in collection.values())
     staleness = settings["max_staleness"] or settings["train_steps"]
     return [
-        f"- `tasks` = {settings['tasks']} per sampler, `n_total` = {settings['n_total']} "
-        f"(defaults 6 and 16): the reference job costs k rollouts per child of a branching "
+        f"- `tasks` = {settings['tasks']} per sampler, `n_total` = {settings['n_total']}: "
+        f"the reference job costs k rollouts per child of a branching "
         f"node ({children} children here; leaf children cost nothing) and is most of the "
         "run's time, so the task count sets the time; 16 is BEL's default budget (N0 = 7 "
         "full rollouts before the search), kept so the trees have the papers' shape.",
         f"- `k` = {settings['k']} (default 32, the seed papers' Mean@32).",
         f"- training: `train_steps` = {settings['train_steps']}, `tasks_per_step` = "
         f"{settings['tasks_per_step']}, `train_n_total` = {settings['train_n_total']} "
-        "(defaults 6, 16, 8: the trainer's calc recipe, 16 x 8 rollouts per iteration; "
-        "held-out success moved within 2 iterations when measured), "
-        f"`reuse` = {settings['reuse']}, `reuse_per_step` = {settings['reuse_per_step']} "
-        "(default 4: under dsc each stored tree can cost up to 32 new tool steps of "
-        "refresh, more than its fresh tree).",
+        "(the trainer's calc recipe; held-out success moved within 2 iterations when "
+        f"measured), `reuse` = {settings['reuse']}, `reuse_per_step` = "
+        f"{settings['reuse_per_step']} (default transport: the collected trees hold about "
+        "one trajectory per compared action, too few for the dsc and gap-gate rules, which "
+        "refuse them, docs/METHODS.md section 9 \"Feasible pairs\"; transport moves their "
+        "stored returns to the current weights without a new tool step).",
         f"- `max_staleness` = {staleness}: the collected trees are version 0 of the run, so "
         "they stay eligible for reuse for all of it.",
         f"- `heldout_tasks` = {settings['heldout_tasks']}, `eval_every` = "

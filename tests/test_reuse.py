@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -266,6 +267,73 @@ def test_named_skips_and_config_errors(tmp_path: Path) -> None:
         assert not (tmp_path / "o").exists()
 
 
+def _sided(per_side: int, *, leaf_children: bool = False) -> Tree:
+    """Two root actions with ``per_side`` trajectories below each (each a leaf of its own
+    intermediate step), or, with ``leaf_children``, a root whose children are leaves."""
+    if leaf_children:
+        return Tree(tree_id="leafy", run_id="r", env="calc",
+                    nodes=[_node(0, None), _node(1, 0, 1.0), _node(2, 0, 0.0)])
+    nodes = [_node(0, None), _node(1, 0), _node(2, 0)]
+    for side in (1, 2):
+        nodes += [_node(len(nodes), side, float(side == 1 and i % 2 == 0))
+                  for i in range(per_side)]
+    return Tree(tree_id=f"sided{per_side}", run_id="r", env="calc", nodes=nodes)
+
+
+def test_gated_rules_refuse_thin_trees_by_name() -> None:
+    """A gated pair needs FEASIBLE_TRAJECTORIES (8) a side: thinner trees are skipped as
+    ``thin``, and a selection of only thin trees is a one-line ``ReuseError``; a tree whose
+    comparisons are all leaf children has no gated pair and is kept."""
+    from train.reuse.params import ReuseError
+    from train.reuse.resolve import FEASIBLE_TRAJECTORIES, thickest_gated_pair
+    from train.reuse.select import Selection, refuse_thin
+
+    group = Tree(tree_id="g", run_id="r", env="calc", nodes=[
+        _node(0, None), *[_node(i, 0) for i in (1, 2, 3)],
+        *[_node(i + 3, i, float(i == 1)) for i in (1, 2, 3)]])
+    assert thickest_gated_pair(group) == 1  # a group tree: one trajectory per root action
+    assert thickest_gated_pair(_sided(8)) == 8 == FEASIBLE_TRAJECTORIES
+    assert thickest_gated_pair(_sided(3)) == 3
+    assert thickest_gated_pair(_sided(0, leaf_children=True)) is None
+    assert thickest_gated_pair(_two_level_tree()) == 1
+    trees = [_sided(8), _sided(3), group, _sided(0, leaf_children=True)]
+    sel = Selection(trees, [1, 2, 1, 1], Counter({"stale": 2}))
+    kept = refuse_thin(sel, 8, rule="dsc", iteration=3)
+    assert [t.tree_id for t in kept.trees] == ["sided8", "leafy"]
+    assert kept.staleness == [1, 1] and kept.skipped == {"stale": 2, "thin": 2}
+    assert refuse_thin(sel, 1, rule="dsc", iteration=3).trees == trees  # refusal off
+    with pytest.raises(ReuseError, match=r"reuse gap-gate: all 2 stored trees of iteration 3 "
+                                         r"are too thin to gate \(the best pair has 3 "
+                                         r"trajectories a side, the gate needs 8\)") as exc:
+        refuse_thin(Selection([group, _sided(3)], [1, 1]), 8, rule="gap-gate", iteration=3)
+    assert "\n" not in str(exc.value)
+
+
+def test_a_calibrating_rule_refuses_a_calibration_that_cannot_certify_its_level(
+        tmp_path: Path) -> None:
+    """D7 at level 0.95 needs 19 calib trees (alternating with dev: calib_trees >= 37);
+    fewer is refused before training, by ``dsc`` and ``gap-gate`` only, unless the
+    kappas are given (calibration off) or the level is lowered."""
+    from train.reuse.params import calib_needed
+
+    assert [calib_needed(x) for x in (0.5, 0.8, 0.9, 0.95)] == [1, 4, 9, 19]
+    assert ReuseParams().calibration_problem() is None  # the default: 38 trees
+    assert ReuseParams.parse({"calib_trees": 37}).calibration_problem() is None
+    problem = ReuseParams.parse({"calib_trees": 36}).calibration_problem()
+    assert problem is not None and "needs 19 calib trees (calib_trees >= 37" in problem
+    assert ReuseParams.parse({"calib_trees": 2, "calib_level": 0.5}).calibration_problem() \
+        is None
+    assert ReuseParams.parse({"calib_trees": 2, "kappa_R": 2}).calibration_problem() is None
+    for rule, refused in (("dsc", True), ("gap-gate", True), ("all", False)):
+        cfg = load_config(None, {"store": str(tmp_path / rule), "out": str(tmp_path / "o"),
+                                 "reuse": rule, "reuse_params": "calib_trees=6",
+                                 "reuse_from": "run_id = 'nobody'", "progress": False})
+        match = "D7 calibration at calib_level=0.95 needs 19" if refused else "selects no"
+        with pytest.raises(TrainError, match=match):
+            train(cfg)
+        assert not (tmp_path / "o").exists()
+
+
 def test_cli_has_the_reuse_flags() -> None:
     from typer.testing import CliRunner
 
@@ -416,7 +484,8 @@ def test_calibrate_gate_on_new_draws() -> None:
 
 SMALL = {"tasks_per_step": 2, "n_total": 3, "heldout_tasks": 0, "max_new_tokens": 40,
          "minibatches": 2, "progress": False, "run_id": "r", "reuse_per_step": 2,
-         "max_staleness": 2, "reuse_params": "calib_trees=2,calib_draws=1"}
+         "max_staleness": 2, "reuse_params": "calib_trees=2,calib_level=0.5,calib_draws=1,"
+                         "min_trajectories=1"}
 
 
 @pytest.mark.slow
@@ -582,7 +651,8 @@ def test_new_rules_train_and_utd_counts_extra_passes(tmp_path: Path, rule: str) 
     optimizer passes over the stored trees' parts, counted in the metrics; P1 reports the
     forward tokens it saved."""
     cfg = load_config(None, {**SMALL, "reuse": rule, "steps": 3, "n_total": 2,
-                             "max_new_tokens": 24, "reuse_params": "stored_passes=3",
+                             "max_new_tokens": 24,
+                             "reuse_params": "stored_passes=3,min_trajectories=1",
                              "store": str(tmp_path / "s"), "out": str(tmp_path / "o")})
     train(cfg)
     m = read_metrics(cfg.store, "r")

@@ -33,7 +33,8 @@ REUSE_SETTINGS = {"env": "calc", "policy": "tiny", "sampler": "group", "credit":
                   "steps": 4, "tasks_per_step": 2, "n_total": 3, "heldout_tasks": 0,
                   "max_new_tokens": 24, "minibatches": 2, "seed": 7, "progress": False,
                   "run_id": "golden", "reuse_per_step": 2, "max_staleness": 2,
-                  "reuse_params": "calib_trees=2,calib_draws=1,refresh_cap=6"}
+                  "reuse_params": "calib_trees=2,calib_level=0.5,calib_draws=1,refresh_cap=6,"
+                                 "min_trajectories=1"}
 REUSE_METRICS = ("loss", "reward", "grad_norm", "new_tool_steps", "reuse_trees",
                  "reuse_new_tool_steps", "reuse_pairs_reuse", "reuse_pairs_transport",
                  "reuse_pairs_refresh", "is_weight_mean")

@@ -34,7 +34,7 @@ calc, a local store, DuckDB):
 4. **references**: Mean@k for every child of a branching node of the collected trees
    (``train.sampling.references``);
 5. **audit**: ``ranking_job`` (E10-E11, pooled and per sampler);
-6. **train**: ``train.trainer.train`` with ``reuse="dsc"`` over the collected trees,
+6. **train**: ``train.trainer.train`` with ``reuse="transport"`` over the collected trees,
    held-out success before, during and after (the trainer's ``metrics``);
 7. **report**: ``analysis.demo_report`` (store and result files only) and a summary
    table.
@@ -235,8 +235,11 @@ class DemoConfig:
     """Sampler of the fresh training trees."""
     train_credit: str = "grpo"
     """Credit of the training run (also applied to the reused stored trees)."""
-    reuse: ReuseMode = "dsc"
-    """Stored-tree reuse rule of the training run (``TrainConfig.reuse``)."""
+    reuse: ReuseMode = "transport"
+    """Stored-tree reuse rule of the training run (``TrainConfig.reuse``). ``transport``
+    (D3-D5: the stored returns moved to the current weights, no new tool step): the
+    collected trees hold about one trajectory per compared action, too thin for the gated
+    rules (``dsc`` and ``gap-gate`` refuse them; docs/METHODS.md section 9)."""
     reuse_per_step: int = 8
     """Stored trees drawn per iteration besides the fresh ones (a refreshed tree costs at
     most its own tool steps: ``ReuseParams.refresh_cap``)."""

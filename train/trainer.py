@@ -816,16 +816,19 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         staleness: dict[str, int] = {}
         batch_trees = list(trees)
         if reuse is not None:
-            got = reuse.step(store, model, current, partial(make_env, config.env),
-                             env_name=config.env, it=it,
-                             run_id=run_id, seed=config.seed, out=out,
-                             credit_for=partial(credit_for, config=config),
-                             credit_key=stored_credit_key(config),
-                             layout=config.layout, micro_tokens=config.micro_tokens,
-                             row_tokens=config.tree_row_tokens or None,
-                             max_new_tokens=config.max_new_tokens,
-                             temperature=config.temperature, key=key,
-                             rename=partial(as_retry, attempt=attempt) if retry else None)
+            try:
+                got = reuse.step(store, model, current, partial(make_env, config.env),
+                                 env_name=config.env, it=it,
+                                 run_id=run_id, seed=config.seed, out=out,
+                                 credit_for=partial(credit_for, config=config),
+                                 credit_key=stored_credit_key(config),
+                                 layout=config.layout, micro_tokens=config.micro_tokens,
+                                 row_tokens=config.tree_row_tokens or None,
+                                 max_new_tokens=config.max_new_tokens,
+                                 temperature=config.temperature, key=key,
+                                 rename=partial(as_retry, attempt=attempt) if retry else None)
+            except ReuseError as exc:  # e.g. every stored tree too thin for a gated rule
+                raise TrainError(str(exc)) from exc
             credit.update(got.credit)
             seqs += got.seqs
             batch_trees += got.trees

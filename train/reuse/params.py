@@ -5,6 +5,7 @@ names of the reuse rules: the one module of ``train.reuse`` that ``train.config`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -21,6 +22,12 @@ CALIB_FRAC: float = 0.25
 GATE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(DSCGateParams))
 """The gate's keys (kappas and residual variances), given flat as ``--reuse-param`` keys."""
 _KAPPAS = ("kappa_R", "kappa_delta", "kappa_T")
+
+
+def calib_needed(level: float) -> int:
+    """The fewest calibration trees n whose split-conformal order statistic certifies
+    ``level``: ceil((n + 1) level) <= n, i.e. n >= level / (1 - level) (19 at 0.95)."""
+    return max(1, math.ceil(level / (1.0 - level) - 1e-9))
 
 
 class ReuseError(ValueError):
@@ -40,12 +47,19 @@ class ReuseParams:
     calibrate: bool = True
     """``dsc``: calibrate the kappas (D7) on the calibration split; off when any kappa is
     given (unless ``calibrate`` is given too)."""
-    calib_trees: int = 6
-    """Calibration-split trees the calibration waits for and uses."""
+    calib_trees: int = 38
+    """Calibration-split trees the calibration waits for and uses; they alternate calib /
+    dev, so D7 at ``calib_level`` needs at least ``2 * calib_needed(calib_level) - 1``
+    (37 at 0.95: 19 calib trees) and a calibrating rule refuses fewer."""
     calib_draws: int = 4
     """New trajectories per root action and policy (mu, pi) for the calibration targets."""
     calib_level: float = 0.95
     """D7 conformal level of the kappas."""
+    min_trajectories: int = 8
+    """Gated rules (``dsc``, ``gap-gate``): a stored tree none of whose gated pairs holds
+    this many trajectories on both sides is refused (skip reason ``thin``; an iteration
+    whose every stored tree is thin stops the run with a ``ReuseError``); 1 turns the
+    refusal off. Default ``FEASIBLE_TRAJECTORIES`` (docs/METHODS.md section 9)."""
     kappa_e: float = 2.0
     """Refresh protocol: a pair is resolved when |m_L - m_c| > kappa_e sqrt(v_L + v_c)."""
     refresh_batch: int = 4
@@ -84,9 +98,9 @@ class ReuseParams:
         p = cls(gate=DSCGateParams(**gate_kw), **out)
         if p.refresh_cap < 0:
             raise ValueError("refresh_cap must be >= 0 (0: the stored tree's own tool steps)")
-        if p.refresh_batch < 1 or p.calib_trees < 1 or p.calib_draws < 1:
-            raise ValueError("refresh_batch, calib_trees and calib_draws must "
-                             "be >= 1")
+        if min(p.refresh_batch, p.calib_trees, p.calib_draws, p.min_trajectories) < 1:
+            raise ValueError("refresh_batch, calib_trees, calib_draws and min_trajectories "
+                             "must be >= 1")
         if not 0.0 < p.calib_level < 1.0:
             raise ValueError(f"calib_level must be in (0, 1), got {p.calib_level}")
         if not p.m2po_threshold >= 0:
@@ -94,6 +108,20 @@ class ReuseParams:
         if p.stored_passes < 1:
             raise ValueError(f"stored_passes must be >= 1, got {p.stored_passes}")
         return p
+
+    def calibration_problem(self) -> str | None:
+        """Why this calibration cannot certify its level (too few calib trees: the split
+        trees alternate calib / dev, so ``calib_trees`` give ``ceil(calib_trees / 2)``),
+        or None (also when ``calibrate`` is off)."""
+        if not self.calibrate:
+            return None
+        need = calib_needed(self.calib_level)
+        if (self.calib_trees + 1) // 2 >= need:
+            return None
+        return (f"D7 calibration at calib_level={self.calib_level:g} needs {need} calib "
+                f"trees (calib_trees >= {2 * need - 1}; the split alternates calib / dev), "
+                f"calib_trees={self.calib_trees} gives {(self.calib_trees + 1) // 2}: raise "
+                f"calib_trees, lower calib_level, or give the kappas (calibration off)")
 
     def with_kappas(self, values: Mapping[str, float]) -> ReuseParams:
         """A copy with the kappas / residual variances in ``values`` (keys of ``kappas``)."""
@@ -113,4 +141,5 @@ class ReuseParams:
         return out
 
 
-__all__ = ["CALIB_FRAC", "GATE_FIELDS", "REUSE_MODES", "ReuseError", "ReuseMode", "ReuseParams"]
+__all__ = ["CALIB_FRAC", "GATE_FIELDS", "REUSE_MODES", "ReuseError", "ReuseMode", "ReuseParams",
+           "calib_needed"]

@@ -90,6 +90,9 @@ class Rule:
     """Refresh draws continue from stored snapshots: trees without one are skipped."""
     calibrates: bool = False
     """The gate's kappas come from a D7 calibration (``train.reuse.calibrate``)."""
+    gated: bool = False
+    """A gate decides each pair from its stored data: trees too thin for any pair to be
+    resolved are refused (``ReuseParams.min_trajectories``)."""
     weight: Literal["truncate", "m2po"] = "truncate"
     """Stored tokens' behaviour weight: G8 (``TrainConfig.is_mode`` above ``is_cap``) or
     M1 (M2PO: mask the largest squared log-ratios, the weight otherwise untruncated)."""
@@ -101,13 +104,13 @@ class Rule:
 RULES: dict[str, Rule] = {
     "all": Rule("all", _every_child("reuse"), "reuse"),
     "transport": Rule("transport", _every_child("transport"), "transport"),
-    "dsc": Rule("dsc", _gated, "dsc", needs_snapshots=True, calibrates=True),
+    "dsc": Rule("dsc", _gated, "dsc", needs_snapshots=True, calibrates=True, gated=True),
     "refresh": Rule("refresh", _every_child("refresh"), "refresh", needs_snapshots=True),
     "m2po": Rule("m2po", _every_child("reuse"), "m2po", weight="m2po"),  # M1
     "prox-interp": Rule("prox-interp", _every_child("reuse"), "prox-interp",
                         prox="interp"),  # P1
     "gap-gate": Rule("gap-gate", _gap_gated, "gap-gate", needs_snapshots=True,
-                     calibrates=True),  # GG1
+                     calibrates=True, gated=True),  # GG1
 }
 """The reuse rules by name (``TrainConfig.reuse``; ``none`` is no rule)."""
 assert tuple(RULES) == REUSE_MODES[1:], "train.reuse.params.REUSE_MODES names the rules"
@@ -220,14 +223,43 @@ binary returns, more than any gap, so the gate can only refresh; 8 a side brings
 about 0.5 (docs/METHODS.md section 9, "Feasible pairs")."""
 
 
-def feasible_pairs(leaves: Mapping[int, Sequence[int]], plain: Mapping[int, float]) -> int:
-    """Of a comparison's A - 1 pairs (the child with the best stored mean ``plain``, ties
-    to the first, against each other child), those with at least ``FEASIBLE_TRAJECTORIES``
-    trajectories (``leaves``) on both sides."""
+def _pair_sizes(leaves: Mapping[int, Sequence[int]], plain: Mapping[int, float]) -> list[int]:
+    """Per leader-versus-competitor pair of a comparison (the child with the best stored
+    mean ``plain``, ties to the first, against each other child), the trajectories
+    (``leaves``) on its thinner side."""
     children = list(leaves)
     leader = max(children, key=lambda c: (plain[c], -children.index(c)))
-    return sum(min(len(leaves[leader]), len(leaves[c])) >= FEASIBLE_TRAJECTORIES
-               for c in children if c != leader)
+    return [min(len(leaves[leader]), len(leaves[c])) for c in children if c != leader]
+
+
+def feasible_pairs(leaves: Mapping[int, Sequence[int]], plain: Mapping[int, float],
+                   need: int = FEASIBLE_TRAJECTORIES) -> int:
+    """Of a comparison's A - 1 pairs (``_pair_sizes``), those with at least ``need``
+    trajectories on both sides."""
+    return sum(n >= need for n in _pair_sizes(leaves, plain))
+
+
+def thickest_gated_pair(tree: Tree) -> int | None:
+    """The most trajectories that one gated pair of ``tree`` holds on its thinner side (a
+    pair of a comparison with a step below its forced actions, where the gate decides);
+    None when the tree has no such comparison (every pair is reused soundly). A gated
+    rule can resolve a stored gap only when this reaches ``FEASIBLE_TRAJECTORIES``."""
+    children = tree.children()
+    by_id = {n.node_id: n for n in tree.nodes}
+    below: dict[int, list[int]] = {}
+    for node in reversed(list(tree.preorder())):  # children before parents
+        kids = children.get(node.node_id, [])
+        below[node.node_id] = ([x for c in kids for x in below[c]] if kids
+                               else [node.node_id])
+    best: int | None = None
+    for kids in children.values():
+        if len(kids) < 2 or not any(children.get(c) for c in kids):
+            continue
+        leaves = {c: below[c] for c in kids}
+        plain = {c: float(np.mean([float(by_id[x].reward or 0.0) for x in leaves[c]]))
+                 for c in kids}
+        best = max(best or 0, *_pair_sizes(leaves, plain))
+    return best
 
 
 def _stats(values: Sequence[float]) -> tuple[float, float, int]:
@@ -299,4 +331,5 @@ def tool_steps(tree: Tree) -> int:
 
 __all__ = ["DECISIONS", "FEASIBLE_TRAJECTORIES", "RULES", "Comparison", "Decision", "ProxLogp",
            "Resolution", "Rule", "dsc_extras", "feasible_pairs", "get_rule", "resolve_tree",
+           "thickest_gated_pair",
            "tool_steps", "with_returns"]

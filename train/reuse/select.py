@@ -32,10 +32,13 @@ from rollout_store.sqlguard import (
 from rollout_store.store import Store
 from rollout_store.tree import Tree
 from train.reuse.params import CALIB_FRAC, ReuseError
+from train.reuse.resolve import thickest_gated_pair
 from train.sampling.base import mix_seed
 
 SKIP_REASONS: tuple[str, ...] = ("stale", "other_env", "unknown_version", "other_tokenizer",
-                                 "no_logprobs", "no_snapshot")
+                                 "no_logprobs", "no_snapshot", "thin")
+"""Why a stored tree is not trained on; ``thin`` is the gated rules' refusal
+(``refuse_thin``)."""
 _STEP = re.compile(r"step-(\d+)/?$")
 
 
@@ -179,6 +182,31 @@ def select_stored(store: Store, *, reuse_from: str, run_id: str, env: str, itera
     return Selection(out, stale, skipped, calib, store)
 
 
+def refuse_thin(sel: Selection, need: int, *, rule: str, iteration: int) -> Selection:
+    """``sel`` without its thin trees (``thickest_gated_pair`` below ``need``; counted as
+    skip reason ``thin``). ``ReuseError`` when every selected tree is thin: a gated rule
+    could then only refresh, at the cost of collecting them again."""
+    keep: list[int] = []
+    most = 0
+    for i, tree in enumerate(sel.trees):
+        got = thickest_gated_pair(tree)
+        if got is None or got >= need:
+            keep.append(i)
+        else:
+            most = max(most, got)
+    if sel.trees and not keep:
+        raise ReuseError(
+            f"reuse {rule}: all {len(sel.trees)} stored trees of iteration {iteration} are "
+            f"too thin to gate (the best pair has {most} trajector{'y' if most == 1 else 'ies'}"
+            f" a side, the gate needs {need}): store denser trees (e.g. --sampler rooted "
+            f"--sampler-param n_root=2 --set n_total={2 * need}), use --reuse transport or "
+            f"refresh, or pass --reuse-param min_trajectories=1 to gate them anyway")
+    skipped = Counter(sel.skipped)
+    skipped["thin"] += len(sel.trees) - len(keep)
+    return Selection([sel.trees[i] for i in keep], [sel.staleness[i] for i in keep],
+                     skipped, sel.calib, sel.store)
+
+
 def tree_problem(tree: Tree, need_snapshots: bool) -> str | None:
     """The ``SKIP_REASONS`` entry that rules out training on ``tree``, or None."""
     for n in tree.nodes:
@@ -193,4 +221,4 @@ def tree_problem(tree: Tree, need_snapshots: bool) -> str | None:
 
 
 __all__ = ["SKIP_REASONS", "Selection", "check_reuse", "in_calib_split", "policy_step",
-           "reuse_filter", "select_stored", "split_hash", "tree_problem"]
+           "refuse_thin", "reuse_filter", "select_stored", "split_hash", "tree_problem"]

@@ -39,12 +39,12 @@ from train.credit.store_io import complete_credit, stored_credit
 from train.loss import ISMode, behaviour_weight
 from train.policies.base import Policy
 from train.reuse.calibrate import gate_params
-from train.reuse.params import ReuseParams
+from train.reuse.params import ReuseError, ReuseParams
 from train.reuse.refresh import refresh_trees
 from train.reuse.resolve import DECISIONS, Rule, get_rule, resolve_tree, tool_steps, with_returns
 from train.reuse.runfiles import log_line, read_record, write_params
 from train.reuse.score import score_actions
-from train.reuse.select import SKIP_REASONS, Selection, check_reuse, select_stored
+from train.reuse.select import SKIP_REASONS, Selection, check_reuse, refuse_thin, select_stored
 from train.sampling.base import mix_seed
 from train.sampling.engine import EnvSource
 
@@ -242,7 +242,11 @@ class ReuseStage:
         return self.params.stored_passes
 
     def check(self, store: Store, run_id: str) -> None:
-        """Refuse a bad ``reuse_from`` before training (``ReuseError``)."""
+        """Refuse before training (``ReuseError``) a bad ``reuse_from``, or a calibrating
+        rule's D7 calibration with too few trees to certify its level."""
+        problem = self.params.calibration_problem() if self.rule.calibrates else None
+        if problem is not None:
+            raise ReuseError(f"reuse {self.rule.name}: {problem}")
         check_reuse(store, self.reuse_from, run_id)
 
     def start(self, out: Path) -> None:
@@ -269,6 +273,9 @@ class ReuseStage:
                             per_step=self.per_step, seed=seed,
                             need_snapshots=self.rule.needs_snapshots,
                             tokenizer_dir=policy.policy_ref)
+        if self.rule.gated:
+            sel = refuse_thin(sel, self.params.min_trajectories, rule=self.rule.name,
+                              iteration=it)
         return self._after_select(sel, store, model, policy, env, it=it, run_id=run_id,
                                   seed=seed, out=out, credit_for=credit_for, layout=layout,
                                   micro_tokens=micro_tokens, row_tokens=row_tokens,
