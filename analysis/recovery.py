@@ -13,7 +13,10 @@ first error, random error):
 * paired differences between arms on the trajectories where both are defined
   (the same bootstrap), and the paper's ordering as verdicts
   (``analysis.verdicts``): first irrecoverable > first error > random error on the
-  exact rate.
+  exact rate, and first irrecoverable > the position-matched random error (a random
+  error at or before t_irr), which separates localization from position;
+* recovery stratified by the fixed step's position relative to t_irr (before, at,
+  after; first, random and matched error arms) and by horizon.
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ from analysis.report import (
 from analysis.stats import cluster_bootstrap_means, percentile_ci
 from analysis.verdicts import verdict, verdict_lines
 
-ARMS = ("first_irrecoverable", "first_error", "random_error", "random_step")
+ARMS = ("first_irrecoverable", "first_error", "random_error", "random_step", "matched_error")
 PAPER_FIG1 = {"first_irrecoverable": 0.328, "first_error": 0.236, "random_error": 0.042,
-              "random_step": math.nan}  # random step: our second reading of "random error"
+              "random_step": math.nan,  # random step: our second reading of "random error"
+              "matched_error": math.nan}  # the position-matched control: not in the paper
+POSITIONS = ("before", "at", "after")
+"""Where a fixed step lies relative to the first irrecoverable step t_irr."""
 PAPER_TEXT = "AIME25: first irrecoverable 32.8% > first error 23.6% > random error 4.2%"
 
 
@@ -128,16 +134,72 @@ def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
             finite = bool(np.isfinite(v).all())
             diffs[key] = {"value": float(v.mean()),
                           "ci95": percentile_ci(boot[key]) if finite else [math.nan] * 2}
+    matched = con.sql("""
+        SELECT a.task_id, a.exact_recovery AS irr, m.exact_recovery AS mat,
+               a.successes / a.resamples AS s_irr, m.successes / m.resamples AS s_mat
+        FROM src a JOIN src m USING (trajectory)
+        WHERE a.arm = 'first_irrecoverable' AND m.arm = 'matched_error'
+              AND m.step IS NOT NULL
+        ORDER BY a.trajectory""").fetchnumpy()
+    n_matched = len(matched["task_id"])
+    if n_matched:
+        vals = {"irr-mat": _floats(matched["irr"]) - _floats(matched["mat"]),
+                "s:irr-mat": _floats(matched["s_irr"]) - _floats(matched["s_mat"])}
+        boot = cluster_bootstrap_means(vals, np.asarray(matched["task_id"]), n_boot, seed + 2)
+        for key, v in vals.items():
+            finite = bool(np.isfinite(v).all())
+            diffs[key] = {"value": float(v.mean()),
+                          "ci95": percentile_ci(boot[key]) if finite else [math.nan] * 2}
     counts = con.sql("""
         SELECT count(DISTINCT trajectory), count(DISTINCT task_id),
                count(DISTINCT trajectory) FILTER (WHERE n_errors = 0)
         FROM src""").fetchall()[0]
     same = np.asarray(paired["same_step"], bool) if n_paired else np.zeros(0, bool)
-    return {"arms": arms, "paired": diffs, "n_paired": n_paired,
+    return {"arms": arms, "paired": diffs, "n_paired": n_paired, "n_matched": n_matched,
+            "by_position": _by_position(con), "by_horizon": _by_horizon(con),
             "n_trajectories": int(counts[0]), "n_tasks": int(counts[1]),
             "n_without_error": int(counts[2]),
             "first_error_is_first_irrecoverable": float(same.mean()) if same.size
             else math.nan}
+
+
+def _cell(n: Any, exact: Any, sampled: Any) -> dict[str, Any]:
+    return {"n": int(n), "exact": math.nan if exact is None else float(exact),
+            "sampled": math.nan if sampled is None else float(sampled)}
+
+
+def _by_position(con: Any) -> dict[str, dict[str, dict[str, Any]]]:
+    """{arm: {position: {n, exact, sampled}}} of the error arms, position = the fixed
+    step before, at or after the trajectory's t_irr (mean recovery, no interval)."""
+    got = con.sql("""
+        SELECT arm, CASE WHEN step < first_irrecoverable THEN 'before'
+                         WHEN step = first_irrecoverable THEN 'at' ELSE 'after' END AS pos,
+               count(*), avg(exact_recovery), sum(successes) / sum(resamples)
+        FROM src WHERE step IS NOT NULL
+             AND arm IN ('first_error', 'random_error', 'matched_error')
+        GROUP BY ALL""").fetchall()
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for arm, pos, n, exact, sampled in got:
+        out.setdefault(str(arm), {})[str(pos)] = _cell(n, exact, sampled)
+    return out
+
+
+def _by_horizon(con: Any) -> dict[str, dict[str, dict[str, Any]]]:
+    """{horizon: {arm: {n, exact, sampled}}} (workflow rows; calc has no horizon), with
+    ``errors_after_irr`` the share of trajectories whose random error lies after t_irr
+    (a uniform pick per trajectory: the trajectory-weighted share of error steps)."""
+    got = con.sql("""
+        SELECT horizon, arm, count(*), avg(exact_recovery), sum(successes) / sum(resamples),
+               avg(CASE WHEN step > first_irrecoverable THEN 1.0 ELSE 0.0 END)
+        FROM src WHERE step IS NOT NULL AND horizon IS NOT NULL
+        GROUP BY ALL ORDER BY horizon, arm""").fetchall()
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for horizon, arm, n, exact, sampled, after in got:
+        cell = _cell(n, exact, sampled)
+        if arm == "random_error":
+            cell["errors_after_irr"] = float(after)
+        out.setdefault(str(horizon), {})[str(arm)] = cell
+    return out
 
 
 RECOVERY_DELTA = 0.02
@@ -151,12 +213,17 @@ def recovery_verdicts(summary: dict[str, Any], env: str = "workflow"
     sampled where there is no exact value (calc)."""
     out = []
     kind = "exact" if env == "workflow" else "sampled"
-    for key, (a, b) in (("irr-err", ("first irrecoverable", "first error")),
-                        ("err-rnd", ("first error", "random error"))):
+    for key, (a, b, fixed) in (
+            ("irr-err", ("first irrecoverable", "first error", "the first error step")),
+            ("err-rnd", ("first error", "random error", "a random error step")),
+            ("irr-mat", ("first irrecoverable", "matched error",
+                         "a random error step at or before t_irr (position-matched)"))):
         k = key if kind == "exact" else f"s:{key}"
+        if k not in summary["paired"] and key == "irr-mat":
+            continue  # a study from before the matched arm existed
         d = summary["paired"].get(k, {"value": math.nan, "ci95": [math.nan, math.nan]})
         out.append(verdict(f"Fig. 1 ({env}): fixing the {a} step recovers more than fixing "
-                           f"the {b} step", f"paired {kind} recovery difference {a} - {b}",
+                           f"{fixed}", f"paired {kind} recovery difference {a} - {b}",
                            d["value"], d["ci95"], 0.0, "above", PAPER_TEXT,
                            delta=RECOVERY_DELTA).to_json())
     return out
@@ -172,8 +239,10 @@ def recovery_report(results: dict[str, Any]) -> str:
               "## Definitions [R]", "",
               "- workflow: first irrecoverable step = the first step after which success has "
               "probability 0 under every policy (exact reachability); error step: "
-              f"V*(s) - Q*(s, a) > {c['tau_err']} for the action a taken in the state s "
-              "before the step (optimal values of the full state); fix = restore the state "
+              f"V*(v) - Q*(v, a) > {c['tau_err']} for the action a taken before the step, v "
+              f"the {c.get('error_state', 'full')} state before it (visible: what the agent "
+              "sees, hidden flags off; full: hidden flags included, so no error can follow "
+              "t_irr); fix = restore the state "
               "before the step, take argmax_a Q*(s, a), continue with mu; recovered = the "
               "continuation succeeds; exact recovery = Q_mu(s, a*).",
               "- calc: first irrecoverable step = BEL's t_crit on its tau* (the tiny "
@@ -182,7 +251,10 @@ def recovery_report(results: dict[str, Any]) -> str:
               "scripted expert's action (CalcEnv.expert_action) at the step's state, then "
               "the policy; sampled only.",
               "- random step (our second reading of the paper's \"random error step\"): one "
-              "of steps 1..K uniformly, error or not (no verdict).", "",
+              "of steps 1..K uniformly, error or not (no verdict).",
+              "- matched error (the position-matched control, not in the paper): a random "
+              "error step at or before t_irr, the window the first irrecoverable step lies "
+              "in; trajectories without such an error have no matched arm.", "",
               "Plots: " + ", ".join(f"`{p}`" for p in results["plots"]), "",
               f"Reproduce: `rtrees study elpo-fig1 --out DIR` with the settings in "
               f"`results.json` ({results['seconds']:.0f} s of data generation here)."]
@@ -197,7 +269,7 @@ def _env_lines(env: str, s: dict[str, Any], c: dict[str, Any]) -> list[str]:
                      fmt_ci(r["sampled"], r["sampled_ci95"]),
                      fmt(r.get("action_changed", math.nan)), fmt(r.get("mean_step", math.nan), 2),
                      f"{PAPER_FIG1[arm]:.1%}" if math.isfinite(PAPER_FIG1[arm])
-                     else "(4.2%: other reading)"])
+                     else "(4.2%: other reading)" if arm == "random_step" else "-"])
     who = (f"failed trajectories of mu (up to {c['failures_per_task']} per task)"
            if env == "workflow" else "BEL-localized failed trajectories (tau*, one per tree)")
     lines = [
@@ -213,9 +285,32 @@ def _env_lines(env: str, s: dict[str, Any], c: dict[str, Any]) -> list[str]:
               fmt_ci(s["paired"]["s:" + k]["value"], s["paired"]["s:" + k]["ci95"])]
              for k, name in (("irr-err", "first irrecoverable - first error"),
                              ("err-rnd", "first error - random error"),
-                             ("err-stp", "first error - random step")) if k in s["paired"]]
-    lines += [markdown_table(["difference", "exact", "sampled"], drows), "",
-              f"The first error step is the first irrecoverable step on "
+                             ("err-stp", "first error - random step"),
+                             ("irr-mat", "first irrecoverable - matched error"))
+             if k in s["paired"]]
+    lines += [markdown_table(["difference", "exact", "sampled"], drows), ""]
+    if s.get("by_position"):
+        prow = []
+        for arm, cells in s["by_position"].items():
+            prow.append([arm.replace("_", " "), *(
+                f"{fmt(cells[p]['exact'])} / {fmt(cells[p]['sampled'])} (n {cells[p]['n']})"
+                if p in cells else "-" for p in POSITIONS)])
+        lines += ["Recovery (exact / sampled) by where the fixed step lies relative to the "
+                  "first irrecoverable step t_irr:", "",
+                  markdown_table(["step fixed", "before t_irr", "at t_irr", "after t_irr"],
+                                 prow), ""]
+    if s.get("by_horizon"):
+        hrow = []
+        for horizon, cells in s["by_horizon"].items():
+            hrow.append([horizon, *(f"{fmt(cells[a]['exact'])} (n {cells[a]['n']})"
+                                    if a in cells else "-" for a in ARMS),
+                         fmt(cells.get("random_error", {}).get("errors_after_irr",
+                                                               math.nan))])
+        lines += ["Exact recovery by horizon (and the share of random error steps after "
+                  "t_irr):", "",
+                  markdown_table(["horizon", *(a.replace("_", " ") for a in ARMS),
+                                  "random errors after t_irr"], hrow), ""]
+    lines += [f"The first error step is the first irrecoverable step on "
               f"{fmt(s['first_error_is_first_irrecoverable'])} of those trajectories.", ""]
     return lines
 
@@ -266,5 +361,5 @@ def build_recovery_report(study_dir: Path, out: Path) -> ReportOutput:
                         (out / "report.md",))
 
 
-__all__ = ["ARMS", "PAPER_FIG1", "build_recovery_report", "recovery_envs", "recovery_report",
-           "recovery_results", "recovery_summary", "recovery_verdicts"]
+__all__ = ["ARMS", "PAPER_FIG1", "POSITIONS", "build_recovery_report", "recovery_envs",
+           "recovery_report", "recovery_results", "recovery_summary", "recovery_verdicts"]

@@ -180,6 +180,7 @@ STUDY_VALUES: list[tuple[str, str, str]] = [
     ("dsc-table2", "margin", "inf"), ("elpo-fig3", "n_boot", "0"),
     ("elpo-fig3", "mu_noise", "nan"), ("elpo-fig3", "k", "10000000"),
     ("elpo-fig1", "n_boot", "0"), ("elpo-fig1", "tau_err", "nan"),
+    ("elpo-fig1", "error_state", "hidden"),
     ("table1", "seeds", "0,1.5"), ("table1", "steps", "1e9")]
 
 

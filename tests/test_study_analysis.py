@@ -102,6 +102,12 @@ def test_recovery_summary_of_a_hand_written_file(tmp_path: Path) -> None:
                          "resamples": 4})
     rows.append({**rows[0], "trajectory": "b/1", "task_id": "b", "arm": "first_error",
                  "step": None, "n_errors": 0})
+    # the position-matched control: a/1 has no error at or before t_irr
+    for traj, task, step, value in (("a/0", "a", 1, 0.3), ("a/1", "a", None, None),
+                                    ("b/0", "b", 2, 0.1)):
+        rows.append({**rows[0], "trajectory": traj, "task_id": task, "arm": "matched_error",
+                     "step": step, "exact_recovery": value,
+                     "successes": None if value is None else round(4 * value)})
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "recovery.parquet")
     (tmp_path / "study.json").write_text(json.dumps({
         "study": "elpo-fig1", "recovery_path": "recovery.parquet", "seconds": 0.0,
@@ -114,5 +120,15 @@ def test_recovery_summary_of_a_hand_written_file(tmp_path: Path) -> None:
     assert arms["first_error"]["n"] == 3  # the row without a step is left out
     assert res["summary"]["paired"]["irr-err"]["value"] == pytest.approx(
         ((0.2 - 0.6) + 0.0 + (0.0 - 0.5)) / 3)
-    assert [v["verdict"] for v in res["verdicts"]] == ["inferior", "superior"]
+    assert res["summary"]["paired"]["irr-mat"]["value"] == pytest.approx(
+        ((0.2 - 0.3) + (0.0 - 0.1)) / 2)
+    assert res["summary"]["n_matched"] == 2 and arms["matched_error"]["n"] == 2
+    by_pos = res["summary"]["by_position"]
+    assert by_pos["first_error"] == {"at": {"n": 3, "exact": pytest.approx(0.5),
+                                            "sampled": pytest.approx(6 / 12)}}
+    assert by_pos["matched_error"]["before"]["n"] == 1
+    assert by_pos["matched_error"]["at"]["exact"] == pytest.approx(0.1)
+    assert res["summary"]["by_horizon"]["6"]["random_error"]["errors_after_irr"] == 0.0
+    assert [v["verdict"] for v in res["verdicts"]][:2] == ["inferior", "superior"]
+    assert len(res["verdicts"]) == 3 and "position-matched" in res["verdicts"][2]["claim"]
     assert (tmp_path / "report.md").read_text().startswith("# ELPO Fig. 1")

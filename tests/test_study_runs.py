@@ -102,12 +102,36 @@ def test_elpo_fig1_small(tmp_path: Path) -> None:
     assert all(0.0 <= arms[a]["exact"] <= 1.0 for a in arms if arms[a]["n"])
     calc = res["envs"]["calc"]["arms"]
     assert all(0.0 <= calc[a]["sampled"] <= 1.0 for a in calc if calc[a]["n"])
-    assert len(res["verdicts"]) == 4
+    # workflow: three claims (the matched control among them); calc: two or three (the
+    # matched arm needs an error at or before BEL's t_crit)
+    assert sum("(workflow)" in v["claim"] for v in res["verdicts"]) == 3
+    assert len(res["verdicts"]) in (5, 6)
 
 
 def test_elpo_fig1_workflow_only_small(tmp_path: Path) -> None:
     res = _run_and_rebuild(tmp_path, "elpo-fig1", "--param", "envs=workflow")
-    assert set(res["envs"]) == {"workflow"} and len(res["verdicts"]) == 2
+    assert set(res["envs"]) == {"workflow"} and len(res["verdicts"]) == 3
+
+
+def test_fig1_errors_on_the_visible_state_can_follow_the_first_irrecoverable_step(
+        tmp_path: Path) -> None:
+    """On the full state every action after t_irr has Q* = 0, so no error (and no fixed
+    error step) lies after it; on the visible state some do, and fixing them never
+    recovers (the state is dead). The matched control never lies after t_irr."""
+    from analysis.recovery import recovery_results
+    from train.studies.recovery import RecoveryConfig, run_recovery_study
+
+    got = {}
+    for state in ("full", "visible"):
+        config = RecoveryConfig(n_tasks=12, envs=("workflow",), n_boot=50, error_state=state)
+        got[state] = recovery_results(run_recovery_study(tmp_path / state, config).parent)
+    full = got["full"]["summary"]["by_position"]
+    assert all("after" not in cells for cells in full.values()), full
+    visible = got["visible"]["summary"]
+    after = visible["by_position"]["random_error"]["after"]
+    assert after["n"] > 0 and after["exact"] == 0.0
+    assert "after" not in visible["by_position"]["matched_error"]
+    assert set(visible["by_horizon"]) == {"12", "18", "24"}
 
 
 def test_study_bad_input_is_one_line(tmp_path: Path) -> None:

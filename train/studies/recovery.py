@@ -14,10 +14,16 @@ On ``workflow`` every term is exact [R; docs/METHODS.md section 8.1]:
   ground truth t_crit);
 * an *error step* is a step k (1-based, action a_k taken in s_{k-1}) whose action loses
   more than ``tau_err`` of the best achievable success probability:
-  V*(s_{k-1}) - Q*(s_{k-1}, a_k) > tau_err (V*, Q*: the optimal values of the full
-  state). The *first error step* is the smallest such k; a *random error step* is one of
-  them drawn uniformly (seeded). Steps after t_irr are never errors (every action
-  there has Q* = 0);
+  V*(v_{k-1}) - Q*(v_{k-1}, a_k) > tau_err, with V*, Q* the optimal values and v_{k-1}
+  the state the agent sees (``error_state="visible"``, the default: the observable
+  part of s_{k-1}, hidden flags off, ``workflow_study.visible_state``) or the full state
+  (``error_state="full"``). On the full state no step after t_irr can be an error
+  (every action there has Q* = 0), so "an error after the first irrecoverable step"
+  cannot exist; on the visible state it can, as for an agent that cannot see the hidden
+  corruption. The *first error step* is the smallest such k; a *random error step* is
+  one of them drawn uniformly (seeded); the *matched error step* (the position-matched
+  control) is one drawn uniformly from the error steps at or before t_irr, the window
+  in which the first irrecoverable step itself lies and a fix can still succeed;
 * to *fix* step k: restore the environment to s_{k-1} (the snapshot before step k),
   take the optimal action argmax_a Q*(s_{k-1}, a) (``OptimalValues.best_action``; it
   may equal a_k when the step failed by its tool outcome, not its choice), and continue
@@ -28,7 +34,9 @@ On ``workflow`` every term is exact [R; docs/METHODS.md section 8.1]:
   (``workflow_study.sample_from``: ``Continuing.begin`` from the snapshot, reseeded).
 
 A failed trajectory without an error step (it failed by tool outcomes alone) has no
-first / random error arm; the report counts them. A fourth arm, *random step* (one of
+first / random error arm, and one without an error at or before t_irr no matched arm;
+the report counts them and stratifies recovery by the fixed step's position relative to
+t_irr (before, at, after) and by horizon. A fourth arm, *random step* (one of
 steps 1..K uniformly, error or not, so often after t_irr where no fix can help), reads
 "random error step" the other way, as a step picked without localization.
 
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +65,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from train.coerce import check_bounds, check_types
-from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
+from train.envs.workflow import WorkflowEnv
+from train.envs.workflow_model import State, WorkflowModel
 from train.studies import STUDY_MAXIMA
 from train.studies.workflow_study import (
     base_policy,
@@ -66,10 +76,28 @@ from train.studies.workflow_study import (
     stream_key,
     task_model,
     tool_name,
+    visible_state,
     write_study,
 )
 
-ARMS = ("first_irrecoverable", "first_error", "random_error", "random_step")
+FIG1_HORIZONS: tuple[int, ...] = (12, 18, 24)
+"""Workflow horizons of the study: long enough that an error can come well before or
+after the first irrecoverable step (issue 23)."""
+
+ARMS = ("first_irrecoverable", "first_error", "random_error", "random_step", "matched_error")
+
+
+def _visible(model: WorkflowModel, state: State) -> State:
+    return visible_state(model.observe(state))
+
+
+def _full(model: WorkflowModel, state: State) -> State:
+    return state
+
+
+ERROR_STATES: dict[str, Callable[[WorkflowModel, State], State]] = {
+    "visible": _visible, "full": _full}
+"""The state an error step is judged on (``RecoveryConfig.error_state``)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +107,10 @@ class RecoveryConfig:
     n_tasks: int = 48
     """Workflow tasks (horizons cycle through ``horizons``)."""
     seed: int = 0
-    horizons: tuple[int, ...] = DEFAULT_HORIZONS
+    horizons: tuple[int, ...] = FIG1_HORIZONS
+    error_state: str = "visible"
+    """Error steps judged on the state the agent sees (``visible``) or the full state
+    (``full``, hidden flags included; ``ERROR_STATES``)."""
     failures_per_task: int = 4
     """Failed trajectories of mu per task."""
     max_attempts: int = 64
@@ -108,6 +139,9 @@ class RecoveryConfig:
         for name in ("n_tasks", "failures_per_task", "max_attempts", "resamples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.error_state not in ERROR_STATES:
+            raise ValueError(f"error_state must be one of {tuple(ERROR_STATES)}, got "
+                             f"{self.error_state!r}")
         if self.tau_err < 0:
             raise ValueError(f"tau_err must be >= 0, got {self.tau_err}")
 
@@ -150,6 +184,7 @@ def _add(rows: dict[str, list[Any]], row: dict[str, Any]) -> None:
 def _workflow_rows(config: RecoveryConfig, rows: dict[str, list[Any]]) -> tuple[int, int]:
     """The workflow rows (module docstring); returns (failed, sampled) trajectory counts."""
     env = WorkflowEnv()
+    judged = ERROR_STATES[config.error_state]
     n_failed = n_sampled = 0
     for i, task in enumerate(make_tasks(config.n_tasks, config.seed, config.horizons)):
         model = task_model(task)
@@ -171,15 +206,11 @@ def _workflow_rows(config: RecoveryConfig, rows: dict[str, list[Any]]) -> tuple[
                 continue
             t_irr = model.first_irrecoverable_step(traj.states)
             assert t_irr is not None and t_irr >= 1  # a failed end state is irrecoverable
+            seen = [judged(model, s) for s in traj.states]
             errors = [k for k in range(1, traj.steps + 1)
-                      if optimal.v(traj.states[k - 1])
-                      - optimal.q(traj.states[k - 1], traj.actions[k - 1]) > config.tau_err]
-            pick = random.Random(stream_key(config.seed, "random-error", task.task_id,
-                                            attempt))
-            steps = {"first_irrecoverable": t_irr,
-                     "first_error": errors[0] if errors else None,
-                     "random_error": pick.choice(errors) if errors else None,
-                     "random_step": pick.randint(1, traj.steps)}
+                      if optimal.v(seen[k - 1])
+                      - optimal.q(seen[k - 1], traj.actions[k - 1]) > config.tau_err]
+            steps = _arm_steps(config, errors, t_irr, traj.steps, task.task_id, attempt)
             for arm in ARMS:
                 k = steps[arm]
                 row: dict[str, Any] = {
@@ -203,6 +234,22 @@ def _workflow_rows(config: RecoveryConfig, rows: dict[str, list[Any]]) -> tuple[
             found += 1
             n_failed += 1
     return n_failed, n_sampled
+
+
+def _arm_steps(config: RecoveryConfig, errors: list[int], t_irr: int, n_steps: int,
+               *key: Any) -> dict[str, int | None]:
+    """The step each arm fixes (module docstring) for one failed trajectory: ``errors``
+    its error steps, ``t_irr`` its first irrecoverable step, ``key`` its stream key parts
+    (the random and random-step draws as before the matched arm existed; the matched
+    arm draws from a stream of its own)."""
+    pick = random.Random(stream_key(config.seed, "random-error", *key))
+    window = [k for k in errors if k <= t_irr]
+    matched = random.Random(stream_key(config.seed, "matched-error", *key))
+    return {"first_irrecoverable": t_irr,
+            "first_error": errors[0] if errors else None,
+            "random_error": pick.choice(errors) if errors else None,
+            "random_step": pick.randint(1, n_steps),
+            "matched_error": matched.choice(window) if window else None}
 
 
 def calc_error(action: str, observation: str, gold: str) -> bool:
@@ -269,11 +316,7 @@ def _calc_rows(config: RecoveryConfig, rows: dict[str, list[Any]], out: Path) ->
         errors = [k for k in range(1, len(steps) + 1)
                   if calc_error(steps[k - 1][1] or "", steps[k - 1][2] or "", gold[task_id])]
         t_crit = int(bel["t_crit"])
-        pick = random.Random(stream_key(config.seed, "random-error", tree_id))
-        arm_steps = {"first_irrecoverable": t_crit,
-                     "first_error": errors[0] if errors else None,
-                     "random_error": pick.choice(errors) if errors else None,
-                     "random_step": pick.randint(1, len(steps))}
+        arm_steps = _arm_steps(config, errors, t_crit, len(steps), tree_id)
         befores = sorted({path[k - 1][0] for k in arm_steps.values() if k is not None})
         starts = {s.node_id: s for s in load_starts(con, pa.table({
             "tree_id": [tree_id] * len(befores), "node_id": befores,
@@ -307,4 +350,4 @@ def _calc_rows(config: RecoveryConfig, rows: dict[str, list[Any]], out: Path) ->
     return n_found
 
 
-__all__ = ["ARMS", "RecoveryConfig", "run_recovery_study"]
+__all__ = ["ARMS", "ERROR_STATES", "FIG1_HORIZONS", "RecoveryConfig", "run_recovery_study"]
