@@ -207,8 +207,10 @@ class TrainConfig:
     """G8 above the cap: ``truncate`` (w = min(w, cap)) or ``mask`` (w = 0)."""
     reuse_params: dict[str, Any] = field(default_factory=dict)
     """Gate, refresh and rule knobs (``train.reuse.params.ReuseParams``): kappa_R,
-    kappa_delta, kappa_T (D7 radii), kappa_e, refresh_batch, refresh_cap (new tool steps
-    per stored tree), m2po_threshold (M1), stored_passes (update-to-data, U1)."""
+    kappa_delta, kappa_T (D7 radii), calibrate, calib_trees, calib_draws, calib_level (D7
+    calibration), min_trajectories (the gated rules' refusal of thin trees), kappa_e,
+    refresh_batch, refresh_cap (new tool steps per stored tree), m2po_threshold (M1),
+    stored_passes (update-to-data, U1)."""
     dynamic_sampling: DynamicSampling = "off"
     """Q1 (SGCD, DAPO): a tree whose leaves are all successes or all failures is
     ``resample``d (new seeds, up to ``dynamic_rounds`` more trees, the last kept) or

@@ -51,6 +51,7 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -736,7 +737,8 @@ def _table1(out: Path, config: Any) -> dict[str, Any]:
     from analysis.table1 import table1_results
     from train.studies.table1 import run_table1_study
 
-    return table1_results(run_table1_study(out, config, log=print).parent)
+    # flushed: a run takes minutes, and a redirected stdout would hold its line back
+    return table1_results(run_table1_study(out, config, log=partial(print, flush=True)).parent)
 
 
 def _register_studies() -> None:
