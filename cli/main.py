@@ -311,7 +311,7 @@ def demo(
 ) -> None:
     """The main job: tiny policy, collect (group, bel, caliper), credit (grpo, tree_grpo,
     elpo, caliper), Mean@32 ranking audit, a short training run reusing the stored trees
-    (--reuse dsc) with held-out success before and after; report in OUT. A rerun reuses
+    (--reuse transport) with held-out success before and after; report in OUT. A rerun reuses
     everything that exists."""
     from train.jobs import DemoConfig, JobError, run_demo_job
 
