@@ -156,7 +156,9 @@ def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
         FROM src""").fetchall()[0]
     same = np.asarray(paired["same_step"], bool) if n_paired else np.zeros(0, bool)
     return {"arms": arms, "paired": diffs, "n_paired": n_paired, "n_matched": n_matched,
-            "by_position": _by_position(con), "by_horizon": _by_horizon(con),
+            "by_position": _by_position(con),
+            # a file without horizons (calc-only or hand-written): no per-horizon table
+            "by_horizon": _by_horizon(con) if "horizon" in rows.column_names else {},
             "n_trajectories": int(counts[0]), "n_tasks": int(counts[1]),
             "n_without_error": int(counts[2]),
             "first_error_is_first_irrecoverable": float(same.mean()) if same.size

@@ -23,10 +23,12 @@
 # iterations, measures held-out success. Every number goes to the store's `metrics`
 # table.
 #
-# With `reuse="dsc"` each iteration also draws stored trees of earlier policy versions
-# and resolves each root-action comparison by the DSC gate: reuse the stored credit,
-# transport it to the current weights (no environment step), or refresh it with new
-# suffixes from the stored snapshots (METHODS section 9). This notebook trains the tiny
+# With `reuse="transport"` each iteration also draws stored trees of earlier policy
+# versions and moves their credit to the current weights by anchored transport (one
+# forward pass, no environment step; METHODS section 9). The gated rules (`reuse="dsc"`:
+# reuse, transport or refresh each pair) need at least 8 trajectories on each side of a
+# compared pair, which `group` trees do not have, so they would refuse these stored
+# trees; `rooted` trees have them. This notebook trains the tiny
 # `calc` policy twice from the same start, once on fresh trees only and once with
 # reuse, then reads both runs' metrics and plots the learning curves.
 #
@@ -83,8 +85,8 @@ fresh = TrainConfig(**common, out=str(WORK / "run-fresh"), run_id="fresh")
 print(train(fresh).summary())
 
 # %%
-reuse = TrainConfig(**common, out=str(WORK / "run-reuse"), run_id="reuse", reuse="dsc",
-                    reuse_per_step=REUSE_PER_STEP, max_staleness=4)
+reuse = TrainConfig(**common, out=str(WORK / "run-reuse"), run_id="reuse",
+                    reuse="transport", reuse_per_step=REUSE_PER_STEP, max_staleness=4)
 print(train(reuse).summary())
 
 # %% [markdown]
@@ -121,7 +123,7 @@ per_step.filter(pl.col("name").is_in(["loss", "reward", "heldout_sampled", "kl",
     on="name", index=["run", "step"], values="value").sort("run", "step")
 
 # %% [markdown]
-# What the reuse run did with its stored trees, per iteration: trees drawn, the gate's
+# What the reuse run did with its stored trees, per iteration: trees drawn, the rule's
 # decisions per pair, and trees skipped by reason.
 
 # %%
@@ -145,13 +147,13 @@ for run, m in metrics.items():
         ax.set_xlabel("iteration (held-out: -1 = start)")
 axes[0].set_ylabel("held-out sampled success")
 axes[0].legend()
-fig.suptitle("tiny calc policy: fresh trees only vs fresh + stored (reuse=dsc)")
+fig.suptitle("tiny calc policy: fresh trees only vs fresh + stored (reuse=transport)")
 show(fig, "learning_curve.png")
 
 # %% [markdown]
 # The trees themselves are in the store like any collected ones: one per task and
 # iteration, with its `policy_version` and the `policy_ref` of the checkpoint that
-# sampled it; the reuse run's refreshed trees carry their lineage in `trees.meta`.
+# sampled it (a refreshing rule's new trees would carry their lineage in `trees.meta`).
 
 # %%
 con = connect(STORE)
