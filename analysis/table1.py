@@ -132,11 +132,11 @@ def read_outcomes(store_dir: Path, run_id: str) -> dict[str, dict[int, dict[int,
     return out
 
 
-def read_run_outcomes(store_dir: Path, run_id: str, step: int, mode: str
-                      ) -> dict[int, float] | None:
-    """``{task_index: success}`` of one run's evaluation at metric ``step`` in ``mode``
-    (``read_outcomes``); None when the store holds no such rows."""
-    return read_outcomes(store_dir, run_id).get(mode, {}).get(step) or None
+def outcomes_at(outcomes: Mapping[str, Mapping[int, dict[int, float]]], step: int,
+                mode: str) -> dict[int, float] | None:
+    """``{task_index: success}`` at metric ``step`` in ``mode`` of one run's
+    ``read_outcomes``; None when the run has no such rows."""
+    return outcomes.get(mode, {}).get(step) or None
 
 
 def run_summary(metrics: Mapping[str, Mapping[int, float]], steps: int) -> dict[str, Any]:
@@ -248,7 +248,7 @@ def table1_results(study_dir: str | Path, out_dir: str | Path | None = None
                 row.update(run_summary(m, steps))
                 outcomes = read_outcomes(store_dir, r["run_id"])  # both modes, one read
                 for mode in ("sampled", "greedy"):
-                    row[f"tasks_{mode}"] = outcomes.get(mode, {}).get(steps - 1) or None
+                    row[f"tasks_{mode}"] = outcomes_at(outcomes, steps - 1, mode)
                 if not row["complete"]:
                     row["status"] = f"incomplete ({row['iterations']}/{steps} iterations)"
             else:
@@ -413,6 +413,6 @@ def build_table1_report(study_dir: Path, out: Path) -> ReportOutput:
                         verdict_counts(res["verdicts"]), (out / "report.md",))
 
 
-__all__ = ["CLAIMS", "KIND", "PAPER_TABLE", "build_table1_report", "compare",
-           "read_outcomes", "read_run_metrics", "read_run_outcomes", "run_summary", "table1_report",
+__all__ = ["CLAIMS", "KIND", "PAPER_TABLE", "build_table1_report", "compare", "outcomes_at",
+           "read_outcomes", "read_run_metrics", "run_summary", "table1_report",
            "table1_results"]

@@ -80,8 +80,9 @@ def test_a_retried_evaluation_keeps_its_newest_rows(tmp_path: Path) -> None:
     got = t1.read_outcomes(tmp_path / "s", "r")["sampled"][1]
     want = {i: float(i < 3) for i in range(N_TASKS)} | {0: 0.0, 5: 1.0}
     assert got == want
-    assert t1.read_run_outcomes(tmp_path / "s", "r", 1, "sampled") == want
-    assert t1.read_run_outcomes(tmp_path / "s", "r", 2, "sampled") is None
+    outcomes = t1.read_outcomes(tmp_path / "s", "r")
+    assert t1.outcomes_at(outcomes, 1, "sampled") == want
+    assert t1.outcomes_at(outcomes, 2, "sampled") is None
 
 
 def _study(tmp_path: Path, finals: dict[str, list[int]], truncate: str | None = None,
