@@ -275,8 +275,8 @@ def _sided(per_side: int, *, leaf_children: bool = False) -> Tree:
                     nodes=[_node(0, None), _node(1, 0, 1.0), _node(2, 0, 0.0)])
     nodes = [_node(0, None), _node(1, 0), _node(2, 0)]
     for side in (1, 2):
-        nodes += [_node(len(nodes), side, float(side == 1 and i % 2 == 0))
-                  for i in range(per_side)]
+        for i in range(per_side):
+            nodes.append(_node(len(nodes), side, float(side == 1 and i % 2 == 0)))
     return Tree(tree_id=f"sided{per_side}", run_id="r", env="calc", nodes=nodes)
 
 

@@ -20,7 +20,7 @@ from typing import Literal
 import numpy as np
 
 from rollout_store.tree import Tree
-from train.credit.base import TreeArrays, from_trees
+from train.credit.base import TreeArrays, from_trees, subtree_sum
 from train.credit.dsc import RATIO, STATE, transport_returns
 from train.credit.dsc_gate import dsc_gate
 from train.reuse.params import REUSE_MODES, ReuseParams
@@ -223,42 +223,40 @@ binary returns, more than any gap, so the gate can only refresh; 8 a side brings
 about 0.5 (docs/METHODS.md section 9, "Feasible pairs")."""
 
 
-def _pair_sizes(leaves: Mapping[int, Sequence[int]], plain: Mapping[int, float]) -> list[int]:
+def _pair_sizes(sizes: Mapping[int, int], plain: Mapping[int, float]) -> list[int]:
     """Per leader-versus-competitor pair of a comparison (the child with the best stored
     mean ``plain``, ties to the first, against each other child), the trajectories
-    (``leaves``) on its thinner side."""
-    children = list(leaves)
+    (``sizes``: per child) on its thinner side."""
+    children = list(sizes)
     leader = max(children, key=lambda c: (plain[c], -children.index(c)))
-    return [min(len(leaves[leader]), len(leaves[c])) for c in children if c != leader]
+    return [min(sizes[leader], sizes[c]) for c in children if c != leader]
 
 
-def feasible_pairs(leaves: Mapping[int, Sequence[int]], plain: Mapping[int, float],
-                   need: int = FEASIBLE_TRAJECTORIES) -> int:
-    """Of a comparison's A - 1 pairs (``_pair_sizes``), those with at least ``need``
-    trajectories on both sides."""
-    return sum(n >= need for n in _pair_sizes(leaves, plain))
+def feasible_pairs(leaves: Mapping[int, Sequence[int]], plain: Mapping[int, float]) -> int:
+    """Of a comparison's A - 1 pairs (``_pair_sizes``), those with at least
+    ``FEASIBLE_TRAJECTORIES`` trajectories (``leaves``) on both sides."""
+    sizes = {c: len(v) for c, v in leaves.items()}
+    return sum(n >= FEASIBLE_TRAJECTORIES for n in _pair_sizes(sizes, plain))
 
 
 def thickest_gated_pair(tree: Tree) -> int | None:
     """The most trajectories that one gated pair of ``tree`` holds on its thinner side (a
     pair of a comparison with a step below its forced actions, where the gate decides);
     None when the tree has no such comparison (every pair is reused soundly). A gated
-    rule can resolve a stored gap only when this reaches ``FEASIBLE_TRAJECTORIES``."""
-    children = tree.children()
-    by_id = {n.node_id: n for n in tree.nodes}
-    below: dict[int, list[int]] = {}
-    for node in reversed(list(tree.preorder())):  # children before parents
-        kids = children.get(node.node_id, [])
-        below[node.node_id] = ([x for c in kids for x in below[c]] if kids
-                               else [node.node_id])
+    rule can resolve a stored gap only when this reaches ``FEASIBLE_TRAJECTORIES``.
+    Leaf counts and reward sums per subtree come from ``subtree_sum``."""
+    arrays = from_trees([tree])
+    leaf = arrays.is_leaf.astype(np.float64)
+    n_leaves = subtree_sum(arrays, leaf)
+    rewards = subtree_sum(arrays, np.nan_to_num(arrays.reward) * leaf)
+    parent = arrays.parent
     best: int | None = None
-    for kids in children.values():
-        if len(kids) < 2 or not any(children.get(c) for c in kids):
+    for row in np.unique(parent[parent >= 0]).tolist():
+        kids = np.flatnonzero(parent == row).tolist()
+        if len(kids) < 2 or arrays.is_leaf[kids].all():
             continue
-        leaves = {c: below[c] for c in kids}
-        plain = {c: float(np.mean([float(by_id[x].reward or 0.0) for x in leaves[c]]))
-                 for c in kids}
-        best = max(best or 0, *_pair_sizes(leaves, plain))
+        sizes = {c: int(n_leaves[c]) for c in kids}
+        best = max(best or 0, *_pair_sizes(sizes, {c: rewards[c] / sizes[c] for c in kids}))
     return best
 
 
