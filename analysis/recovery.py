@@ -72,6 +72,17 @@ def recovery_envs(path: Path) -> list[str]:
                    .to_pylist()), reverse=True)
 
 
+def _paired_means(vals: dict[str, np.ndarray], tasks: Any, n_boot: int, seed: int
+                  ) -> dict[str, dict[str, Any]]:
+    """{name: {value, ci95}} of each per-trajectory difference in ``vals``: its mean and
+    the task-bootstrap 95% interval (NaN where a value is missing)."""
+    boot = cluster_bootstrap_means(vals, np.asarray(tasks), n_boot, seed)
+    return {key: {"value": float(v.mean()),
+                  "ci95": percentile_ci(boot[key]) if np.isfinite(v).all()
+                  else [math.nan] * 2}
+            for key, v in vals.items()}
+
+
 def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
                      ) -> dict[str, Any]:
     """Every number of the report for one environment's rows of ``recovery.parquet``
@@ -129,11 +140,7 @@ def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
                 "s:irr-err": col("s_irr") - col("s_err"),
                 "s:err-rnd": col("s_err") - col("s_rnd"),
                 "err-stp": col("err") - col("stp"), "s:err-stp": col("s_err") - col("s_stp")}
-        boot = cluster_bootstrap_means(vals, np.asarray(paired["task_id"]), n_boot, seed + 1)
-        for key, v in vals.items():
-            finite = bool(np.isfinite(v).all())
-            diffs[key] = {"value": float(v.mean()),
-                          "ci95": percentile_ci(boot[key]) if finite else [math.nan] * 2}
+        diffs.update(_paired_means(vals, paired["task_id"], n_boot, seed + 1))
     matched = con.sql("""
         SELECT a.task_id, a.exact_recovery AS irr, m.exact_recovery AS mat,
                a.successes / a.resamples AS s_irr, m.successes / m.resamples AS s_mat
@@ -145,11 +152,7 @@ def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
     if n_matched:
         vals = {"irr-mat": _floats(matched["irr"]) - _floats(matched["mat"]),
                 "s:irr-mat": _floats(matched["s_irr"]) - _floats(matched["s_mat"])}
-        boot = cluster_bootstrap_means(vals, np.asarray(matched["task_id"]), n_boot, seed + 2)
-        for key, v in vals.items():
-            finite = bool(np.isfinite(v).all())
-            diffs[key] = {"value": float(v.mean()),
-                          "ci95": percentile_ci(boot[key]) if finite else [math.nan] * 2}
+        diffs.update(_paired_means(vals, matched["task_id"], n_boot, seed + 2))
     counts = con.sql("""
         SELECT count(DISTINCT trajectory), count(DISTINCT task_id),
                count(DISTINCT trajectory) FILTER (WHERE n_errors = 0)
