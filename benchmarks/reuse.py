@@ -69,7 +69,7 @@ from analysis.verdicts import (
 from rollout_store.reader import read_trees
 from train.config import ConfigError, load_config
 from train.reuse.params import REUSE_MODES
-from train.trainer import read_metrics, train
+from train.trainer import TrainError, read_metrics, train
 
 REUSE_RULES: tuple[str, ...] = ("all", "transport", "gap-gate", "dsc", "refresh", "m2po")
 """The reuse arms of the issue's design (``none`` is always run)."""
@@ -171,8 +171,11 @@ def run_one(out: Path, horizon: int, arm: Arm, seed: int, budget: float, max_ste
         k = min(max_steps, k + chunk)
         if not (run / "checkpoints" / f"step-{k:06d}").is_dir():  # else: done before
             t0 = time.time()
-            train(load_config(None, {**base, "steps": str(k)}),
-                  resume=(run / "config.json").exists())
+            try:
+                train(load_config(None, {**base, "steps": str(k)}),
+                      resume=(run / "config.json").exists())
+            except TrainError as exc:  # e.g. a gated rule refusing thin stored trees
+                raise SystemExit(f"error: {name}: {exc}") from None
             print(f"  {name}: {k} iterations ({time.time() - t0:.0f} s)", flush=True)
     return read_run(run, store, name, horizon, arm, seed)
 
