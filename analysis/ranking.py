@@ -207,6 +207,8 @@ def _codes_in(column: pa.ChunkedArray, names: pa.Array, null: int = -1) -> np.nd
     """(N,) int64: each row's index in ``names``, -1 where absent, ``null`` for a null;
     the distinct values are looked up once (cheap for dictionary-encoded ids)."""
     values, codes = _encode(column)
+    if values.equals(names):  # the same dictionary (tables written in one tree order)
+        return codes if null == -1 else np.where(codes < 0, null, codes)
     found = pc.fill_null(pc.index_in(values, value_set=names), -1).to_numpy()
     return np.append(found.astype(np.int64), null)[codes]  # code -1 takes the last entry
 
@@ -629,16 +631,17 @@ def load_ranking_data(source: duckdb.DuckDBPyConnection | TableSource,
     n_ref = np.bincount(group, c.has_ref, minlength=len(sizes))
     complete = n_ref == sizes
     n_branching, n_partial = len(sizes), int(np.sum(~complete & (n_ref > 0)))
-    rows = np.flatnonzero(complete[group])
-    # c.code is non-decreasing and numbers trees by their first row in ``nodes``
-    starts = np.r_[True, c.code[rows][1:] != c.code[rows][:-1]] if len(rows) else rows > 0
-    codes, tree = c.code[rows][starts], np.cumsum(starts) - 1
+    every = bool(complete.all())  # the usual: no copy of the children's arrays
+    rows: np.ndarray | slice = slice(None) if every else np.flatnonzero(complete[group])
+    code = c.code[rows]  # non-decreasing; numbers trees by their first row in ``nodes``
+    starts = np.r_[True, code[1:] != code[:-1]] if len(code) else np.zeros(0, bool)
+    codes, tree = code[starts], (np.cumsum(starts) - 1).astype(np.int64)
     dropped: dict[str, str] = {}
     keep = []
     for i, m in enumerate(methods):
         missing = ~c.has_score[rows, i]
         if missing.any():
-            lacking = np.unique(c.code[rows][missing])
+            lacking = np.unique(code[missing])
             example = min(c.names.take(pa.array(lacking)).to_pylist())
             err = credit_error(m, len(lacking), len(codes), example, store)
             if on_missing_credit == "error":
@@ -646,13 +649,16 @@ def load_ranking_data(source: duckdb.DuckDBPyConnection | TableSource,
             dropped[m.label] = str(err)
         else:
             keep.append(i)
-    tree = tree.astype(np.int64)
     parent = c.parent[rows]
+    scores = c.scores[rows]
     data = RankingData(
         labels=tuple(methods[i].label for i in keep),
         tree_ids=c.names.take(pa.array(codes)).cast(pa.string()).to_pylist(), tree=tree,
-        group=group_index([tree, parent]), parent_id=parent, node_id=c.node[rows],
-        successes=c.successes[rows], k_total=c.k[rows], scores=c.scores[rows][:, keep],
+        # trees renumbered in order: the prefixes are those of (code, parent) when every
+        # one is kept
+        group=group if every else group_index([tree, parent]), parent_id=parent,
+        node_id=c.node[rows], successes=c.successes[rows], k_total=c.k[rows],
+        scores=scores if len(keep) == scores.shape[1] else scores[:, keep],
         n_prefixes_branching=n_branching, n_prefixes_missing_reference=n_partial)
     return data, dropped
 
