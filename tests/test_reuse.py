@@ -332,6 +332,7 @@ def test_a_calibrating_rule_refuses_a_calibration_that_cannot_certify_its_level(
         with pytest.raises(TrainError, match=match):
             train(cfg)
         assert not (tmp_path / "o").exists()
+        assert (tmp_path / rule).exists() != refused  # a refusal creates no store either
 
 
 def test_cli_has_the_reuse_flags() -> None:

@@ -650,18 +650,20 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         check_resume(read_config(out), config)
     elif (out / CONFIG_FILE).exists():
         raise TrainError(f"{out} already holds a run; pass --resume to continue it")
-    dp.barrier(world)  # DDP: every rank has checked the run directory before rank 0 writes
-    store = open_store(config.store, create=True) if world.is_main else None
-    dp.barrier(world)  # DDP: the store exists before the other ranks open it
-    store = store or open_store(config.store)
     reuse = make_reuse(config)  # stored-tree reuse (train.reuse); None: fresh trees only
-    if reuse is None:
-        check_store_env(store, config.env)
-    else:  # stored trees of another env are skipped and counted, not refused
-        try:
+    dp.barrier(world)  # DDP: every rank has checked the run directory before rank 0 writes
+    try:
+        if reuse is not None:
+            reuse.check_params()  # before the store is created: a refusal writes nothing
+        store = open_store(config.store, create=True) if world.is_main else None
+        dp.barrier(world)  # DDP: the store exists before the other ranks open it
+        store = store or open_store(config.store)
+        if reuse is None:
+            check_store_env(store, config.env)
+        else:  # stored trees of another env are skipped and counted, not refused
             reuse.check(store, run_id)
-        except ReuseError as exc:
-            raise TrainError(str(exc)) from exc
+    except ReuseError as exc:
+        raise TrainError(str(exc)) from exc
     train_tasks, heldout = task_splits(config)
     failure: TrainError | None = None
     if world.is_main:  # DDP: rank 0 locks and writes the run directory, claims the run id

@@ -241,12 +241,17 @@ class ReuseStage:
         """U1: optimizer passes over the stored trees per fresh iteration."""
         return self.params.stored_passes
 
-    def check(self, store: Store, run_id: str) -> None:
-        """Refuse before training (``ReuseError``) a bad ``reuse_from``, or a calibrating
-        rule's D7 calibration with too few trees to certify its level."""
+    def check_params(self) -> None:
+        """Refuse (``ReuseError``) a calibrating rule's D7 calibration with too few trees to
+        certify its level: the check that needs no store, run before one is created."""
         problem = self.params.calibration_problem() if self.rule.calibrates else None
         if problem is not None:
             raise ReuseError(f"reuse {self.rule.name}: {problem}")
+
+    def check(self, store: Store, run_id: str) -> None:
+        """Refuse before training (``ReuseError``) what ``check_params`` refuses, or a bad
+        ``reuse_from`` over ``store``."""
+        self.check_params()
         check_reuse(store, self.reuse_from, run_id)
 
     def start(self, out: Path) -> None:
