@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from train.jobs import STUDIES, study_config
+from train.jobs import STUDIES, run_study, study_config
 
 runner = CliRunner()
 VERDICTS = {"superior", "inferior", "equivalent", "underpowered"}
@@ -54,6 +54,17 @@ def test_dsc_l1_small(tmp_path: Path) -> None:
     per = res["summary"]["per_task"]
     assert per["n_tasks"] == 4 and per["abs_g"]["value"] > per["global_kl"]["value"]
     assert len(res["verdicts"]) == 4
+
+
+def test_a_study_logs_its_power_then_its_progress(tmp_path: Path) -> None:
+    """``run_study(log=...)`` (what ``rtrees study`` prints): the power lines before
+    anything runs, then the study's own progress, counted to its end."""
+    lines: list[str] = []
+    run_study("dsc-l1", tmp_path / "l1", small=True, log=lines.append)
+    assert lines[0].startswith("power: ")
+    progress = [line for line in lines if line.startswith("tasks: ")]
+    assert [line.split(" (")[0] for line in progress] == [f"tasks: {i}/4" for i in range(1, 5)]
+    assert run_study("dsc-l1", tmp_path / "quiet", small=True)["verdicts"]  # log=None: quiet
 
 
 def test_elpo_fig3_small(tmp_path: Path) -> None:

@@ -51,7 +51,6 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -619,14 +618,15 @@ class StudySpec:
     To add a study (e.g. ``table1`` once the trainer lands): a config dataclass, a
     ``run(out, config) -> dict`` that writes ``study.json`` + data files and calls its
     ``analysis`` report builder (registered with ``register_study_report``), and one
-    ``register_study(StudySpec(...))`` call below."""
+    ``register_study(StudySpec(...))`` call below. ``run(out, config, log)``: ``log`` takes
+    the study's progress lines (None: quiet)."""
 
     name: str
     title: str
     config: str
     """The settings dataclass as ``module:Name`` (imported when the study runs, so that
     ``rtrees`` starts without importing every study)."""
-    run: Callable[[Path, Any], dict[str, Any]]
+    run: Callable[[Path, Any, Callable[[str], None] | None], dict[str, Any]]
     defaults: Mapping[str, Any] = field(default_factory=dict)
     small: Mapping[str, Any] = field(default_factory=dict)
 
@@ -695,50 +695,55 @@ def run_study(name: str, out: str | Path, params: Mapping[str, Any] | None = Non
             log(line)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    return STUDIES[name].run(out, config)
+    return STUDIES[name].run(out, config, log)
 
 
-def _dsc_l1(out: Path, config: DriftConfig) -> dict[str, Any]:
+StudyLog = Callable[[str], None] | None
+
+
+def _dsc_l1(out: Path, config: DriftConfig, log: StudyLog) -> dict[str, Any]:
     from analysis.drift import drift_results
     from train.studies.drift import run_drift_study
 
-    return drift_results(run_drift_study(out, config, kind="dsc-l1").parent)
+    return drift_results(run_drift_study(out, config, kind="dsc-l1", log=log).parent)
 
 
-def _elpo_fig3(out: Path, config: Any) -> dict[str, Any]:
+def _elpo_fig3(out: Path, config: Any, log: StudyLog) -> dict[str, Any]:
     from analysis.constructions import construction_results
     from train.studies.constructions import run_construction_study
 
-    return construction_results(run_construction_study(out, config).parent)
+    # its progress: the collection's and credit jobs' own bars
+    return construction_results(run_construction_study(out, config,
+                                                       progress=log is not None).parent)
 
 
-def _credit_exact(out: Path, config: Any) -> dict[str, Any]:
+def _credit_exact(out: Path, config: Any, log: StudyLog) -> dict[str, Any]:
     from analysis.exact_credit import exact_credit_results
     from train.studies.exact_credit import run_exact_credit_study
 
-    return exact_credit_results(run_exact_credit_study(out, config).parent)
+    return exact_credit_results(run_exact_credit_study(out, config,
+                                                       progress=log is not None).parent)
 
 
-def _dsc_table2(out: Path, config: Any) -> dict[str, Any]:
+def _dsc_table2(out: Path, config: Any, log: StudyLog) -> dict[str, Any]:
     from analysis.gates import gate_results
     from train.studies.gates import run_gate_study
 
-    return gate_results(run_gate_study(out, config, kind="dsc-table2").parent)
+    return gate_results(run_gate_study(out, config, kind="dsc-table2", log=log).parent)
 
 
-def _elpo_fig1(out: Path, config: Any) -> dict[str, Any]:
+def _elpo_fig1(out: Path, config: Any, log: StudyLog) -> dict[str, Any]:
     from analysis.recovery import recovery_results
     from train.studies.recovery import run_recovery_study
 
-    return recovery_results(run_recovery_study(out, config).parent)
+    return recovery_results(run_recovery_study(out, config, log=log).parent)
 
 
-def _table1(out: Path, config: Any) -> dict[str, Any]:
+def _table1(out: Path, config: Any, log: StudyLog) -> dict[str, Any]:
     from analysis.table1 import table1_results
     from train.studies.table1 import run_table1_study
 
-    # flushed: a run takes minutes, and a redirected stdout would hold its line back
-    return table1_results(run_table1_study(out, config, log=partial(print, flush=True)).parent)
+    return table1_results(run_table1_study(out, config, log=log).parent)
 
 
 def _register_studies() -> None:

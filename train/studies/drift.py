@@ -41,8 +41,10 @@ from train.studies.sensitivity import UpdateAnalysis, action_pairs, decision_sta
 from train.studies.workflow_study import (
     DEFAULT_KL_TARGETS,
     UPDATE_KINDS,
+    Log,
     UpdateKind,
     base_policy,
+    log_progress,
     make_study_dir,
     make_tasks,
     make_updates,
@@ -123,26 +125,29 @@ def task_pairs(task: Task, config: DriftConfig, task_index: int) -> dict[str, li
     return cols.values
 
 
-def collect_pairs(config: DriftConfig) -> pa.Table:
-    """The per-pair table of every task (exact; no sampling)."""
+def collect_pairs(config: DriftConfig, log: Log | None = None) -> pa.Table:
+    """The per-pair table of every task (exact; no sampling); progress lines to ``log``."""
     tasks = make_tasks(config.n_tasks, config.seed, config.horizons)
     merged: dict[str, list[Any]] = {}
+    start = time.perf_counter()
     for i, task in enumerate(tasks):
         for k, v in task_pairs(task, config, i).items():
             merged.setdefault(k, []).extend(v)
+        log_progress(log, "tasks", i + 1, len(tasks), start)
     return pa.table(merged)
 
 
 def run_drift_study(out_dir: str | Path, config: DriftConfig | None = None,
-                    kind: str = "drift") -> Path:
+                    kind: str = "drift", log: Log | None = None) -> Path:
     """Write the per-pair table ``pairs.parquet`` and ``study.json`` (study ``kind``:
     ``drift``, or ``dsc-l1`` for ``rtrees study dsc-l1``) to ``out_dir`` (the report:
-    ``analysis.drift.drift_results``); return the path of ``study.json``."""
+    ``analysis.drift.drift_results``); return the path of ``study.json``. Progress lines
+    go to ``log``."""
     config = config or DriftConfig()
     out = make_study_dir(out_dir)
     start = time.perf_counter()
     pairs_path = out / "pairs.parquet"
-    pq.write_table(collect_pairs(config), pairs_path)
+    pq.write_table(collect_pairs(config, log), pairs_path)
     return write_study(out / "study.json", {
         "study": kind, "config": asdict(config), "pairs_path": pairs_path.name,
         "seconds": time.perf_counter() - start})

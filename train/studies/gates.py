@@ -92,7 +92,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollout_store import Store, connect
+from rollout_store import Store, Tree, connect
 from train.coerce import check_bounds, check_types
 from train.credit.dsc import RATIO, STATE, transport_returns
 from train.credit.dsc_gate import DSCGateParams, GatePairs, calibrate_radii, dsc_gate
@@ -105,6 +105,7 @@ from train.studies.estimates import RouteEstimates, old_trajectories, route_esti
 from train.studies.workflow_study import (
     DEFAULT_KL_TARGETS,
     UPDATE_KINDS,
+    Log,
     Rollout,
     RouteData,
     Update,
@@ -113,6 +114,7 @@ from train.studies.workflow_study import (
     config_hash,
     context_snapshots,
     load_route_data,
+    log_progress,
     make_study_dir,
     make_tasks,
     make_updates,
@@ -281,7 +283,7 @@ def run_gate(gate: GateName, est: RouteEstimates, sampler: Callable[[int, int], 
 
 
 # ----------------------------------------------------------------- the study
-def _collect_old(store: Store, config: GateStudyConfig) -> None:
+def _collect_old(store: Store, config: GateStudyConfig, log: Log | None = None) -> None:
     """Sample and archive the old interventional trees (idempotent per run id: a store
     that already holds them is left as it is)."""
     stored = connect(store).execute("SELECT count(*) FROM trees WHERE run_id = ? "
@@ -290,8 +292,11 @@ def _collect_old(store: Store, config: GateStudyConfig) -> None:
     if stored:
         return
     env = WorkflowEnv()
-    trees = []
-    for i, task, split, mu, task_class in _study_tasks(config):
+    trees: list[Tree] = []
+    tasks = _study_tasks(config)
+    start = time.perf_counter()
+    for i, task, split, mu, task_class in tasks:
+        log_progress(log, "old trees", len(trees), len(tasks), start)
         model = task_model(task)
         prompt = env.reset(task)
         snapshot = env.snapshot()
@@ -394,18 +399,19 @@ def calibrate(per_update: Sequence[tuple[GatePairs, np.ndarray, np.ndarray]],
 
 
 def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
-                   kind: str = "gates") -> Path:
+                   kind: str = "gates", log: Log | None = None) -> Path:
     """Run the gate study; write ``store/``, ``instances.parquet``, ``routes.parquet``,
     ``pairs.parquet`` (DSC's leader-vs-competitor pairs on the evaluation tasks: gaps,
     scales, radii, decision, exact c_mu and c_pi) and ``study.json`` (study ``kind``:
     ``gates``, or ``dsc-table2`` for ``rtrees study dsc-table2``) to ``out_dir`` (the
-    report: ``analysis.gates.gate_results``); return the path of ``study.json``."""
+    report: ``analysis.gates.gate_results``); return the path of ``study.json``. Progress
+    lines go to ``log``."""
     config = config or GateStudyConfig()
     out = make_study_dir(out_dir)
     start = time.perf_counter()
     store_path = out / "store"
     store = Store(store_path, create=not store_path.exists())
-    _collect_old(store, config)
+    _collect_old(store, config, log)
     t_collect = time.perf_counter() - start
 
     data = load_route_data(store, config.run_id)
@@ -427,6 +433,7 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
     q_mu = root_q(data, mu)
     per_update = []
     for u in range(n_updates):
+        log_progress(log, "updates, gate pairs", u, n_updates, start)
         pi = [updates[t][u].policy for t in range(n_trees)]
         q_pi = root_q(data, pi)
         ratio = data.ratios(pi, mu)
@@ -449,6 +456,7 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
     pair_rows: dict[str, list[Any]] = {}
     refresh_trees = []
     for u, (_, _, _, batch, ratio, pi, q_pi) in enumerate(per_update):
+        log_progress(log, "updates, gates and refresh", u, n_updates, start)
         tr = transport_returns(batch)
         pairs = dsc_gate(batch, params)
         by_tree: dict[int, list[tuple[int, int, str, float]]] = {}

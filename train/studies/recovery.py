@@ -69,7 +69,9 @@ from train.envs.workflow import WorkflowEnv
 from train.envs.workflow_model import State, WorkflowModel
 from train.studies import STUDY_MAXIMA
 from train.studies.workflow_study import (
+    Log,
     base_policy,
+    log_progress,
     make_study_dir,
     make_tasks,
     sample_from,
@@ -146,18 +148,20 @@ class RecoveryConfig:
             raise ValueError(f"tau_err must be >= 0, got {self.tau_err}")
 
 
-def run_recovery_study(out_dir: str | Path, config: RecoveryConfig | None = None) -> Path:
+def run_recovery_study(out_dir: str | Path, config: RecoveryConfig | None = None,
+                       log: Log | None = None) -> Path:
     """Sample failures, fix each arm's step, resample (module docstring); write
     ``recovery.parquet`` and ``study.json`` to ``out_dir``; return the path of
-    ``study.json`` (the report: ``analysis.recovery.recovery_results``)."""
+    ``study.json`` (the report: ``analysis.recovery.recovery_results``). Progress lines go
+    to ``log``."""
     config = config or RecoveryConfig()
     out = make_study_dir(out_dir)
     started = time.perf_counter()
     rows: dict[str, list[Any]] = {}
     n_failed = n_sampled = 0
     if "workflow" in config.envs:
-        n_failed, n_sampled = _workflow_rows(config, rows)
-    n_calc = _calc_rows(config, rows, out) if "calc" in config.envs else 0
+        n_failed, n_sampled = _workflow_rows(config, rows, log)
+    n_calc = _calc_rows(config, rows, out, log) if "calc" in config.envs else 0
     schema = pa.schema([("env", pa.string()), ("task_id", pa.string()), ("horizon", pa.int64()),
                         ("trajectory", pa.string()), ("arm", pa.string()), ("step", pa.int64()),
                         ("n_steps", pa.int64()), ("n_errors", pa.int64()),
@@ -181,12 +185,15 @@ def _add(rows: dict[str, list[Any]], row: dict[str, Any]) -> None:
         rows.setdefault(key, []).append(value)
 
 
-def _workflow_rows(config: RecoveryConfig, rows: dict[str, list[Any]]) -> tuple[int, int]:
+def _workflow_rows(config: RecoveryConfig, rows: dict[str, list[Any]], log: Log | None = None
+                   ) -> tuple[int, int]:
     """The workflow rows (module docstring); returns (failed, sampled) trajectory counts."""
     env = WorkflowEnv()
     judged = ERROR_STATES[config.error_state]
     n_failed = n_sampled = 0
+    began = time.perf_counter()
     for i, task in enumerate(make_tasks(config.n_tasks, config.seed, config.horizons)):
+        log_progress(log, "workflow tasks", i, config.n_tasks, began)
         model = task_model(task)
         if not model.recoverable(model.initial_state()):
             continue  # unsolvable: no step can be fixed
@@ -271,7 +278,8 @@ def calc_error(action: str, observation: str, gold: str) -> bool:
     return True
 
 
-def _calc_rows(config: RecoveryConfig, rows: dict[str, list[Any]], out: Path) -> int:
+def _calc_rows(config: RecoveryConfig, rows: dict[str, list[Any]], out: Path,
+               log: Log | None = None) -> int:
     """The calc rows: BEL trees of the tiny policy (``store-calc``); per tree with a
     localization, tau*'s steps; the arms' fixes are the scripted expert's action
     (``CalcEnv.expert_action``) at the step's state, then ``resamples`` continuations of
@@ -292,6 +300,8 @@ def _calc_rows(config: RecoveryConfig, rows: dict[str, list[Any]], out: Path) ->
     gold = {t.task_id: str(t.answer) for t in tasks}
     store_dir = out / "store-calc"
     store = Store(store_dir, create=not store_dir.exists())
+    if log is not None:
+        log(f"calc: BEL trees of {len(tasks)} tasks, then each arm's resamples")
     collect(store, "calc", policy, "bel", tasks, 16, config.seed, "fig1-calc-bel",
             sampler_params={"max_new_tokens": config.max_new_tokens}, progress=False)
     con = connect(store)

@@ -41,7 +41,8 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -565,6 +566,19 @@ def make_study_dir(out_dir: str | Path) -> Path:
     return out
 
 
+Log = Callable[[str], None]
+"""Where a study's progress lines go (``rtrees study`` prints them; None: nowhere)."""
+
+
+def log_progress(log: Log | None, what: str, done: int, total: int, start: float) -> None:
+    """``what: done/total (N s)`` to ``log`` at about every tenth of ``total`` and at its
+    end, N the seconds since ``start`` (``time.perf_counter()``): progress on a long study."""
+    if log is None or total <= 0:
+        return
+    if done == total or done % max(1, total // 10) == 0:
+        log(f"{what}: {done}/{total} ({time.perf_counter() - start:.0f} s)")
+
+
 def write_study(path: Path, doc: Mapping[str, Any]) -> Path:
     """Write a study's ``study.json`` (what the study did: kind, config, run id, data file
     names, timings); plain JSON (NaN and inf as JSON's ``NaN`` / ``Infinity``), read back
@@ -582,11 +596,40 @@ def tool_name(action: str) -> str:
 
 
 __all__ = [
-    "CONTEXT_SNAPSHOT", "DEFAULT_KL_TARGETS", "UPDATE_KINDS", "Direction", "Rollout",
-    "RouteData", "Update", "UpdateKind", "apply_update", "base_policy", "branch_action_for",
-    "config_hash", "context_snapshots", "key_from_json", "key_to_json", "load_route_data",
-    "make_study_dir", "make_tasks", "make_updates", "matched_update", "observable_keys",
-    "policy_from_json", "policy_to_json", "rollout", "route_tree", "runner_up_action",
-    "sample_from", "state_code", "stream_key", "task_model", "tool_name",
-    "update_direction", "visible_state", "write_study",
+    "CONTEXT_SNAPSHOT",
+    "DEFAULT_KL_TARGETS",
+    "UPDATE_KINDS",
+    "Direction",
+    "Log",
+    "Rollout",
+    "RouteData",
+    "Update",
+    "UpdateKind",
+    "apply_update",
+    "base_policy",
+    "branch_action_for",
+    "config_hash",
+    "context_snapshots",
+    "key_from_json",
+    "key_to_json",
+    "load_route_data",
+    "log_progress",
+    "make_study_dir",
+    "make_tasks",
+    "make_updates",
+    "matched_update",
+    "observable_keys",
+    "policy_from_json",
+    "policy_to_json",
+    "rollout",
+    "route_tree",
+    "runner_up_action",
+    "sample_from",
+    "state_code",
+    "stream_key",
+    "task_model",
+    "tool_name",
+    "update_direction",
+    "visible_state",
+    "write_study",
 ]
