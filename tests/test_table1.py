@@ -259,3 +259,29 @@ def test_workflow_and_no_elc_configs_carry_horizons_and_recipe(tmp_path: Path) -
         Table1Config(minibatches=32, tasks_per_step=16)
     with pytest.raises(ValueError, match="workflow_horizons"):
         Table1Config(workflow_horizons=(1,))
+
+
+def test_processes_sharing_a_study_directory_merge_their_runs(tmp_path: Path) -> None:
+    """Two processes over one OUT, each given other seeds: the second to write study.json
+    keeps the first's runs and seeds (same settings), in config order; a study of other
+    settings in the directory is replaced, not merged."""
+    from train.studies.table1 import merged_study
+
+    path = tmp_path / "study.json"
+
+    def run(name: str, seed: int) -> dict[str, Any]:
+        return {"config": name, "seed": seed, "status": "done", "dir": f"runs/{name}-s{seed}"}
+
+    first = Table1Config(configs=("elpo+bel", "grpo+group"), seeds=(0, 2))
+    write_study(path, merged_study(path, first, [run("elpo+bel", 0), run("grpo+group", 2)]))
+    second = dataclasses.replace(first, configs=("grpo+group", "tree_grpo+random"), seeds=(1,))
+    doc = merged_study(path, second, [run("grpo+group", 1), {**run("grpo+group", 2),
+                                                                 "status": "not run"}])
+    assert doc["config"]["seeds"] == [0, 1, 2]
+    assert doc["config"]["configs"] == ["grpo+group", "tree_grpo+random", "elpo+bel"]
+    assert list(doc["configs"]) == doc["config"]["configs"]
+    assert [(r["config"], r["seed"], r["status"]) for r in doc["runs"]] == [
+        ("grpo+group", 1, "done"), ("grpo+group", 2, "not run"), ("elpo+bel", 0, "done")]
+    other = dataclasses.replace(second, steps=second.steps + 1)
+    alone = merged_study(path, other, [run("grpo+group", 1)])
+    assert alone["config"]["seeds"] == [1] and len(alone["runs"]) == 1

@@ -54,7 +54,9 @@ iteration exists is skipped, one with a ``config.json`` but fewer checkpoints is
 (``train(config, resume=True)``: exact resume), the rest start. A config the trainer
 refuses (``ConfigError`` / ``TrainError``, e.g. an estimator whose inputs it does not
 produce, or a policy without a checkpoint) is recorded as ``not run: <reason>`` and the
-study goes on.
+study goes on. Several processes may share one ``OUT`` (e.g. one per core, each given other
+seeds): each merges its runs into ``study.json`` under a lock (``merged_study``), so the
+report of the last to finish covers every run of the same settings.
 
 **Size.** The defaults (7 configs x 3 seeds, 20 iterations x 16 tasks x n_total 8, 100
 held-out tasks evaluated sampled and greedy at iterations 0, 5, 10, 15, 20) are sized
@@ -73,6 +75,7 @@ load; each run's own seconds per iteration are in the report.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
 import time
@@ -273,11 +276,41 @@ def run_table1_study(out_dir: str | Path, config: Table1Config | None = None,
         for seed in config.seeds:
             runs.append(run_one(name, seed, config, out / "runs" / f"{slug(name)}-s{seed}",
                                 log))
-    return write_study(out / "study.json", {
-        "study": "table1", "config": asdict(config),
-        "configs": {k: list(CONFIGS[k]) for k in config.configs},
-        "runs": [{**r, "dir": f"runs/{r['dir']}"} for r in runs],
-        "seconds": time.perf_counter() - started})
+    path = out / "study.json"
+    with open(out / ".study.lock", "a") as lock:  # one merge at a time (module docstring)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        doc = merged_study(path, config, [{**r, "dir": f"runs/{r['dir']}"} for r in runs])
+        return write_study(path, {**doc, "seconds": time.perf_counter() - started})
+
+
+def merged_study(path: Path, config: Table1Config, runs: list[dict[str, Any]]
+                 ) -> dict[str, Any]:
+    """``study.json``'s content for ``runs``, merged with what ``path`` already records when
+    its settings are ``config``'s but for ``configs`` and ``seeds``: several processes
+    over one directory (each given other seeds or configs) then report every run, not
+    only the last process's. Configs in ``CONFIGS`` order, seeds sorted; a run recorded
+    again takes its new record."""
+    mine = asdict(config)
+    by_dir = {r["dir"]: r for r in runs}
+    configs, seeds = set(config.configs), set(config.seeds)
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            old = {}
+        same = {k: v for k, v in mine.items() if k not in ("configs", "seeds")}
+        theirs = old.get("config", {}) if isinstance(old.get("config"), dict) else {}
+        if old.get("study") == "table1" and json.loads(json.dumps(same)) == {
+                k: v for k, v in theirs.items() if k not in ("configs", "seeds")}:
+            by_dir = {**{r["dir"]: r for r in old.get("runs", [])}, **by_dir}
+            configs |= set(theirs.get("configs", ()))
+            seeds |= set(theirs.get("seeds", ()))
+    order = [c for c in CONFIGS if c in configs]
+    mine.update(configs=order, seeds=sorted(seeds))
+    rank = {c: i for i, c in enumerate(order)}
+    return {"study": "table1", "config": mine, "configs": {k: list(CONFIGS[k]) for k in order},
+            "runs": sorted(by_dir.values(), key=lambda r: (rank.get(r["config"], len(rank)),
+                                                           r["seed"]))}
 
 
 # The settings of the study's test (``StudySpec.small``): one seed, one iteration, two calc
@@ -289,5 +322,6 @@ SMALL: dict[str, Any] = {"configs": ("grpo+group", "trace+group", "slca+group (s
 
 
 __all__ = ["CONFIGS", "CONFIG_FIELDS", "DEFAULT_CONFIGS", "RUN_FILE", "SLUG_SUFFIX", "SMALL",
-           "WORKFLOW_CONFIGS", "Table1Config", "run_config", "run_finished", "run_one",
+           "WORKFLOW_CONFIGS", "Table1Config", "merged_study", "run_config", "run_finished",
+           "run_one",
            "run_table1_study", "slug"]
