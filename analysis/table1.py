@@ -141,9 +141,12 @@ def outcomes_at(outcomes: Mapping[str, Mapping[int, dict[int, float]]], step: in
 
 def run_summary(metrics: Mapping[str, Mapping[int, float]], steps: int) -> dict[str, Any]:
     """One run's numbers: held-out success at the start and after ``steps`` iterations,
-    its curve (iteration, sampled, cumulative tool steps), tool and env steps, seconds."""
+    the policy's mean token entropy on its training samples in the first and the last
+    iteration (sharpening alone raises sampled success: entropy falls with it), its curve
+    (iteration, sampled, cumulative tool steps), tool and env steps, seconds."""
     sampled = metrics.get("heldout_sampled", {})
     greedy = metrics.get("heldout_greedy", {})
+    entropy = metrics.get("entropy", {})
     tool = metrics.get("new_tool_steps", {})
     env_steps = metrics.get("env_steps", {})
     done = sorted(s for s in metrics.get("loss", {}) if s >= 0)
@@ -156,6 +159,7 @@ def run_summary(metrics: Mapping[str, Mapping[int, float]], steps: int) -> dict[
     return {"iterations": len(done), "complete": steps - 1 in sampled,
             "start_sampled": sampled.get(-1), "start_greedy": greedy.get(-1),
             "final_sampled": sampled.get(steps - 1), "final_greedy": greedy.get(steps - 1),
+            "start_entropy": entropy.get(0), "final_entropy": entropy.get(steps - 1),
             "tool_steps": float(sum(tool.get(s, 0.0) for s in range(steps))),
             "env_steps": float(sum(env_steps.get(s, 0.0) for s in range(steps))),
             "train_seconds": float(sum(v for p in phases
@@ -268,8 +272,9 @@ def table1_results(study_dir: str | Path, out_dir: str | Path | None = None
         doc["status"] = "done" if len(ok) == len(mine) else \
             f"partial: {len(ok)}/{len(mine)} runs ({why})"
         for key in ("start_sampled", "start_greedy", "final_sampled", "final_greedy",
-                    "tool_steps", "env_steps", "train_seconds"):
-            mean, std = _mean_std([float(r[key]) for r in ok if r[key] is not None])
+                    "start_entropy", "final_entropy", "tool_steps", "env_steps",
+                    "train_seconds"):
+            mean, std = _mean_std([float(r[key]) for r in ok if r.get(key) is not None])
             doc[key] = {"mean": mean, "std": std}
         doc["final_sampled"]["ci"] = _t_interval(finals, level)
         doc["rollouts"] = steps * int(c["tasks_per_step"]) * int(c["n_total"])
@@ -354,6 +359,14 @@ def _ms(d: Mapping[str, Any] | None, digits: int = 3) -> str:
     return f"{fmt(d.get('mean'), digits)} ± {fmt(std, digits)}"
 
 
+def _entropy(d: Mapping[str, Any]) -> str:
+    """``first -> last`` mean token entropy (nats) of a config's training samples."""
+    first, last = d.get("start_entropy"), d.get("final_entropy")
+    if not first or not last or math.isnan(first["mean"]) or math.isnan(last["mean"]):
+        return "n/a"
+    return f"{first['mean']:.3f} -> {last['mean']:.3f}"
+
+
 def table1_report(results: Mapping[str, Any]) -> str:
     """The markdown report of ``table1_results``' dict."""
     c = results["config"]
@@ -363,7 +376,9 @@ def table1_report(results: Mapping[str, Any]) -> str:
              f"{c['tasks_per_step']} tasks x n_total = {c['n_total']} rollouts per tree "
              f"(equal iterations, equal n_total), seeds {list(c['seeds'])}, held-out "
              f"success on {c['heldout_tasks']} fixed held-out tasks (one sampled rollout "
-             "each, temperature 1; greedy beside it). Mean ± std over seeds; the interval "
+             "each, temperature 1; greedy beside it, and the mean token entropy of the "
+             "training samples in the first and the last iteration, which sharpening "
+             "lowers). Mean ± std over seeds; the interval "
              "of a config's mean is the t interval over its seeds. Claims are judged on "
              "paired differences (seed x task) at the Bonferroni level of the study's "
              f"claims, equivalence margin delta = {c.get('delta', DEFAULT_DELTA)} "
@@ -376,17 +391,18 @@ def table1_report(results: Mapping[str, Any]) -> str:
                 continue
             if "final_sampled" not in d:
                 rows.append([name, d["sampler"], d["credit"], 0, d["status"], "", "", "",
-                             "", "", ""])
+                             "", "", "", ""])
                 continue
             fs = d["final_sampled"]
             rows.append([name, d["sampler"], d["credit"], len(d["seeds"]),
                          _ms(d["start_sampled"]), _ms(fs),
                          fmt_ci(fs["mean"], fs["ci"]), _ms(d["final_greedy"]),
-                         _ms(d["tool_steps"], 0), d["rollouts"],
+                         _entropy(d), _ms(d["tool_steps"], 0), d["rollouts"],
                          fmt(d["seconds_per_iteration"], 1)])
         lines += [markdown_table(
             ["config", "sampler", "credit", "seeds", "held-out start", "held-out end",
-             "end: mean [CI]", "greedy end", "tool steps", "rollouts", "s / iteration"],
+             "end: mean [CI]", "greedy end", "entropy first -> last", "tool steps",
+             "rollouts", "s / iteration"],
             rows), ""]
     partial = [f"- {n}: {d['status']}" for n, d in results["configs"].items()
                if d["status"] != "done"]

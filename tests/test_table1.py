@@ -109,6 +109,7 @@ def _study(tmp_path: Path, finals: dict[str, list[int]], truncate: str | None = 
                 "loss": {s: 0.1 for s in range(last + 1)},
                 "new_tool_steps": {s: 10.0 * (seed + 1) for s in range(last + 1)},
                 "env_steps": {s: 12.0 for s in range(last + 1)},
+                "entropy": {s: 0.8 - 0.1 * s - 0.01 * seed for s in range(last + 1)},
                 "seconds_sample": {s: 1.5 for s in range(last + 1)}})
             if per_task:
                 _commit_outcomes(tmp_path / d / "store", run_id, last, "sampled", k)
@@ -161,6 +162,9 @@ def test_report_numbers_come_from_the_metric_rows(tmp_path: Path) -> None:
         "not run: ConfigError: credit 'trace' refused (seeds 0, 1, 2)")
     report = (study / "report.md").read_text()
     assert "0.450 ± 0.050" in report and "0.850 ± 0.050" in report
+    # the entropy of the first and the last iteration's samples, beside success
+    assert grpo["final_entropy"]["mean"] == pytest.approx(0.7 - 0.01)
+    assert "0.790 -> 0.690" in report
     assert "ELPO's Table 1" in report and (study / "table1_curves.png").stat().st_size
     # issue 24: a report with an SGCD row says its reference is the template stand-in
     assert "stand-in for the paper's LLM summary" not in report
