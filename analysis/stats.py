@@ -172,7 +172,7 @@ def prefix_stats(tree: np.ndarray, group: np.ndarray, q: np.ndarray, scores: np.
     sizes = np.bincount(group) if n else np.zeros(0, np.int64)
     n_groups = len(sizes)
     offsets = np.cumsum(sizes) - sizes
-    later = (sizes[group] - 1 - (np.arange(n) - offsets[group])).astype(np.int64)  # (N,)
+    columns = np.ascontiguousarray(scores.T)  # (K, N): one method's scores contiguous
     conc = np.zeros((n_groups, k))
     untied_s = np.zeros((n_groups, k))
     untied_q = np.zeros(n_groups)
@@ -184,30 +184,33 @@ def prefix_stats(tree: np.ndarray, group: np.ndarray, q: np.ndarray, scores: np.
         dq = _sign(qm[:, first_of], qm[:, second_of])
         untied_q[gs] = np.count_nonzero(dq, axis=1)
         for m in range(k):
-            sm = scores[at, m]
+            sm = columns[m][at]
             ds = _sign(sm[:, first_of], sm[:, second_of])
             conc[gs, m] = np.sum(ds * dq, axis=1, dtype=np.int64)
             untied_s[gs, m] = np.count_nonzero(ds, axis=1)
-    later[sizes[group] <= small_prefix] = 0  # done above: the loop below pairs the rest
-    cum = np.cumsum(later)
-    bounds = np.searchsorted(cum, np.arange(pair_chunk, int(cum[-1]) if n else 0, pair_chunk))
-    starts = np.concatenate([[0], bounds + 1]) if n else np.zeros(0, np.int64)
-    stops = np.concatenate([bounds + 1, [n]]) if n else np.zeros(0, np.int64)
-    for c0, c1 in zip(starts.tolist(), stops.tolist(), strict=True):  # chunks, not prefixes
-        reps = later[c0:c1]
-        n_pairs = int(reps.sum())
-        if n_pairs == 0:
-            continue
-        a = np.repeat(np.arange(c0, c1), reps)  # (P,) first child of each pair
-        first = np.cumsum(reps) - reps
-        b = a + 1 + (np.arange(n_pairs) - np.repeat(first, reps))  # (P,) a later sibling
-        g = group[a]
-        dq = _sign_diff(q, a, b)
-        untied_q += np.bincount(g, weights=dq != 0, minlength=n_groups)
-        for m in range(k):  # methods, not prefixes
-            ds = _sign_diff(scores[:, m], a, b)
-            conc[:, m] += np.bincount(g, weights=ds * dq, minlength=n_groups)
-            untied_s[:, m] += np.bincount(g, weights=ds != 0, minlength=n_groups)
+    if n and sizes.max() > small_prefix:  # the larger prefixes (else all done above)
+        # pairs each child of a larger prefix makes with its later siblings
+        later = np.where(sizes[group] > small_prefix,
+                         sizes[group] - 1 - (np.arange(n) - offsets[group]), 0).astype(np.int64)
+        cum = np.cumsum(later)
+        bounds = np.searchsorted(cum, np.arange(pair_chunk, int(cum[-1]), pair_chunk))
+        starts = np.concatenate([[0], bounds + 1])
+        stops = np.concatenate([bounds + 1, [n]])
+        for c0, c1 in zip(starts.tolist(), stops.tolist(), strict=True):  # chunks of pairs
+            reps = later[c0:c1]
+            n_pairs = int(reps.sum())
+            if n_pairs == 0:
+                continue
+            a = np.repeat(np.arange(c0, c1), reps)  # (P,) first child of each pair
+            first = np.cumsum(reps) - reps
+            b = a + 1 + (np.arange(n_pairs) - np.repeat(first, reps))  # (P,) a later sibling
+            g = group[a]
+            dq = _sign_diff(q, a, b)
+            untied_q += np.bincount(g, weights=dq != 0, minlength=n_groups)
+            for m in range(k):  # methods, not prefixes
+                ds = _sign_diff(columns[m], a, b)
+                conc[:, m] += np.bincount(g, weights=ds * dq, minlength=n_groups)
+                untied_s[:, m] += np.bincount(g, weights=ds != 0, minlength=n_groups)
     first_child = offsets if n else np.zeros(0, np.int64)
     g_tree = np.asarray(tree, dtype=np.int64)[first_child] if n else np.zeros(0, np.int64)
     return PrefixStats(g_tree, sizes.astype(np.int64), conc, untied_s, untied_q)
