@@ -157,6 +157,7 @@ def compare_engine(args: argparse.Namespace) -> None:
     from train.envs import make_env
     from train.sampling import make_sampler
     from train.sampling.collect import sample_trees, tree_id_for, tree_seed
+    from train.sampling.engine import Engine, TreeJob
 
     env, policy, what = load(args.env, args.policy, args.fallback, args.random_init)
     baseline = today(policy, args.baseline_cache)
@@ -173,10 +174,9 @@ def compare_engine(args: argparse.Namespace) -> None:
             sampler = make_sampler(name, **params)
             start = time.perf_counter()
             one_env = make_env(env)
-            alone = [sampler.sample_tree(one_env, baseline, task, args.n_total,
-                                         seed=tree_seed(rep, task.task_id),
-                                         tree_id=tree_id_for("b", rep, task.task_id),
-                                         run_id="b") for task in tasks]
+            alone = [Engine(baseline, continuous=False).sample_trees([TreeJob(
+                sampler, one_env, task, args.n_total, tree_seed(rep, task.task_id),
+                tree_id_for("b", rep, task.task_id), "b")])[0] for task in tasks]
             one_env.close()
             t_one.seconds.append(time.perf_counter() - start)
             sampler = make_sampler(name, **params)

@@ -1,8 +1,9 @@
 """The rollout engine (issue 22): many trees at once, and trees that do not depend on the batch.
 
 The same tasks are collected with row budgets 1, 7 and 64 (one row per policy call, a
-few, everything at once) for every sampler, with the trained tiny calc policy (the HF
-backend: left-padded batches of different transcripts, shared-prefix KV expansion) and
+few, everything at once), with continuous batching and with whole calls, for every
+sampler, with the trained tiny calc policy (the HF backend: left-padded batches of
+different transcripts, rows joining a running batch, shared-prefix KV expansion) and
 with the tabular workflow policy (the engine's one-call-per-branch fallback). The trees
 must be the same: the same nodes, the same tokens, rewards, phases and snapshots, and
 logprobs / entropies equal up to ``LOGPROB_TOL`` (batched matmuls reduce in another
@@ -42,9 +43,10 @@ def calc_policy() -> Any:
 
 
 def collect_with(policy: Any, env: str, sampler: str, tasks: list[Task], n_total: int,
-                 max_rows: int, **params: Any) -> tuple[list[Tree], Engine]:
+                 max_rows: int, continuous: bool = True, **params: Any
+                 ) -> tuple[list[Tree], Engine]:
     samp = make_sampler(sampler, **params)
-    engine = Engine(policy, max_rows=max_rows)
+    engine = Engine(policy, max_rows=max_rows, continuous=continuous)
     jobs = [TreeJob(samp, lambda: make_env(env), task, n_total, seed=100 + i,
                     tree_id=f"t/{task.task_id}") for i, task in enumerate(tasks)]
     return engine.sample_trees(jobs), engine
@@ -93,18 +95,24 @@ def differences(a: Tree, b: Tree) -> tuple[list[str], float]:
 
 @pytest.mark.parametrize("sampler", sorted(SAMPLERS))
 def test_calc_trees_do_not_depend_on_the_row_budget(sampler: str, calc_policy: Any) -> None:
-    runs = {b: collect_with(calc_policy, "calc", sampler, CALC_TASKS, 8, b, max_new_tokens=32)
-            for b in BUDGETS}
-    base, _ = runs[BUDGETS[0]]
-    assert runs[1][1].stats.max_call_rows == 1  # budget 1: one row per policy call
-    assert runs[64][1].stats.max_call_rows > 7  # budget 64: rows of several trees at once
-    assert runs[64][1].stats.policy_calls <= runs[7][1].stats.policy_calls \
-        < runs[1][1].stats.policy_calls
-    for budget in BUDGETS[1:]:
-        for a, b in zip(base, runs[budget][0], strict=True):
+    """Row budgets 1, 7 and 64 with continuous batching (rows join the decoding batch
+    between tokens, each policy call is one token of every live row), and with whole
+    calls (each round answered by ``sample_rows`` calls), give the same trees."""
+    runs = {(b, c): collect_with(calc_policy, "calc", sampler, CALC_TASKS, 8, b, c,
+                                 max_new_tokens=32)
+            for b in BUDGETS for c in (True, False)}
+    base, _ = runs[BUDGETS[0], True]
+    for c in (True, False):
+        assert runs[1, c][1].stats.max_call_rows == 1  # budget 1: one row per call
+        assert runs[64, c][1].stats.max_call_rows > 7  # budget 64: several trees at once
+    assert runs[64, False][1].stats.policy_calls <= runs[7, False][1].stats.policy_calls \
+        < runs[1, False][1].stats.policy_calls
+    assert runs[64, True][1].stats.policy_calls < runs[1, True][1].stats.policy_calls
+    for (budget, continuous), (trees, _) in runs.items():
+        for a, b in zip(base, trees, strict=True):
             diff, worst = differences(a, b)
-            assert diff == [], (budget, diff[:5])
-            assert worst < LOGPROB_TOL, (budget, worst)
+            assert diff == [], (budget, continuous, diff[:5])
+            assert worst < LOGPROB_TOL, (budget, continuous, worst)
     assert all(len(t.leaves()) == 8 for t in base)
 
 
@@ -253,14 +261,21 @@ def test_the_prefix_cache_changes_no_token_and_saves_prefill() -> None:
 
     def trees(mib: float, tag: str) -> list[Tree]:
         policy = load_tiny_policy("calc", prefix_cache_mib=mib)
-        original = policy.sample_rows
+        original = policy.decoder
 
-        def spy(rows: Any, config: Any) -> list[list[Continuation]]:
-            got = original(rows, config)
-            seen[tag] += [c.prefill_tokens for conts in got for c in conts]
-            return got
+        def spy(config: Any) -> Any:  # the engine's continuous decoder, its steps watched
+            decoder = original(config)
+            step = decoder.step
 
-        policy.sample_rows = spy  # type: ignore[method-assign]
+            def watched() -> list[tuple[Any, int, Continuation]]:
+                got = step()
+                seen[tag] += [c.prefill_tokens for _, _, c in got]
+                return got
+
+            decoder.step = watched  # type: ignore[method-assign]
+            return decoder
+
+        policy.decoder = spy  # type: ignore[method-assign]
         jobs = [TreeJob(make_sampler("bel", max_new_tokens=32), lambda: make_env("calc"),
                         task, 8, seed=i, tree_id=f"p/{i}") for i, task in enumerate(CALC_TASKS)]
         return Engine(policy).sample_trees(jobs)

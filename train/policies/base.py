@@ -91,16 +91,21 @@ class Rows:
 
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
-def stream_uniforms(seeds: np.ndarray, step: int) -> np.ndarray:
+def stream_uniforms(seeds: np.ndarray, step: int | np.ndarray) -> np.ndarray:
     """The ``step``-th draw of each row's stream: u in [0, 1), float64, shape of ``seeds``.
 
     A counter-based generator (SplitMix64 of ``seed + (step + 1) * golden``), so a row's
-    draws depend on its seed and the token index only, whatever rows share the batch."""
-    z = seeds.astype(np.uint64) + np.uint64(((step + 1) * 0x9E3779B97F4A7C15) & _MASK64)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    draws depend on its seed and the token index only, whatever rows share the batch.
+    ``step`` is one index for every row or an array of per-row indices (a continuously
+    batched decoder's rows are at different tokens of their steps)."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps mod 2**64 by design
+        counter = (np.asarray(step, dtype=np.uint64) + np.uint64(1)) * np.uint64(_GOLDEN)
+        z = seeds.astype(np.uint64) + counter
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     z = z ^ (z >> np.uint64(31))
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
@@ -123,6 +128,33 @@ def sample_rows(policy: Policy, rows: Sequence[Rows], config: SampleConfig
         raise RuntimeError(f"policy returned {[len(o) for o in out]} continuations for "
                            f"requests of n={[r.n for r in rows]}")
     return out
+
+
+class Decoder(Protocol):
+    """A continuously batched decoder (``decoder(config)`` of a backend that has one, e.g.
+    ``HFPolicy``): rows join between steps, each step draws one token for every live
+    row, and a row leaves when its agent step ends. The rollout engine uses it instead
+    of whole ``sample_rows`` calls, so rows never wait for the slowest row of a call."""
+
+    @property
+    def live(self) -> int:
+        """Rows still decoding."""
+        ...
+
+    @property
+    def accepting(self) -> bool:
+        """Whether ``add`` may be called now."""
+        ...
+
+    def add(self, rows: Sequence[Rows], tags: Sequence[object]) -> None:
+        """Admit ``rows[i].n`` branches of each request (branch k from the stream
+        ``rows[i].seed + k``), tagged ``tags[i]``."""
+        ...
+
+    def step(self) -> list[tuple[object, int, Continuation]]:
+        """One token for every live row; ``(tag, k, continuation)`` of each row whose
+        step ended."""
+        ...
 
 
 @runtime_checkable

@@ -449,6 +449,57 @@ class BufferLayer(DynamicLayer):
             self._reindex(torch.arange(self._k.shape[0], device=self.device
                                        ).repeat_interleave(repeats))
 
+    # ----- rows joining a running batch (``DecodeBatch.admit``) ------------------------
+
+    def _replace(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        self._k, self._v, self.length = k, v, length
+        self.capacity = k.shape[-2]
+        self._views()
+
+    def grow_rows(self, extra: int) -> None:
+        """``extra`` more batch rows at the end, their keys zero (never uninitialised
+        memory: a masked key still enters q.k, and NaN times a zero weight is NaN)."""
+        assert self._k is not None and self._v is not None
+        rows = self._k.shape[0]
+        k = self._k.new_empty((rows + extra, *self._k.shape[1:]))
+        v = self._v.new_empty((rows + extra, *self._v.shape[1:]))
+        k[:rows, :, :self.length] = self._k[:, :, :self.length]
+        v[:rows, :, :self.length] = self._v[:, :, :self.length]
+        k[rows:, :, :self.length] = 0
+        v[rows:, :, :self.length] = 0
+        self._replace(k, v, self.length)
+
+    def pad_left(self, columns: int) -> None:
+        """``columns`` zero positions before every row's keys (its later columns move
+        right by as many; the batch's mask moves with them)."""
+        assert self._k is not None and self._v is not None
+        shape = (*self._k.shape[:2], self._k.shape[2] + columns, self._k.shape[3])
+        k, v = self._k.new_empty(shape), self._v.new_empty(shape)
+        k[:, :, :columns] = 0
+        v[:, :, :columns] = 0
+        k[:, :, columns:columns + self.length] = self._k[:, :, :self.length]
+        v[:, :, columns:columns + self.length] = self._v[:, :, :self.length]
+        self._replace(k, v, self.length + columns)
+
+    def drop_left(self, columns: int) -> None:
+        """Forget the first ``columns`` positions of every row (no live row has a key
+        there)."""
+        assert self._k is not None and self._v is not None
+        length = self.length - columns
+        k, v = self._k.new_empty(self._k.shape), self._v.new_empty(self._v.shape)
+        k[:, :, :length] = self._k[:, :, columns:self.length]
+        v[:, :, :length] = self._v[:, :, columns:self.length]
+        self._replace(k, v, length)
+
+    def place(self, rows: torch.Tensor, columns: torch.Tensor, source: BufferLayer,
+              source_rows: torch.Tensor, source_columns: torch.Tensor) -> None:
+        """Copy ``source``'s keys/values at (source_rows[i], source_columns[i]) to
+        (rows[i], columns[i]); all index tensors (N,), long."""
+        assert self._k is not None and self._v is not None
+        assert source._k is not None and source._v is not None
+        self._k[rows, :, columns] = source._k[source_rows, :, source_columns]
+        self._v[rows, :, columns] = source._v[source_rows, :, source_columns]
+
     def reset(self) -> None:
         self._k = self._v = None
         self.length = 0
@@ -629,6 +680,13 @@ class HFPolicy:
                 results[i] = conts
         return results
 
+    def decoder(self, config: SampleConfig) -> DecodeBatch:
+        """An empty continuously batched decoder (``train.policies.base.Decoder``): the
+        rollout engine admits rows into it between steps, so a row that ends its step
+        makes room for another at once instead of waiting for the slowest row of a
+        call."""
+        return DecodeBatch(self, config)
+
     def _chunks(self, prompts: list[list[int]], ns: Sequence[int]) -> Iterator[list[int]]:
         """Indices of ``prompts`` sorted by length, cut into chunks of <= max_batch rows
         (branches; a request with more branches than that is a chunk of its own)."""
@@ -660,18 +718,26 @@ class HFPolicy:
     def _weights_stamp(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.model.parameters())
 
-    def _prefill_inputs(self, prompts: list[list[int]], cache: DynamicCache, extra: int = 0
+    def cached_prefixes(self, prompts: Sequence[list[int]]
+                        ) -> list[tuple[int, list[Any] | None]]:
+        """Each prompt's longest cached proper prefix: (its length, its per-layer keys and
+        values), (0, None) without one."""
+        pc = self.prefix_cache
+        if pc is None:
+            return [(0, None)] * len(prompts)
+        pc.check(self._weights_stamp())
+        return [pc.get(p) for p in prompts]
+
+    def _prefill_inputs(self, prompts: list[list[int]], cache: DynamicCache, extra: int = 0,
+                        hits: Sequence[tuple[int, list[Any] | None]] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """(ids, attention mask, position ids) of the tokens to prefill, with the longest
-        cached prefix of each prompt loaded into ``cache`` first (its ``BufferLayer``s sized
-        for the prompts and ``extra`` new tokens), and the cached lengths. Row b's layout is
-        ``[pad][cached c_b][pad][suffix s_b]`` (mask 0 on pads); positions continue the
-        cached ones, so the suffix sees exactly the context it would see recomputed."""
-        pc = self.prefix_cache
-        hits: list[tuple[int, list[Any] | None]] = [(0, None)] * len(prompts)
-        if pc is not None:
-            pc.check(self._weights_stamp())
-            hits = [pc.get(p) for p in prompts]
+        cached prefix of each prompt (``hits``, default ``cached_prefixes``) loaded into
+        ``cache`` first (its ``BufferLayer``s sized for the prompts and ``extra`` new
+        tokens), and the cached lengths. Row b's layout is ``[pad][cached c_b][pad][suffix
+        s_b]`` (mask 0 on pads); positions continue the cached ones, so the suffix sees
+        exactly the context it would see recomputed."""
+        hits = self.cached_prefixes(prompts) if hits is None else hits
         width = max(c for c, _ in hits)
         suffixes = [p[c:] for p, (c, _) in zip(prompts, hits, strict=True)]
         s_width = max(len(s) for s in suffixes)
@@ -761,49 +827,138 @@ class HFPolicy:
 
 @dataclass
 class _Branch:
-    """One row of a ``DecodeBatch``: its request, branch, stream and what it drew so far."""
+    """One row of a ``DecodeBatch``: its requester's tag, branch, stream, first cache
+    column, and what it drew so far."""
 
-    request: int
+    request: Any
     k: int
     prompt: list[int]
     stream: int
     prefill_tokens: int
+    start: int = 0  # the first cache column holding one of its keys
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
     tail: str = ""  # recent decoded text, for stop strings
 
 
-class DecodeBatch:
-    """One decoding batch of ``HFPolicy`` (steps 2-5 of the module docstring).
+def _similar_suffixes(lengths: Sequence[int]) -> list[list[int]]:
+    """Indices of ``lengths`` (tokens each prompt still has to compute) in groups of
+    similar length, shortest first: a group's longest is at most twice its shortest
+    plus 8. One padded prefill per group instead of one for all: a prefill forward
+    computes every row at the longest suffix's width."""
+    groups: list[list[int]] = []
+    first = 0
+    for t in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if not groups or lengths[t] > 2 * first + 8:
+            groups.append([])
+            first = lengths[t]
+        groups[-1].append(t)
+    return groups
 
-    The constructor prefills the prompts (their longest cached prefixes first), each
-    prefix once, and expands it to its ``n`` branches; ``step()`` draws one token for
-    every live row (branch k of request t from the stream ``seeds[t] + k``, its j-th
-    token with ``stream_uniforms(., j)``), runs one forward and returns
-    ``(request, k, Continuation)`` for each row whose step ended (a stop string, an
-    end-of-sequence token, or ``max_new_tokens``).
+
+DROP_COLUMNS_FROM = 32
+"""A running batch forgets its leading cache columns once no live row has a key in the
+first ``DROP_COLUMNS_FROM`` of them and they are at least half of its width: attention
+costs rows x width per token, and every row decodes at the batch's last column."""
+
+
+class DecodeBatch:
+    """The decoding batch of ``HFPolicy`` (steps 2-5 of the module docstring), continuous.
+
+    ``admit(prompts, ns, seeds, tags)`` prefills the prompts (their longest cached
+    prefixes first), each prefix once, expands each to its ``n`` branches and adds the
+    branches to the batch; ``step()`` draws one token for every live row (branch k of
+    request t from the stream ``seeds[t] + k``, the row's j-th token with
+    ``stream_uniforms(., j)``), runs one forward and returns ``(tag, k, Continuation)``
+    for each row whose step ended (a stop string, an end-of-sequence token, or
+    ``max_new_tokens``). Rows may be admitted between any two steps (continuous
+    batching, the rollout engine's ``decoder``): the first admission into a batch with
+    no live row lays the prompts out as one prefill (left-padded); a later one prefills
+    its prompts in a batch of their own and copies each row's keys into a free position
+    of this one, right-aligned at the current column (its positions continue its own
+    count; the columns left of it are masked). A row's numbers depend on its prompt,
+    its stream and the weights; which rows share its steps changes only the float
+    reductions of the batched matmuls.
 
     Cost per token. Keys/values live in ``BufferLayer`` buffers (written in place, no
-    ``torch.cat`` of the whole cache per token) with the mask preallocated to the
-    prompt width plus ``max_new_tokens``. A finished row stays in the batch (fed
-    padding, its outputs unused) until fewer than ``COMPACT_BELOW`` of the positions,
-    or at most ``FEW_ROWS``, are live; only then are cache and mask compacted to the
-    live rows (one copy instead of one per finishing step). Every live row sees the
-    same keys and meets the same matmul kernels as when finished rows were dropped at
-    once, so the numbers are the same bits.
+    ``torch.cat`` of the whole cache per token), the mask is preallocated ahead of the
+    current column. A finished row stays in the batch (fed padding, its outputs unused)
+    until its position is given to an admitted row or fewer than ``COMPACT_BELOW`` of
+    the positions, or at most ``FEW_ROWS``, are live; only then are cache and mask
+    compacted to the live rows (one copy instead of one per finishing step). Leading
+    columns no live row uses are dropped once rows have joined (``DROP_COLUMNS_FROM``).
+    Without admissions after the first, every live row sees the same keys and meets the same matmul
+    kernels as when finished rows were dropped at once, so the numbers are the same
+    bits.
     """
 
+    def __init__(self, policy: HFPolicy, config: SampleConfig,
+                 prompts: Sequence[list[int]] = (), ns: Sequence[int] = (),
+                 seeds: Sequence[int] = (), tags: Sequence[Any] | None = None) -> None:
+        self.policy, self.config = policy, config
+        self.slots: list[_Branch] = []  # batch position -> its row (finished ones too)
+        self.live_pos: list[int] = []  # positions still decoding, ascending
+        self.cache: DynamicCache = buffered_cache(policy.model.config, 0)
+        self.logits = torch.empty(0)  # (positions, V) next-token logits
+        self.next_pos = torch.empty(0, dtype=torch.long)  # (positions,)
+        self.mask = torch.empty(0, dtype=torch.long)  # (positions, >= width + 1)
+        self.width = 0  # columns in use (the cache length)
+        self.padded = False  # whether any position has a masked column
+        self.merged = False  # whether rows joined while others decoded
+        if prompts:
+            self.admit(prompts, ns, seeds, tags)
+
+    @property
+    def live(self) -> int:
+        return len(self.live_pos)
+
+    @property
+    def accepting(self) -> bool:
+        """Whether rows can be admitted now: always into a batch with no live row, and
+        into a running one when every cache layer is a ``BufferLayer`` (sliding-window
+        and other layer kinds cannot be re-laid out)."""
+        return not self.live_pos or all(isinstance(layer, BufferLayer)
+                                        for layer in self.cache.layers)
+
+    def add(self, rows: Sequence[Rows], tags: Sequence[Any]) -> None:
+        """Admit ``rows[i].n`` branches of each request, tagged ``tags[i]`` (the rollout
+        engine's ``Decoder`` protocol)."""
+        self.admit([self.policy.prompt_ids(r.transcript) for r in rows],
+                   [r.n for r in rows], [r.seed for r in rows], tags)
+
     @torch.inference_mode()
-    def __init__(self, policy: HFPolicy, config: SampleConfig, prompts: list[list[int]],
-                 ns: list[int], seeds: list[int]) -> None:
+    def admit(self, prompts: Sequence[list[int]], ns: Sequence[int], seeds: Sequence[int],
+              tags: Sequence[Any] | None = None) -> None:
+        """Add ``ns[t]`` branches of each prompt (class docstring); ``tags[t]`` (default
+        ``t``) comes back with each of its rows' continuations."""
         if any(not p for p in prompts):
             raise ValueError("a transcript rendered to zero tokens")
-        self.policy, self.config = policy, config
-        pol = policy
+        tags = list(range(len(prompts))) if tags is None else list(tags)
+        if not self.live_pos:
+            self._prefill(prompts, ns, seeds, tags)
+            return
+        if not self.accepting:
+            raise RuntimeError("rows cannot join a running batch of this model (a cache "
+                               "layer is not full attention); admit them when it is empty")
+        hits = self.policy.cached_prefixes(prompts)
+        for group in _similar_suffixes([len(p) - c for p, (c, _) in
+                                        zip(prompts, hits, strict=True)]):
+            other = DecodeBatch(self.policy, self.config)
+            other._prefill([prompts[t] for t in group], [ns[t] for t in group],
+                           [seeds[t] for t in group], [tags[t] for t in group],
+                           [hits[t] for t in group])
+            self._merge(other)
+
+    def _prefill(self, prompts: Sequence[list[int]], ns: Sequence[int], seeds: Sequence[int],
+                 tags: Sequence[Any],
+                 hits: Sequence[tuple[int, list[Any] | None]] | None = None) -> None:
+        """Make this (empty) batch the prefill of ``prompts`` expanded to their branches
+        (``hits``: their cached prefixes, looked up when not given)."""
+        pol, config = self.policy, self.config
         cache = buffered_cache(pol.model.config, 0)
-        ids, mask, positions, cached = pol._prefill_inputs(prompts, cache,
-                                                           config.max_new_tokens)
+        ids, mask, positions, cached = pol._prefill_inputs(list(prompts), cache,
+                                                           config.max_new_tokens, hits)
         # Without padding the causal mask alone is right: passing no attention mask
         # lets attention skip building one at every step (a large part of a tiny
         # model's per-token cost).
@@ -823,44 +978,126 @@ class DecodeBatch:
             else:
                 expand = torch.repeat_interleave(
                     torch.arange(len(ns), device=pol.device),
-                    torch.tensor(ns, device=pol.device))
+                    torch.tensor(list(ns), device=pol.device))
                 cache.batch_select_indices(expand)
             logits, mask, next_pos = logits[expand], mask[expand], next_pos[expand]
-        self.slots: list[_Branch] = [
-            _Branch(t, k, prompts[t], (seeds[t] + k) & _MASK64,
+        starts = (mask != 0).long().argmax(-1).tolist()
+        self.slots = [
+            _Branch(tags[t], k, prompts[t], (seeds[t] + k) & _MASK64,
                     len(prompts[t]) - cached[t] if k == 0 else 0)
-            for t, n in enumerate(ns) for k in range(n)]  # batch position -> its row
-        self.live_pos = list(range(len(self.slots)))  # positions still decoding
+            for t, n in enumerate(ns) for k in range(n)]
+        for slot, start in zip(self.slots, starts, strict=True):
+            slot.start = start
+        self.live_pos = list(range(len(self.slots)))
         self.cache, self.logits, self.next_pos = cache, logits, next_pos
-        self.width = mask.shape[1]  # columns in use (the cache length)
+        self.width = mask.shape[1]
         self.mask = torch.cat([mask, mask.new_ones((len(self.slots), config.max_new_tokens))],
                               dim=1)
-        self.steps = 0
 
-    @property
-    def live(self) -> int:
-        return len(self.live_pos)
+    def _buffers(self) -> list[BufferLayer]:
+        return [layer for layer in self.cache.layers if isinstance(layer, BufferLayer)]
+
+    def _merge(self, other: DecodeBatch) -> None:
+        """Move ``other``'s rows (a fresh prefill) into free positions of this batch, each
+        row's keys right-aligned at this batch's current column."""
+        n = len(other.slots)
+        real = other.mask[:, :other.width] != 0  # (n, W2)
+        counts = real.sum(-1)  # (n,) keys of each new row
+        need = int(counts.max())
+        if need > self.width:  # a longer prompt than any column so far: room on the left
+            self._pad_left(need - self.width)
+        width = self.width
+        live = set(self.live_pos)
+        free = [p for p in range(len(self.slots)) if p not in live][:n]
+        if len(free) < n:
+            first = len(self.slots)
+            self._grow(n - len(free))
+            free += range(first, len(self.slots))
+        target = torch.tensor(free, device=self.mask.device)
+        src_row, src_col = real.nonzero(as_tuple=True)  # row-major: each row's keys in order
+        offsets = counts.cumsum(0) - counts
+        rank = torch.arange(len(src_row), device=src_row.device) - offsets[src_row]
+        dst_col = width - counts[src_row] + rank
+        dst_row = target[src_row]
+        for mine, theirs in zip(self._buffers(), other._buffers(), strict=True):
+            mine.place(dst_row, dst_col, theirs, src_row, src_col)
+        self._ensure_columns(width + 1)
+        self.mask[target] = 0
+        self.mask[dst_row, dst_col] = 1
+        self.mask[target, width:] = 1
+        self.next_pos[target] = other.next_pos
+        self.logits[target] = other.logits
+        for pos, slot, count in zip(free, other.slots, counts.tolist(), strict=True):
+            slot.start = width - count
+            self.slots[pos] = slot
+        self.live_pos = sorted(self.live_pos + free)
+        self.padded = self.merged = True
+
+    def _grow(self, extra: int) -> None:
+        """``extra`` more positions (zero keys, masked)."""
+        for layer in self._buffers():
+            layer.grow_rows(extra)
+        self.mask = torch.cat([self.mask, self.mask.new_zeros((extra, self.mask.shape[1]))])
+        self.next_pos = torch.cat([self.next_pos, self.next_pos.new_zeros(extra)])
+        self.logits = torch.cat([self.logits, self.logits.new_zeros((extra,
+                                                                      self.logits.shape[1]))])
+        self.slots += [_Branch(None, 0, [], 0, 0) for _ in range(extra)]
+
+    def _pad_left(self, columns: int) -> None:
+        for layer in self._buffers():
+            layer.pad_left(columns)
+        self.mask = torch.cat([self.mask.new_zeros((self.mask.shape[0], columns)), self.mask],
+                              dim=1)
+        self.width += columns
+        for slot in self.slots:
+            slot.start += columns
+
+    def _ensure_columns(self, columns: int) -> None:
+        """At least ``columns`` mask columns (the ones past the width are ones: every
+        position attends to the keys it will write)."""
+        have = self.mask.shape[1]
+        if have < columns:
+            more = max(columns - have, have, self.config.max_new_tokens)
+            self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], more))],
+                                  dim=1)
+
+    def _drop_columns(self) -> None:
+        """``DROP_COLUMNS_FROM``: forget the leading columns no live row uses (only in a
+        batch rows joined: one prefill's batch keeps its layout to the end)."""
+        if not self.merged:
+            return
+        lo = min(self.slots[p].start for p in self.live_pos)
+        if lo < DROP_COLUMNS_FROM or 4 * lo < self.width:
+            return
+        for layer in self._buffers():
+            layer.drop_left(lo)
+        self.mask = self.mask[:, lo:]
+        self.width -= lo
+        for slot in self.slots:
+            slot.start = max(0, slot.start - lo)
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[int, int, Continuation]]:
+    def step(self) -> list[tuple[Any, int, Continuation]]:
         """One token for every live row, then one forward (class docstring)."""
         if not self.live:
             return []
         pol, config = self.policy, self.config
-        logp = torch.log_softmax(self.logits, dim=-1)  # (R, V) untempered policy
+        every = self.live == len(self.slots)
+        live_index = None if every else torch.tensor(self.live_pos, device=pol.device)
+        logits = self.logits if live_index is None else self.logits[live_index]
+        logp = torch.log_softmax(logits, dim=-1)  # (R, V) untempered policy
         entropy = torch.special.entr(logp.exp()).sum(-1)  # (R,), 0 log 0 = 0
-        probs = (torch.softmax(self.logits / config.temperature, dim=-1)
+        probs = (torch.softmax(logits / config.temperature, dim=-1)
                  if config.temperature != 1.0 else logp.exp())
         if config.top_p < 1.0:
             probs = _top_p_filter(probs, config.top_p)
         rows = [self.slots[j] for j in self.live_pos]
         streams = np.array([r.stream for r in rows], dtype=np.uint64)
-        chosen = _inverse_cdf(probs, stream_uniforms(streams, self.steps))  # (R,)
+        drawn = np.array([len(r.tokens) for r in rows], dtype=np.uint64)
+        chosen = _inverse_cdf(probs, stream_uniforms(streams, drawn))  # (R,)
         chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1)
-        self.steps += 1
         token_texts = pol.token_texts()
         window = pol._stop_window
-        last = self.steps == config.max_new_tokens
         keep: list[int] = []  # indices into live_pos of the rows that go on
         done: list[tuple[int, bool]] = []  # (index into live_pos, stopped)
         for i, (r, tok, lp, ent) in enumerate(zip(rows, chosen.tolist(), chosen_lp.tolist(),
@@ -873,11 +1110,11 @@ class DecodeBatch:
             r.tail = (r.tail + piece)[-(window + len(piece)):]
             if tok in pol.eos_ids or any(s in r.tail for s in pol.stop_strings):
                 done.append((i, True))
-            elif last:
+            elif len(r.tokens) == config.max_new_tokens:
                 done.append((i, False))
             else:
                 keep.append(i)
-        out: list[tuple[int, int, Continuation]] = []
+        out: list[tuple[Any, int, Continuation]] = []
         seen = self.mask[:, :self.width]
         meta = {"temperature": config.temperature, "top_p": config.top_p}
         for i, stopped in done:
@@ -902,12 +1139,12 @@ class DecodeBatch:
                 self.mask, self.next_pos = self.mask[index], self.next_pos[index]
                 self.slots = [self.slots[j] for j in self.live_pos]
                 self.live_pos = list(range(len(self.slots)))
-        if self.live < len(self.slots):  # dead positions decode padding
-            live_index: torch.Tensor | None = torch.tensor(self.live_pos, device=pol.device)
+        if self.live < len(self.slots):  # finished positions decode padding
             step_ids = chosen.new_full((len(self.slots),), pol.pad_id)
-            step_ids[live_index] = chosen
+            step_ids[torch.tensor(self.live_pos, device=pol.device)] = chosen
         else:
-            live_index, step_ids = None, chosen
+            step_ids = chosen
+        self._ensure_columns(self.width + 1)
         result = pol.model(input_ids=step_ids[:, None],
                            attention_mask=self.mask[:, :self.width + 1] if self.padded
                            else None,
@@ -915,6 +1152,6 @@ class DecodeBatch:
                            use_cache=True)
         self.width += 1
         self.next_pos = self.next_pos + 1
-        self.logits = (result.logits[:, -1, :] if live_index is None
-                       else result.logits[live_index, -1, :]).float()
+        self.logits = result.logits[:, -1, :].float()  # (positions, V)
+        self._drop_columns()
         return out

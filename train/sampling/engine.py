@@ -23,15 +23,33 @@ thread timing.
 
 Scheduling (``Engine.run``). Programs are admitted up to ``max_programs`` at a time (new
 ones join as old ones finish). The engine advances every program that has an answer
-until each waits on a ``Decode`` or a ``Work``; ``Work`` goes to the pool at once. A
-policy call is made when rows wait and either no environment work is running or
-``max_rows`` rows wait (or ``tool_wait`` seconds passed since the last one finished):
-it takes the waiting requests in arrival order up to ``max_rows`` rows (a request with
-more branches is split: branch k of ``Rows(t, n, s)`` draws from stream ``s + k``, so
-its parts draw what the whole would), as ONE ``sample_rows`` call per distinct
-``SampleConfig``. A program whose round is split over several calls receives it when
-all its parts came back. The granularity is one agent step: a row joins the batch at
-the start of a policy call, and the backend drops rows as they finish their step.
+until each waits on a ``Decode`` or a ``Work``; ``Work`` goes to the pool at once.
+
+*Continuous mode* (the default, for a policy with a ``decoder``: the HF backend). The
+engine keeps one running decoding batch per ``SampleConfig`` and ticks: (1) advance the
+programs that have answers; (2) admit waiting rows into the batch, in arrival order, up
+to ``max_rows`` live rows (a request is split at the budget: branch k of
+``Rows(t, n, s)`` draws from stream ``s + k``, so its parts draw what the whole would),
+once they are worth a prefill (``ADMIT_EVERY``); (3) one decode step, one token for
+every live row, rows whose agent step ended leave and are handed back (a program whose
+round is complete becomes ready); (4) wait for the work submitted in (1), which ran in
+the pool during the step, and queue its answers in submission order. So a row never
+waits for the slowest row of a call, and new rows join as old ones finish; step (4)
+makes the order of events a function of the programs alone, never of thread timing,
+so a run is reproducible bit for bit (exact resume, goldens).
+
+*Whole-call mode* (``continuous=False``, or a policy without a decoder: tabular,
+vLLM). A policy call is made when rows wait and either no environment work is running
+or ``max_rows`` rows wait (or ``tool_wait`` seconds passed since the last one
+finished): it takes the waiting requests in arrival order up to ``max_rows`` rows, as
+ONE ``sample_rows`` call per distinct ``SampleConfig`` (vLLM: one ``generate`` over the
+wavefront). A program whose round is split over several calls receives it when all its
+parts came back.
+
+Why continuous batching on the tiny model: calc steps take 10-20 tokens but a sampled
+row can ramble to ``max_new_tokens``; a whole call lasts as long as its longest row,
+so most forwards of a call carried a few rows (measured, 64 calc trees x 16 rollouts,
+128-token cap: 28.7 rows per forward of a 128-row budget).
 
 Batch independence. A program's content depends only on its own inputs: each row of a
 request carries its own seed (``TreeBuilder`` keys them by (seed, node, draw)), the
@@ -51,11 +69,18 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from rollout_store.tree import Tree
 from train.envs.base import Environment, Task
-from train.policies.base import Continuation, Policy, Rows, SampleConfig, sample_rows
+from train.policies.base import (
+    Continuation,
+    Decoder,
+    Policy,
+    Rows,
+    SampleConfig,
+    sample_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -89,7 +114,9 @@ def default_tool_threads() -> int:
 
 @dataclass
 class EngineStats:
-    """What one ``Engine.run`` did: policy calls, rows decoded, environment work items."""
+    """What one ``Engine.run`` did: policy calls (in continuous mode, decode steps: one
+    token of every live row), rows decoded, environment work items, and the most rows
+    of one call."""
 
     policy_calls: int = 0
     rows: int = 0
@@ -112,18 +139,38 @@ class _Waiting:
     outstanding: int = 0
 
 
+@dataclass
+class _Lane:
+    """The continuous decoder of one ``SampleConfig`` and how long since rows joined it."""
+
+    decoder: Decoder
+    steps_since_admit: int = 0
+
+
+ADMIT_EVERY = 4
+"""Continuous mode: rows waiting for a running decoder join it once they are at least an
+eighth of ``max_rows`` (or fill every free position), or after this many steps (each
+admission is one prefill forward: admitting one row per step would nearly double the
+forwards)."""
+
+
 class Engine:
     """Runs programs (module docstring) against one ``policy``.
 
-    ``max_rows``: the row (branch) budget of one policy call; ``max_programs``: programs
-    in flight (each holds its environment); ``tool_threads``: the environment pool
-    (default ``default_tool_threads()``); ``tool_wait``: how long a policy call waits
-    for running environment work to add rows before it starts with what is there.
+    ``max_rows``: the row (branch) budget of one policy call, or of the rows decoding at
+    once in continuous mode; ``max_programs``: programs in flight (each holds its
+    environment); ``tool_threads``: the environment pool (default
+    ``default_tool_threads()``); ``tool_wait``: in whole-call mode, how long a policy
+    call waits for running environment work to add rows before it starts with what is
+    there. ``continuous`` (default): when the policy has a ``decoder`` (the HF backend),
+    rows join and leave one decoding batch between tokens; else, and with
+    ``continuous=False``, each ``Decode`` round is answered by whole ``sample_rows``
+    calls.
     """
 
     def __init__(self, policy: Policy, *, max_rows: int = DEFAULT_MAX_ROWS,
                  max_programs: int = DEFAULT_MAX_PROGRAMS, tool_threads: int | None = None,
-                 tool_wait: float = 0.05) -> None:
+                 tool_wait: float = 0.05, continuous: bool = True) -> None:
         if max_rows < 1 or max_programs < 1:
             raise ValueError(f"max_rows and max_programs must be >= 1, got {max_rows}, "
                              f"{max_programs}")
@@ -131,6 +178,7 @@ class Engine:
         self.max_rows, self.max_programs = max_rows, max_programs
         self.tool_threads = tool_threads or default_tool_threads()
         self.tool_wait = tool_wait
+        self.continuous = continuous and callable(getattr(policy, "decoder", None))
         self.stats = EngineStats()
 
     # ----- the core -------------------------------------------------------------------
@@ -146,6 +194,7 @@ class Engine:
         ready: deque[tuple[int, Any, BaseException | None]] = deque()
         waiting: deque[_Waiting] = deque()
         futures: dict[cf.Future[Any], int] = {}
+        lanes: dict[SampleConfig, _Lane] = {}
         admitted = 0
         with cf.ThreadPoolExecutor(self.tool_threads, thread_name_prefix="rtrees-env") as pool:
             try:
@@ -174,21 +223,28 @@ class Engine:
                                             "not Decode or Work")
                     if not live and admitted == len(factories):
                         break
-                    rows_waiting = sum(n for w in waiting for _, _, n in w.parts)
-                    if waiting and (not futures or rows_waiting >= self.max_rows):
-                        self._decode(waiting, ready)
-                        continue
+                    if self.continuous:
+                        self._admit(waiting, lanes)
+                        busy = [lane for lane in lanes.values() if lane.decoder.live]
+                        for lane in busy:
+                            self._step(lane, ready)
+                        if futures:  # the work submitted before this step, in order
+                            _collect_all(futures, ready)
+                            continue
+                        if busy:
+                            continue
+                    else:
+                        rows_waiting = sum(n for w in waiting for _, _, n in w.parts)
+                        if waiting and (not futures or rows_waiting >= self.max_rows):
+                            self._decode(waiting, ready)
+                            continue
                     if not futures:
                         if admitted < len(factories):
                             continue
                         raise RuntimeError("rollout engine: programs wait on nothing")
-                    done, _ = cf.wait(list(futures), return_when=cf.FIRST_COMPLETED,
-                                      timeout=self.tool_wait if waiting else None)
-                    for fut in done:
-                        i = futures.pop(fut)
-                        err = fut.exception()
-                        ready.append((i, None if err else fut.result(), err))
-                    if not done and waiting:
+                    timeout = self.tool_wait if waiting and not self.continuous else None
+                    if not _collect(futures, ready, timeout) and waiting \
+                            and not self.continuous:
                         self._decode(waiting, ready)
             except BaseException:
                 for fut in futures:
@@ -199,12 +255,11 @@ class Engine:
                 raise
         return results
 
-    def _decode(self, waiting: deque[_Waiting],
-                ready: deque[tuple[int, Any, BaseException | None]]) -> None:
-        """One policy call: waiting parts in arrival order up to ``max_rows`` rows, of the
-        first waiting request's ``SampleConfig``."""
-        config = waiting[0].decode.config
-        budget = self.max_rows
+    def _take(self, waiting: deque[_Waiting], config: SampleConfig, budget: int
+              ) -> list[tuple[_Waiting, int, int, int]]:
+        """Waiting parts of ``config`` in arrival order up to ``budget`` rows, as
+        ``(waiting, request, first branch, branches)`` (a request split at the budget
+        keeps its other branches waiting); fully taken entries leave ``waiting``."""
         taken: list[tuple[_Waiting, int, int, int]] = []
         for w in waiting:
             if budget <= 0:
@@ -218,6 +273,17 @@ class Engine:
                     w.parts.appendleft((req, k0 + m, n - m))
                 taken.append((w, req, k0, m))
                 budget -= m
+        for w in {id(w): w for w, *_ in taken}.values():
+            if not w.parts:
+                waiting.remove(w)
+        return taken
+
+    def _decode(self, waiting: deque[_Waiting],
+                ready: deque[tuple[int, Any, BaseException | None]]) -> None:
+        """Whole-call mode: one policy call over waiting parts in arrival order up to
+        ``max_rows`` rows, of the first waiting request's ``SampleConfig``."""
+        config = waiting[0].decode.config
+        taken = self._take(waiting, config, self.max_rows)
         rows = [Rows(w.decode.rows[req].transcript, m, w.decode.rows[req].seed + k0)
                 for w, req, k0, m in taken]
         got = sample_rows(self.policy, rows, replace(config, n=1, seed=None))
@@ -225,12 +291,44 @@ class Engine:
         self.stats.policy_calls += 1
         self.stats.rows += n_rows
         self.stats.max_call_rows = max(self.stats.max_call_rows, n_rows)
-        for (w, req, k0, m), conts in zip(taken, got, strict=True):
-            w.answers[req][k0:k0 + m] = conts
-            w.outstanding -= m
-        for w in [w for w in waiting if w.outstanding == 0]:
-            waiting.remove(w)
-            ready.append((w.program, [list(a) for a in w.answers], None))
+        for (w, req, k0, _), conts in zip(taken, got, strict=True):
+            for k, cont in enumerate(conts):
+                _answer(w, req, k0 + k, cont, ready)
+
+    def _admit(self, waiting: deque[_Waiting], lanes: dict[SampleConfig, _Lane]) -> None:
+        """Continuous mode: waiting rows join their config's decoder (``ADMIT_EVERY``)."""
+        pending: dict[SampleConfig, int] = {}
+        for w in waiting:
+            pending[w.decode.config] = pending.get(w.decode.config, 0) + sum(
+                n for _, _, n in w.parts)
+        for config, rows_waiting in pending.items():
+            lane = lanes.get(config)
+            if lane is None:
+                make = getattr(self.policy, "decoder")  # noqa: B009 (checked in __init__)
+                lane = lanes[config] = _Lane(make(replace(config, n=1, seed=None)))
+            decoder = lane.decoder
+            free = self.max_rows - decoder.live
+            if free <= 0 or not decoder.accepting:
+                continue
+            if decoder.live and rows_waiting < min(free, max(1, self.max_rows // 8)) \
+                    and lane.steps_since_admit < ADMIT_EVERY:
+                continue
+            taken = self._take(waiting, config, free)
+            decoder.add([Rows(w.decode.rows[req].transcript, m, w.decode.rows[req].seed + k0)
+                         for w, req, k0, m in taken],
+                        [(w, req, k0) for w, req, k0, _ in taken])
+            lane.steps_since_admit = 0
+            self.stats.rows += sum(m for *_, m in taken)
+
+    def _step(self, lane: _Lane, ready: deque[tuple[int, Any, BaseException | None]]
+              ) -> None:
+        """Continuous mode: one token for every row of ``lane``'s decoder."""
+        self.stats.policy_calls += 1
+        self.stats.max_call_rows = max(self.stats.max_call_rows, lane.decoder.live)
+        lane.steps_since_admit += 1
+        for tag, k, cont in lane.decoder.step():
+            w, req, k0 = cast(tuple[_Waiting, int, int], tag)  # the tags _admit gave
+            _answer(w, req, k0 + k, cont, ready)
 
     # ----- trees ----------------------------------------------------------------------
 
@@ -251,6 +349,42 @@ class Engine:
             for s in samplers:
                 s.end_wave()
         return trees
+
+
+def _answer(w: _Waiting, request: int, branch: int, cont: Continuation,
+            ready: deque[tuple[int, Any, BaseException | None]]) -> None:
+    """Record one row's continuation; the program is ready once its round is complete."""
+    w.answers[request][branch] = cont
+    w.outstanding -= 1
+    if w.outstanding == 0:
+        ready.append((w.program, [list(a) for a in w.answers], None))
+
+
+def _collect(futures: dict[cf.Future[Any], int],
+             ready: deque[tuple[int, Any, BaseException | None]],
+             timeout: float | None) -> bool:
+    """Move finished environment work to ``ready`` (waiting up to ``timeout`` seconds for
+    the first; ``None``: until one finishes); whether any finished."""
+    if not futures:
+        return False
+    done, _ = cf.wait(list(futures), return_when=cf.FIRST_COMPLETED, timeout=timeout)
+    for fut in done:
+        i = futures.pop(fut)
+        err = fut.exception()
+        ready.append((i, None if err else fut.result(), err))
+    return bool(done)
+
+
+def _collect_all(futures: dict[cf.Future[Any], int],
+                 ready: deque[tuple[int, Any, BaseException | None]]) -> None:
+    """Wait for every submitted work item and move them to ``ready`` in submission order
+    (continuous mode: which step a program's answer arrives at never depends on thread
+    timing)."""
+    cf.wait(list(futures))
+    for fut, i in futures.items():
+        err = fut.exception()
+        ready.append((i, None if err else fut.result(), err))
+    futures.clear()
 
 
 def _new_waiting(program: int, decode: Decode) -> _Waiting:
