@@ -263,8 +263,8 @@ def test_the_prefix_cache_changes_no_token_and_saves_prefill() -> None:
         policy = load_tiny_policy("calc", prefix_cache_mib=mib)
         original = policy.decoder
 
-        def spy(config: Any) -> Any:  # the engine's continuous decoder, its steps watched
-            decoder = original(config)
+        def spy() -> Any:  # the engine's continuous decoder, its steps watched
+            decoder = original()
             step = decoder.step
 
             def watched() -> list[tuple[Any, int, Continuation]]:
@@ -296,3 +296,64 @@ def test_the_prefix_cache_changes_no_token_and_saves_prefill() -> None:
         next(policy.model.parameters()).add_(0.0)  # an in-place update of the weights
     policy.sample_rows([Rows(t, 1, 6)], SampleConfig(max_new_tokens=4))
     assert policy.prefix_cache.tokens <= 2 * n + 4  # only what the second call stored
+
+
+def test_rows_of_different_sample_configs_share_one_batch(calc_policy: Any) -> None:
+    """Sampled and greedy episodes in one engine run (one decoding batch, each row with
+    its own temperature / top_p) are the episodes each mode gives alone."""
+    from train.sampling.evaluation import GREEDY_TOP_P, episode_program, run_episodes
+
+    tasks = env_class("calc").generate_tasks(12, seed=5)
+    configs = [SampleConfig(max_new_tokens=32), SampleConfig(max_new_tokens=32,
+                                                             top_p=GREEDY_TOP_P)]
+    engine = Engine(calc_policy)
+    together = engine.run([partial(episode_program, lambda: make_env("calc"), task, i, 3, c)
+                           for c in configs for i, task in enumerate(tasks)])
+    assert engine.stats.max_call_rows > len(tasks)  # the modes did share steps
+    for m, greedy in enumerate((False, True)):
+        alone = run_episodes(calc_policy, "calc", tasks, seed=3, max_new_tokens=32,
+                             greedy=greedy)
+        assert [r for r, _ in together[m * len(tasks):(m + 1) * len(tasks)]] == alone.rewards
+        assert [n for _, n in together[m * len(tasks):(m + 1) * len(tasks)]] == alone.steps
+    assert together[:len(tasks)] != together[len(tasks):]  # the modes did differ
+
+
+@pytest.mark.parametrize("max_rows, drop_from", [(7, 64), (3, 4), (16, 4)])
+def test_rows_joining_a_running_batch_decode_as_alone(calc_policy: Any, max_rows: int,
+                                                      drop_from: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DecodeBatch.admit`` into a running batch (free positions reused, columns padded
+    on the left, leading columns dropped, positions compacted): every row draws the
+    tokens it draws decoded alone, logprobs within LOGPROB_TOL."""
+    import random
+
+    from train.policies import hf
+
+    monkeypatch.setattr(hf, "DROP_COLUMNS_FROM", drop_from)
+    monkeypatch.setattr(calc_policy, "prefix_cache", None)
+    env = make_env("calc")
+    prompts = [calc_policy.prompt_ids([("prompt", env.reset(t))])
+               for t in env_class("calc").generate_tasks(48, seed=0)]
+    prompts = [p + p[:i % 25] * (i % 3) for i, p in enumerate(prompts)]  # mixed lengths
+    ns = [1 + i % 3 for i in range(len(prompts))]
+    config = SampleConfig(max_new_tokens=40)
+    alone: dict[tuple[int, int], Any] = {}
+    for i, prompt in enumerate(prompts):
+        single = hf.DecodeBatch(calc_policy, config, [prompt], [ns[i]], [1000 + i], [i])
+        while single.live:
+            alone.update({(t, k): c for t, k, c in single.step()})
+    batch = hf.DecodeBatch(calc_policy, config)
+    together: dict[tuple[int, int], Any] = {}
+    pending, rng, joined_running = list(range(len(prompts))), random.Random(1), 0
+    while pending or batch.live:
+        while pending and (not batch.live or (batch.live + ns[pending[0]] <= max_rows
+                                              and rng.random() < 0.5)):
+            i = pending.pop(0)
+            joined_running += bool(batch.live)
+            batch.admit([prompts[i]], [ns[i]], [1000 + i], [i])
+        together.update({(t, k): c for t, k, c in batch.step()})
+    assert joined_running >= len(prompts) // 4 and batch.merged  # rows did join mid-run
+    assert together.keys() == alone.keys()
+    for key, cont in alone.items():
+        assert together[key].token_ids == cont.token_ids, key
+        assert np.abs(np.subtract(together[key].logprobs, cont.logprobs)).max() < LOGPROB_TOL

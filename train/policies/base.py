@@ -131,7 +131,7 @@ def sample_rows(policy: Policy, rows: Sequence[Rows], config: SampleConfig
 
 
 class Decoder(Protocol):
-    """A continuously batched decoder (``decoder(config)`` of a backend that has one, e.g.
+    """A continuously batched decoder (``decoder()`` of a backend that has one, e.g.
     ``HFPolicy``): rows join between steps, each step draws one token for every live
     row, and a row leaves when its agent step ends. The rollout engine uses it instead
     of whole ``sample_rows`` calls, so rows never wait for the slowest row of a call."""
@@ -146,9 +146,11 @@ class Decoder(Protocol):
         """Whether ``add`` may be called now."""
         ...
 
-    def add(self, rows: Sequence[Rows], tags: Sequence[object]) -> None:
+    def add(self, rows: Sequence[Rows], tags: Sequence[object], config: SampleConfig
+            ) -> None:
         """Admit ``rows[i].n`` branches of each request (branch k from the stream
-        ``rows[i].seed + k``), tagged ``tags[i]``."""
+        ``rows[i].seed + k``), tagged ``tags[i]``, sampled by ``config`` (its ``n`` and
+        ``seed`` ignored; rows of different configs may share the decoder)."""
         ...
 
     def step(self) -> list[tuple[object, int, Continuation]]:

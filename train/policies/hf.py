@@ -380,35 +380,48 @@ class BufferLayer(DynamicLayer):
 
     ``DynamicLayer.update`` grows K and V by ``torch.cat`` at every step, copying the
     whole cache (B, H, L, D) per token: O(L) per step and O(L^2) per decode. Here the
-    buffer holds ``capacity`` positions, ``update`` writes the new positions in place and
-    ``keys`` / ``values`` are the views ``buffer[:, :, :L]``, so attention reads exactly
-    the same L keys as with ``torch.cat`` (the same numbers, bit for bit); the buffer is
-    reallocated (doubled) only when a write would pass its end. Positions below L are
+    buffer holds ``capacity`` positions, the L in use start at column ``offset``,
+    ``update`` writes the new positions in place after them and ``keys`` / ``values``
+    are the views ``buffer[:, :, offset:offset + L]``, so attention reads exactly the
+    same L keys as with ``torch.cat`` (the same numbers, bit for bit); the buffer is
+    reallocated (doubled) only when a write would pass its end. Positions in use are
     never written again, so a view taken earlier stays valid. ``batch_select_indices``
-    and ``batch_repeat_interleave`` copy the filled part into a new buffer of the same
-    capacity.
+    and ``batch_repeat_interleave`` copy the used part into a new buffer of the same
+    capacity. A running batch that rows join (``DecodeBatch``) moves the start:
+    ``pad_left`` takes zeroed columns from the room before ``offset`` (reallocating
+    only when there is too little) and ``drop_left`` advances it, neither copying the
+    cache.
     """
 
     def __init__(self, capacity: int = 0) -> None:
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.offset = 0
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
 
-    def _alloc(self, like_k: torch.Tensor, like_v: torch.Tensor, batch: int, capacity: int
-               ) -> None:
+    def _alloc(self, like_k: torch.Tensor, like_v: torch.Tensor, batch: int, capacity: int,
+               offset: int = 0) -> None:
+        """New buffers of ``capacity`` columns, the used ones copied to start at
+        ``offset``; the columns before it zeroed (``pad_left`` hands them out)."""
         self.capacity = capacity
         k = like_k.new_empty((batch, like_k.shape[1], capacity, like_k.shape[3]))
         v = like_v.new_empty((batch, like_v.shape[1], capacity, like_v.shape[3]))
+        if offset:
+            k[:, :, :offset] = 0
+            v[:, :, :offset] = 0
         if self._k is not None and self._v is not None and self.length:
-            k[:, :, :self.length] = self._k[:, :, :self.length]
-            v[:, :, :self.length] = self._v[:, :, :self.length]
-        self._k, self._v = k, v
+            k[:, :, offset:offset + self.length] = self._k[:, :, self._used()]
+            v[:, :, offset:offset + self.length] = self._v[:, :, self._used()]
+        self._k, self._v, self.offset = k, v, offset
+
+    def _used(self) -> slice:
+        return slice(self.offset, self.offset + self.length)
 
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._k is not None and self._v is not None
-        keys, values = self._k[:, :, :self.length], self._v[:, :, :self.length]
+        keys, values = self._k[:, :, self._used()], self._v[:, :, self._used()]
         self.keys, self.values = keys, values
         return keys, values
 
@@ -417,15 +430,21 @@ class BufferLayer(DynamicLayer):
         if not self.is_initialized:
             self.device = key_states.device
             self.is_initialized = True
-        end = self.length + key_states.shape[-2]
+        end = self.offset + self.length + key_states.shape[-2]
         if self._k is None or end > self._k.shape[-2]:
+            # the room kept before the used columns is at most their number (columns
+            # dropped by ``drop_left`` are not carried over forever)
+            room = min(self.offset, self.length)
             self._alloc(key_states, value_states, key_states.shape[0],
-                        max(end, self.capacity, 2 * (self._k.shape[-2] if self._k is not None
-                                                     else 0)))
+                        room + max(end - self.offset, self.capacity - self.offset,
+                                   2 * (self._k.shape[-2] - self.offset
+                                        if self._k is not None else 0)),
+                        room)
         assert self._k is not None and self._v is not None
-        self._k[:, :, self.length:end] = key_states
-        self._v[:, :, self.length:end] = value_states
-        self.length = end
+        start = self.offset + self.length
+        self._k[:, :, start:start + key_states.shape[-2]] = key_states
+        self._v[:, :, start:start + key_states.shape[-2]] = value_states
+        self.length += key_states.shape[-2]
         return self._views()
 
     def get_seq_length(self) -> int:
@@ -436,8 +455,12 @@ class BufferLayer(DynamicLayer):
             return
         k = self._k.new_empty((len(index), *self._k.shape[1:]))
         v = self._v.new_empty((len(index), *self._v.shape[1:]))
-        torch.index_select(self._k[:, :, :self.length], 0, index, out=k[:, :, :self.length])
-        torch.index_select(self._v[:, :, :self.length], 0, index, out=v[:, :, :self.length])
+        used = self._used()
+        torch.index_select(self._k[:, :, used], 0, index, out=k[:, :, used])
+        torch.index_select(self._v[:, :, used], 0, index, out=v[:, :, used])
+        if self.offset:
+            k[:, :, :self.offset] = 0
+            v[:, :, :self.offset] = 0
         self._k, self._v = k, v
         self._views()
 
@@ -451,11 +474,6 @@ class BufferLayer(DynamicLayer):
 
     # ----- rows joining a running batch (``DecodeBatch.admit``) ------------------------
 
-    def _replace(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
-        self._k, self._v, self.length = k, v, length
-        self.capacity = k.shape[-2]
-        self._views()
-
     def grow_rows(self, extra: int) -> None:
         """``extra`` more batch rows at the end, their keys zero (never uninitialised
         memory: a masked key still enters q.k, and NaN times a zero weight is NaN)."""
@@ -463,46 +481,51 @@ class BufferLayer(DynamicLayer):
         rows = self._k.shape[0]
         k = self._k.new_empty((rows + extra, *self._k.shape[1:]))
         v = self._v.new_empty((rows + extra, *self._v.shape[1:]))
-        k[:rows, :, :self.length] = self._k[:, :, :self.length]
-        v[:rows, :, :self.length] = self._v[:, :, :self.length]
-        k[rows:, :, :self.length] = 0
-        v[rows:, :, :self.length] = 0
-        self._replace(k, v, self.length)
+        end = self.offset + self.length
+        k[:rows, :, :end] = self._k[:, :, :end]
+        v[:rows, :, :end] = self._v[:, :, :end]
+        k[rows:, :, :end] = 0
+        v[rows:, :, :end] = 0
+        self._k, self._v = k, v
+        self._views()
 
     def pad_left(self, columns: int) -> None:
-        """``columns`` zero positions before every row's keys (its later columns move
-        right by as many; the batch's mask moves with them)."""
+        """``columns`` zero positions before every row's keys (the batch's mask moves the
+        same way): from the room before ``offset``, else a new buffer with as much room
+        again as it has columns."""
         assert self._k is not None and self._v is not None
-        shape = (*self._k.shape[:2], self._k.shape[2] + columns, self._k.shape[3])
-        k, v = self._k.new_empty(shape), self._v.new_empty(shape)
-        k[:, :, :columns] = 0
-        v[:, :, :columns] = 0
-        k[:, :, columns:columns + self.length] = self._k[:, :, :self.length]
-        v[:, :, columns:columns + self.length] = self._v[:, :, :self.length]
-        self._replace(k, v, self.length + columns)
+        if columns > self.offset:
+            room = columns + self.offset + self.length
+            self._alloc(self._k, self._v, self._k.shape[0],
+                        room + self._k.shape[-2] - self.offset, room)
+        self.offset -= columns
+        self._k[:, :, self.offset:self.offset + columns] = 0
+        self._v[:, :, self.offset:self.offset + columns] = 0
+        self.length += columns
+        self._views()
 
     def drop_left(self, columns: int) -> None:
         """Forget the first ``columns`` positions of every row (no live row has a key
         there)."""
-        assert self._k is not None and self._v is not None
-        length = self.length - columns
-        k, v = self._k.new_empty(self._k.shape), self._v.new_empty(self._v.shape)
-        k[:, :, :length] = self._k[:, :, columns:self.length]
-        v[:, :, :length] = self._v[:, :, columns:self.length]
-        self._replace(k, v, length)
+        self.offset += columns
+        self.length -= columns
+        self._views()
 
     def place(self, rows: torch.Tensor, columns: torch.Tensor, source: BufferLayer,
               source_rows: torch.Tensor, source_columns: torch.Tensor) -> None:
         """Copy ``source``'s keys/values at (source_rows[i], source_columns[i]) to
-        (rows[i], columns[i]); all index tensors (N,), long."""
+        (rows[i], columns[i]), columns counted from each layer's first used one; all
+        index tensors (N,), long."""
         assert self._k is not None and self._v is not None
         assert source._k is not None and source._v is not None
-        self._k[rows, :, columns] = source._k[source_rows, :, source_columns]
-        self._v[rows, :, columns] = source._v[source_rows, :, source_columns]
+        self._k[rows, :, columns + self.offset] = source._k[source_rows, :,
+                                                            source_columns + source.offset]
+        self._v[rows, :, columns + self.offset] = source._v[source_rows, :,
+                                                            source_columns + source.offset]
 
     def reset(self) -> None:
         self._k = self._v = None
-        self.length = 0
+        self.length = self.offset = 0
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -680,12 +703,12 @@ class HFPolicy:
                 results[i] = conts
         return results
 
-    def decoder(self, config: SampleConfig) -> DecodeBatch:
+    def decoder(self) -> DecodeBatch:
         """An empty continuously batched decoder (``train.policies.base.Decoder``): the
-        rollout engine admits rows into it between steps, so a row that ends its step
-        makes room for another at once instead of waiting for the slowest row of a
-        call."""
-        return DecodeBatch(self, config)
+        rollout engine admits rows into it between steps, whatever their
+        ``SampleConfig``, so a row that ends its step makes room for another at once
+        instead of waiting for the slowest row of a call."""
+        return DecodeBatch(self, SampleConfig())
 
     def _chunks(self, prompts: list[list[int]], ns: Sequence[int]) -> Iterator[list[int]]:
         """Indices of ``prompts`` sorted by length, cut into chunks of <= max_batch rows
@@ -835,11 +858,34 @@ class _Branch:
     prompt: list[int]
     stream: int
     prefill_tokens: int
+    config: SampleConfig
     start: int = 0  # the first cache column holding one of its keys
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
     tail: str = ""  # recent decoded text, for stop strings
+
+
+def _sampling_probs(logits: torch.Tensor, logp: torch.Tensor,
+                    settings: Sequence[tuple[float, float]]) -> torch.Tensor:
+    """The distribution each row draws from, (R, V): softmax(z / temperature), then the
+    ``top_p`` nucleus, per row's ``(temperature, top_p)`` (rows of one setting computed
+    together; ``logp`` is log softmax(z), reused at temperature 1)."""
+
+    def one(z: torch.Tensor, lp: torch.Tensor, temperature: float, top_p: float
+            ) -> torch.Tensor:
+        probs = torch.softmax(z / temperature, dim=-1) if temperature != 1.0 else lp.exp()
+        return _top_p_filter(probs, top_p) if top_p < 1.0 else probs
+
+    kinds = sorted(set(settings))
+    if len(kinds) == 1:
+        return one(logits, logp, *kinds[0])
+    probs = torch.empty_like(logp)
+    for kind in kinds:
+        index = torch.tensor([i for i, s in enumerate(settings) if s == kind],
+                             device=logits.device)
+        probs[index] = one(logits[index], logp[index], *kind)
+    return probs
 
 
 def _similar_suffixes(lengths: Sequence[int]) -> list[list[int]]:
@@ -896,13 +942,16 @@ class DecodeBatch:
     def __init__(self, policy: HFPolicy, config: SampleConfig,
                  prompts: Sequence[list[int]] = (), ns: Sequence[int] = (),
                  seeds: Sequence[int] = (), tags: Sequence[Any] | None = None) -> None:
-        self.policy, self.config = policy, config
+        self.policy = policy
+        self.config = config  # the default of ``admit``; each row keeps its own
         self.slots: list[_Branch] = []  # batch position -> its row (finished ones too)
         self.live_pos: list[int] = []  # positions still decoding, ascending
         self.cache: DynamicCache = buffered_cache(policy.model.config, 0)
         self.logits = torch.empty(0)  # (positions, V) next-token logits
         self.next_pos = torch.empty(0, dtype=torch.long)  # (positions,)
-        self.mask = torch.empty(0, dtype=torch.long)  # (positions, >= width + 1)
+        # (positions, >= col0 + width + 1): column col0 + j of the mask is cache column j
+        self.mask = torch.empty(0, dtype=torch.long)
+        self.col0 = 0
         self.width = 0  # columns in use (the cache length)
         self.padded = False  # whether any position has a masked column
         self.merged = False  # whether rows joined while others decoded
@@ -921,22 +970,25 @@ class DecodeBatch:
         return not self.live_pos or all(isinstance(layer, BufferLayer)
                                         for layer in self.cache.layers)
 
-    def add(self, rows: Sequence[Rows], tags: Sequence[Any]) -> None:
-        """Admit ``rows[i].n`` branches of each request, tagged ``tags[i]`` (the rollout
-        engine's ``Decoder`` protocol)."""
+    def add(self, rows: Sequence[Rows], tags: Sequence[Any], config: SampleConfig) -> None:
+        """Admit ``rows[i].n`` branches of each request, tagged ``tags[i]``, sampled by
+        ``config`` (its ``n`` and ``seed`` ignored; the rollout engine's ``Decoder``
+        protocol)."""
         self.admit([self.policy.prompt_ids(r.transcript) for r in rows],
-                   [r.n for r in rows], [r.seed for r in rows], tags)
+                   [r.n for r in rows], [r.seed for r in rows], tags, config)
 
     @torch.inference_mode()
     def admit(self, prompts: Sequence[list[int]], ns: Sequence[int], seeds: Sequence[int],
-              tags: Sequence[Any] | None = None) -> None:
-        """Add ``ns[t]`` branches of each prompt (class docstring); ``tags[t]`` (default
-        ``t``) comes back with each of its rows' continuations."""
+              tags: Sequence[Any] | None = None, config: SampleConfig | None = None) -> None:
+        """Add ``ns[t]`` branches of each prompt (class docstring), sampled by ``config``
+        (default: the batch's; rows of different configs share a batch); ``tags[t]``
+        (default ``t``) comes back with each of its rows' continuations."""
         if any(not p for p in prompts):
             raise ValueError("a transcript rendered to zero tokens")
         tags = list(range(len(prompts))) if tags is None else list(tags)
+        config = config or self.config
         if not self.live_pos:
-            self._prefill(prompts, ns, seeds, tags)
+            self._prefill(prompts, ns, seeds, tags, config)
             return
         if not self.accepting:
             raise RuntimeError("rows cannot join a running batch of this model (a cache "
@@ -944,18 +996,19 @@ class DecodeBatch:
         hits = self.policy.cached_prefixes(prompts)
         for group in _similar_suffixes([len(p) - c for p, (c, _) in
                                         zip(prompts, hits, strict=True)]):
-            other = DecodeBatch(self.policy, self.config)
+            other = DecodeBatch(self.policy, config)
             other._prefill([prompts[t] for t in group], [ns[t] for t in group],
-                           [seeds[t] for t in group], [tags[t] for t in group],
+                           [seeds[t] for t in group], [tags[t] for t in group], config,
                            [hits[t] for t in group])
             self._merge(other)
 
     def _prefill(self, prompts: Sequence[list[int]], ns: Sequence[int], seeds: Sequence[int],
-                 tags: Sequence[Any],
+                 tags: Sequence[Any], config: SampleConfig,
                  hits: Sequence[tuple[int, list[Any] | None]] | None = None) -> None:
-        """Make this (empty) batch the prefill of ``prompts`` expanded to their branches
-        (``hits``: their cached prefixes, looked up when not given)."""
-        pol, config = self.policy, self.config
+        """Make this (empty) batch the prefill of ``prompts`` expanded to their branches,
+        sampled by ``config`` (``hits``: their cached prefixes, looked up when not
+        given)."""
+        pol = self.policy
         cache = buffered_cache(pol.model.config, 0)
         ids, mask, positions, cached = pol._prefill_inputs(list(prompts), cache,
                                                            config.max_new_tokens, hits)
@@ -984,7 +1037,7 @@ class DecodeBatch:
         starts = (mask != 0).long().argmax(-1).tolist()
         self.slots = [
             _Branch(tags[t], k, prompts[t], (seeds[t] + k) & _MASK64,
-                    len(prompts[t]) - cached[t] if k == 0 else 0)
+                    len(prompts[t]) - cached[t] if k == 0 else 0, config)
             for t, n in enumerate(ns) for k in range(n)]
         for slot, start in zip(self.slots, starts, strict=True):
             slot.start = start
@@ -993,6 +1046,12 @@ class DecodeBatch:
         self.width = mask.shape[1]
         self.mask = torch.cat([mask, mask.new_ones((len(self.slots), config.max_new_tokens))],
                               dim=1)
+        self.col0 = 0
+
+    @property
+    def cols(self) -> torch.Tensor:
+        """The mask from the first column in use (a view: writes reach ``mask``)."""
+        return self.mask[:, self.col0:]
 
     def _buffers(self) -> list[BufferLayer]:
         return [layer for layer in self.cache.layers if isinstance(layer, BufferLayer)]
@@ -1022,9 +1081,10 @@ class DecodeBatch:
         for mine, theirs in zip(self._buffers(), other._buffers(), strict=True):
             mine.place(dst_row, dst_col, theirs, src_row, src_col)
         self._ensure_columns(width + 1)
-        self.mask[target] = 0
-        self.mask[dst_row, dst_col] = 1
-        self.mask[target, width:] = 1
+        cols = self.cols  # after _ensure_columns, which may replace the mask
+        cols[target] = 0
+        cols[dst_row, dst_col] = 1
+        cols[target, width:] = 1
         self.next_pos[target] = other.next_pos
         self.logits[target] = other.logits
         for pos, slot, count in zip(free, other.slots, counts.tolist(), strict=True):
@@ -1041,13 +1101,18 @@ class DecodeBatch:
         self.next_pos = torch.cat([self.next_pos, self.next_pos.new_zeros(extra)])
         self.logits = torch.cat([self.logits, self.logits.new_zeros((extra,
                                                                       self.logits.shape[1]))])
-        self.slots += [_Branch(None, 0, [], 0, 0) for _ in range(extra)]
+        self.slots += [_Branch(None, 0, [], 0, 0, self.config) for _ in range(extra)]
 
     def _pad_left(self, columns: int) -> None:
         for layer in self._buffers():
             layer.pad_left(columns)
-        self.mask = torch.cat([self.mask.new_zeros((self.mask.shape[0], columns)), self.mask],
-                              dim=1)
+        if columns > self.col0:  # room before col0 for as many columns again as in use
+            room = columns + self.col0 + self.width
+            self.mask = torch.cat([self.mask.new_zeros((self.mask.shape[0], room)),
+                                   self.mask], dim=1)
+            self.col0 += room
+        self.col0 -= columns
+        self.mask[:, self.col0:self.col0 + columns] = 0
         self.width += columns
         for slot in self.slots:
             slot.start += columns
@@ -1055,11 +1120,13 @@ class DecodeBatch:
     def _ensure_columns(self, columns: int) -> None:
         """At least ``columns`` mask columns (the ones past the width are ones: every
         position attends to the keys it will write)."""
-        have = self.mask.shape[1]
-        if have < columns:
-            more = max(columns - have, have, self.config.max_new_tokens)
-            self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], more))],
-                                  dim=1)
+        have = self.mask.shape[1] - self.col0
+        if have < columns:  # grow on the right, keeping at most ``have`` columns of room
+            room = min(self.col0, have)
+            more = max(columns - have, have)
+            self.mask = torch.cat([self.mask[:, self.col0 - room:],
+                                   self.mask.new_ones((self.mask.shape[0], more))], dim=1)
+            self.col0 = room
 
     def _drop_columns(self) -> None:
         """``DROP_COLUMNS_FROM``: forget the leading columns no live row uses (only in a
@@ -1071,7 +1138,7 @@ class DecodeBatch:
             return
         for layer in self._buffers():
             layer.drop_left(lo)
-        self.mask = self.mask[:, lo:]
+        self.col0 += lo
         self.width -= lo
         for slot in self.slots:
             slot.start = max(0, slot.start - lo)
@@ -1081,17 +1148,15 @@ class DecodeBatch:
         """One token for every live row, then one forward (class docstring)."""
         if not self.live:
             return []
-        pol, config = self.policy, self.config
+        pol = self.policy
         every = self.live == len(self.slots)
         live_index = None if every else torch.tensor(self.live_pos, device=pol.device)
         logits = self.logits if live_index is None else self.logits[live_index]
         logp = torch.log_softmax(logits, dim=-1)  # (R, V) untempered policy
         entropy = torch.special.entr(logp.exp()).sum(-1)  # (R,), 0 log 0 = 0
-        probs = (torch.softmax(logits / config.temperature, dim=-1)
-                 if config.temperature != 1.0 else logp.exp())
-        if config.top_p < 1.0:
-            probs = _top_p_filter(probs, config.top_p)
         rows = [self.slots[j] for j in self.live_pos]
+        probs = _sampling_probs(logits, logp, [(r.config.temperature, r.config.top_p)
+                                               for r in rows])
         streams = np.array([r.stream for r in rows], dtype=np.uint64)
         drawn = np.array([len(r.tokens) for r in rows], dtype=np.uint64)
         chosen = _inverse_cdf(probs, stream_uniforms(streams, drawn))  # (R,)
@@ -1110,15 +1175,15 @@ class DecodeBatch:
             r.tail = (r.tail + piece)[-(window + len(piece)):]
             if tok in pol.eos_ids or any(s in r.tail for s in pol.stop_strings):
                 done.append((i, True))
-            elif len(r.tokens) == config.max_new_tokens:
+            elif len(r.tokens) == r.config.max_new_tokens:
                 done.append((i, False))
             else:
                 keep.append(i)
         out: list[tuple[Any, int, Continuation]] = []
-        seen = self.mask[:, :self.width]
-        meta = {"temperature": config.temperature, "top_p": config.top_p}
+        seen = self.cols[:, :self.width]
         for i, stopped in done:
             r = rows[i]
+            meta = {"temperature": r.config.temperature, "top_p": r.config.top_p}
             if pol.prefix_cache is not None:  # what the row computed
                 pol._remember(r.prompt + r.tokens[:-1], self.cache, seen, self.live_pos[i])
             text_ids = r.tokens[:-1] if r.tokens[-1] in pol.eos_ids else r.tokens
@@ -1126,7 +1191,7 @@ class DecodeBatch:
                 text=pol.tokenizer.decode(text_ids, skip_special_tokens=False,
                                           clean_up_tokenization_spaces=False),
                 token_ids=r.tokens, logprobs=r.logprobs, entropies=r.entropies,
-                finished=stopped, prefill_tokens=r.prefill_tokens, meta=dict(meta))))
+                finished=stopped, prefill_tokens=r.prefill_tokens, meta=meta)))
         if not keep:  # every row's step ended
             self.live_pos = []
             return out
@@ -1146,7 +1211,7 @@ class DecodeBatch:
             step_ids = chosen
         self._ensure_columns(self.width + 1)
         result = pol.model(input_ids=step_ids[:, None],
-                           attention_mask=self.mask[:, :self.width + 1] if self.padded
+                           attention_mask=self.cols[:, :self.width + 1] if self.padded
                            else None,
                            position_ids=self.next_pos[:, None], cache=self.cache,
                            use_cache=True)

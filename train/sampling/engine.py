@@ -26,7 +26,8 @@ ones join as old ones finish). The engine advances every program that has an ans
 until each waits on a ``Decode`` or a ``Work``; ``Work`` goes to the pool at once.
 
 *Continuous mode* (the default, for a policy with a ``decoder``: the HF backend). The
-engine keeps one running decoding batch per ``SampleConfig`` and ticks: (1) advance the
+engine keeps one running decoding batch (rows of any ``SampleConfig``: each row samples
+with its own temperature, ``top_p`` and token cap) and ticks: (1) advance the
 programs that have answers; (2) admit waiting rows into the batch, in arrival order, up
 to ``max_rows`` live rows (a request is split at the budget: branch k of
 ``Rows(t, n, s)`` draws from stream ``s + k``, so its parts draw what the whole would),
@@ -141,7 +142,7 @@ class _Waiting:
 
 @dataclass
 class _Lane:
-    """The continuous decoder of one ``SampleConfig`` and how long since rows joined it."""
+    """The continuous decoder and how many steps since rows last joined it."""
 
     decoder: Decoder
     steps_since_admit: int = 0
@@ -194,7 +195,7 @@ class Engine:
         ready: deque[tuple[int, Any, BaseException | None]] = deque()
         waiting: deque[_Waiting] = deque()
         futures: dict[cf.Future[Any], int] = {}
-        lanes: dict[SampleConfig, _Lane] = {}
+        lane = _Lane(getattr(self.policy, "decoder")()) if self.continuous else None  # noqa: B009
         admitted = 0
         with cf.ThreadPoolExecutor(self.tool_threads, thread_name_prefix="rtrees-env") as pool:
             try:
@@ -223,10 +224,10 @@ class Engine:
                                             "not Decode or Work")
                     if not live and admitted == len(factories):
                         break
-                    if self.continuous:
-                        self._admit(waiting, lanes)
-                        busy = [lane for lane in lanes.values() if lane.decoder.live]
-                        for lane in busy:
+                    if lane is not None:  # continuous mode
+                        self._admit(waiting, lane)
+                        busy = bool(lane.decoder.live)
+                        if busy:
                             self._step(lane, ready)
                         if futures:  # the work submitted before this step, in order
                             _collect_all(futures, ready)
@@ -255,16 +256,17 @@ class Engine:
                 raise
         return results
 
-    def _take(self, waiting: deque[_Waiting], config: SampleConfig, budget: int
+    def _take(self, waiting: deque[_Waiting], config: SampleConfig | None, budget: int
               ) -> list[tuple[_Waiting, int, int, int]]:
-        """Waiting parts of ``config`` in arrival order up to ``budget`` rows, as
-        ``(waiting, request, first branch, branches)`` (a request split at the budget
-        keeps its other branches waiting); fully taken entries leave ``waiting``."""
+        """Waiting parts (of ``config``; of any when None) in arrival order up to
+        ``budget`` rows, as ``(waiting, request, first branch, branches)`` (a request split
+        at the budget keeps its other branches waiting); fully taken entries leave
+        ``waiting``."""
         taken: list[tuple[_Waiting, int, int, int]] = []
         for w in waiting:
             if budget <= 0:
                 break
-            if w.decode.config != config:
+            if config is not None and w.decode.config != config:
                 continue
             while w.parts and budget > 0:
                 req, k0, n = w.parts.popleft()
@@ -295,30 +297,28 @@ class Engine:
             for k, cont in enumerate(conts):
                 _answer(w, req, k0 + k, cont, ready)
 
-    def _admit(self, waiting: deque[_Waiting], lanes: dict[SampleConfig, _Lane]) -> None:
-        """Continuous mode: waiting rows join their config's decoder (``ADMIT_EVERY``)."""
-        pending: dict[SampleConfig, int] = {}
-        for w in waiting:
-            pending[w.decode.config] = pending.get(w.decode.config, 0) + sum(
-                n for _, _, n in w.parts)
-        for config, rows_waiting in pending.items():
-            lane = lanes.get(config)
-            if lane is None:
-                make = getattr(self.policy, "decoder")  # noqa: B009 (checked in __init__)
-                lane = lanes[config] = _Lane(make(replace(config, n=1, seed=None)))
-            decoder = lane.decoder
-            free = self.max_rows - decoder.live
-            if free <= 0 or not decoder.accepting:
-                continue
-            if decoder.live and rows_waiting < min(free, max(1, self.max_rows // 8)) \
-                    and lane.steps_since_admit < ADMIT_EVERY:
-                continue
-            taken = self._take(waiting, config, free)
+    def _admit(self, waiting: deque[_Waiting], lane: _Lane) -> None:
+        """Continuous mode: waiting rows join the decoder in arrival order, whatever their
+        ``SampleConfig`` (``ADMIT_EVERY``)."""
+        decoder = lane.decoder
+        free = self.max_rows - decoder.live
+        if not waiting or free <= 0 or not decoder.accepting:
+            return
+        rows_waiting = sum(n for w in waiting for _, _, n in w.parts)
+        if decoder.live and rows_waiting < min(free, max(1, self.max_rows // 8)) \
+                and lane.steps_since_admit < ADMIT_EVERY:
+            return
+        taken = self._take(waiting, None, free)
+        by_config: dict[SampleConfig, list[tuple[_Waiting, int, int, int]]] = {}
+        for part in taken:
+            by_config.setdefault(part[0].decode.config, []).append(part)
+        for config, parts in by_config.items():
             decoder.add([Rows(w.decode.rows[req].transcript, m, w.decode.rows[req].seed + k0)
-                         for w, req, k0, m in taken],
-                        [(w, req, k0) for w, req, k0, _ in taken])
-            lane.steps_since_admit = 0
-            self.stats.rows += sum(m for *_, m in taken)
+                         for w, req, k0, m in parts],
+                        [(w, req, k0) for w, req, k0, _ in parts],
+                        replace(config, n=1, seed=None))
+        lane.steps_since_admit = 0
+        self.stats.rows += sum(m for *_, m in taken)
 
     def _step(self, lane: _Lane, ready: deque[tuple[int, Any, BaseException | None]]
               ) -> None:
