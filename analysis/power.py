@@ -61,8 +61,12 @@ class PowerStatement:
     def lines(self) -> list[str]:
         """The lines ``rtrees study`` prints before it starts (and ``--power`` alone)."""
         sizes = ", ".join(f"{k} {v}" for k, v in self.sizes.items())
-        out = [f"power: {self.statistic}; with {sizes} the {self.level:.1%} interval detects "
-               f"a difference of {self.mde:.3g} at 80% power (MDE)"]
+        out = [f"power: {self.statistic}; with {sizes} the {self.level:.1%} interval "
+               f"detects a difference of {self.mde:.3g} at 80% power (MDE)"
+               if not math.isnan(self.mde) else
+               f"power: {self.statistic}; with {sizes} there is no MDE: the interval over "
+               "seeds needs at least 2 (processes sharing a study directory report their "
+               "seeds together)"]
         if self.effect is not None:
             need = ", ".join(f"{k} {'none suffices' if v is None else v}"
                              for k, v in self.needed.items())

@@ -81,3 +81,10 @@ def test_rtrees_study_power_prints_without_running(
     code, _, err = run(["study", "table1", "--power", "--effect", "-1"], capsys)
     assert_one_line_error(code, err, "effect")
     assert not any(tmp_path.iterdir())
+
+
+def test_one_seed_states_there_is_no_mde() -> None:
+    """A table1 process given one seed (one per core, sharing a directory) says it has no
+    MDE instead of printing nan."""
+    line = study_power("table1", {**_table1(), "seeds": [0]}).lines()[0]
+    assert "nan" not in line and "no MDE" in line
