@@ -879,3 +879,15 @@ def test_a_site_the_cap_leaves_undrawn_leaves_no_empty_copy() -> None:
     tree = out.builder.finish()
     tree.validate()
     assert all(n.reward is not None for n in tree.nodes if not tree.children()[n.node_id])
+
+
+def test_bel_takes_the_first_of_gaps_tied_up_to_float_noise() -> None:
+    """E1's argmax: trajectories with the same tokens have gaps that differ only in the
+    last bits of the batch they were decoded in; the first of them is tau*, whatever
+    the noise, and a real maximum still wins."""
+    from train.sampling.bel import GAP_TIE, first_maximum
+
+    assert first_maximum([0.3, 0.5, 0.5 + 1e-7, 0.1]) == 1
+    assert first_maximum([0.3, 0.5 + 1e-7, 0.5, 0.1]) == 1
+    assert first_maximum([0.3, 0.5, 0.5 + 10 * GAP_TIE]) == 2
+    assert first_maximum([-1.0]) == 0

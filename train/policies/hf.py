@@ -398,30 +398,35 @@ class BufferLayer(DynamicLayer):
         self.capacity = capacity
         self.length = 0
         self.offset = 0
+        self.rows = 0  # batch rows in use (the buffers may hold more: ``grow_rows``)
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
 
-    def _alloc(self, like_k: torch.Tensor, like_v: torch.Tensor, batch: int, capacity: int,
-               offset: int = 0) -> None:
-        """New buffers of ``capacity`` columns, the used ones copied to start at
-        ``offset``; the columns before it zeroed (``pad_left`` hands them out)."""
+    def _alloc(self, like_k: torch.Tensor, like_v: torch.Tensor, rows: int, capacity: int,
+               offset: int = 0, row_capacity: int = 0) -> None:
+        """New buffers of ``max(rows, row_capacity)`` rows and ``capacity`` columns, the
+        used ones of the rows in use copied to start at ``offset``; the columns before it
+        zeroed (``pad_left`` hands them out)."""
         self.capacity = capacity
-        k = like_k.new_empty((batch, like_k.shape[1], capacity, like_k.shape[3]))
-        v = like_v.new_empty((batch, like_v.shape[1], capacity, like_v.shape[3]))
+        shape_k = (max(rows, row_capacity), like_k.shape[1], capacity, like_k.shape[3])
+        shape_v = (max(rows, row_capacity), like_v.shape[1], capacity, like_v.shape[3])
+        k, v = like_k.new_empty(shape_k), like_v.new_empty(shape_v)
         if offset:
             k[:, :, :offset] = 0
             v[:, :, :offset] = 0
         if self._k is not None and self._v is not None and self.length:
-            k[:, :, offset:offset + self.length] = self._k[:, :, self._used()]
-            v[:, :, offset:offset + self.length] = self._v[:, :, self._used()]
-        self._k, self._v, self.offset = k, v, offset
+            keep = min(rows, self.rows)
+            k[:keep, :, offset:offset + self.length] = self._k[:keep, :, self._used()]
+            v[:keep, :, offset:offset + self.length] = self._v[:keep, :, self._used()]
+        self._k, self._v, self.offset, self.rows = k, v, offset, rows
 
     def _used(self) -> slice:
         return slice(self.offset, self.offset + self.length)
 
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._k is not None and self._v is not None
-        keys, values = self._k[:, :, self._used()], self._v[:, :, self._used()]
+        keys = self._k[:self.rows, :, self._used()]
+        values = self._v[:self.rows, :, self._used()]
         self.keys, self.values = keys, values
         return keys, values
 
@@ -439,11 +444,11 @@ class BufferLayer(DynamicLayer):
                         room + max(end - self.offset, self.capacity - self.offset,
                                    2 * (self._k.shape[-2] - self.offset
                                         if self._k is not None else 0)),
-                        room)
+                        room, self._k.shape[0] if self._k is not None else 0)
         assert self._k is not None and self._v is not None
         start = self.offset + self.length
-        self._k[:, :, start:start + key_states.shape[-2]] = key_states
-        self._v[:, :, start:start + key_states.shape[-2]] = value_states
+        self._k[:self.rows, :, start:start + key_states.shape[-2]] = key_states
+        self._v[:self.rows, :, start:start + key_states.shape[-2]] = value_states
         self.length += key_states.shape[-2]
         return self._views()
 
@@ -451,17 +456,28 @@ class BufferLayer(DynamicLayer):
         return self.length
 
     def _reindex(self, index: torch.Tensor) -> None:
+        """Rows ``index`` of the rows in use become the rows in use: in place when they
+        fit the buffers (a running batch shrunk to its live rows grows again without a new
+        allocation), else in new buffers (a prefill expanded to its branches)."""
         if self._k is None or self._v is None or not self.length:
             return
-        k = self._k.new_empty((len(index), *self._k.shape[1:]))
-        v = self._v.new_empty((len(index), *self._v.shape[1:]))
-        used = self._used()
-        torch.index_select(self._k[:, :, used], 0, index, out=k[:, :, used])
-        torch.index_select(self._v[:, :, used], 0, index, out=v[:, :, used])
+        n, used = len(index), self._used()
+        if n <= self._k.shape[0]:
+            keys = self._k[:, :, used][index]  # (n, H, L, D): a copy, so no aliasing
+            values = self._v[:, :, used][index]
+            self._k[:n, :, used] = keys
+            self._v[:n, :, used] = values
+            self.rows = n
+            self._views()
+            return
+        k = self._k.new_empty((n, *self._k.shape[1:]))
+        v = self._v.new_empty((n, *self._v.shape[1:]))
+        torch.index_select(self._k[:self.rows, :, used], 0, index, out=k[:, :, used])
+        torch.index_select(self._v[:self.rows, :, used], 0, index, out=v[:, :, used])
         if self.offset:
             k[:, :, :self.offset] = 0
             v[:, :, :self.offset] = 0
-        self._k, self._v = k, v
+        self._k, self._v, self.rows = k, v, n
         self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -469,24 +485,24 @@ class BufferLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._k is not None:
-            self._reindex(torch.arange(self._k.shape[0], device=self.device
+            self._reindex(torch.arange(self.rows, device=self.device
                                        ).repeat_interleave(repeats))
 
     # ----- rows joining a running batch (``DecodeBatch.admit``) ------------------------
 
     def grow_rows(self, extra: int) -> None:
         """``extra`` more batch rows at the end, their keys zero (never uninitialised
-        memory: a masked key still enters q.k, and NaN times a zero weight is NaN)."""
+        memory: a masked key still enters q.k, and NaN times a zero weight is NaN); the
+        buffers are reallocated only when their row capacity is used up, then doubled."""
         assert self._k is not None and self._v is not None
-        rows = self._k.shape[0]
-        k = self._k.new_empty((rows + extra, *self._k.shape[1:]))
-        v = self._v.new_empty((rows + extra, *self._v.shape[1:]))
-        end = self.offset + self.length
-        k[:rows, :, :end] = self._k[:, :, :end]
-        v[:rows, :, :end] = self._v[:, :, :end]
-        k[rows:, :, :end] = 0
-        v[rows:, :, :end] = 0
-        self._k, self._v = k, v
+        rows, end = self.rows, self.offset + self.length
+        if rows + extra > self._k.shape[0]:
+            self._alloc(self._k, self._v, rows, self._k.shape[-2], self.offset,
+                        max(rows + extra, 2 * self._k.shape[0]))
+            assert self._k is not None and self._v is not None
+        self._k[rows:rows + extra, :, :end] = 0
+        self._v[rows:rows + extra, :, :end] = 0
+        self.rows = rows + extra
         self._views()
 
     def pad_left(self, columns: int) -> None:
@@ -496,8 +512,9 @@ class BufferLayer(DynamicLayer):
         assert self._k is not None and self._v is not None
         if columns > self.offset:
             room = columns + self.offset + self.length
-            self._alloc(self._k, self._v, self._k.shape[0],
-                        room + self._k.shape[-2] - self.offset, room)
+            self._alloc(self._k, self._v, self.rows,
+                        room + self._k.shape[-2] - self.offset, room, self._k.shape[0])
+            assert self._k is not None and self._v is not None
         self.offset -= columns
         self._k[:, :, self.offset:self.offset + columns] = 0
         self._v[:, :, self.offset:self.offset + columns] = 0
@@ -525,7 +542,7 @@ class BufferLayer(DynamicLayer):
 
     def reset(self) -> None:
         self._k = self._v = None
-        self.length = self.offset = 0
+        self.length = self.offset = self.rows = 0
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -7,8 +7,8 @@ X_max=3, beta=5):
    default, N_total - B_max * X_max (= 7; at least 1) [R: the reserve for probes].
 2. The failed ones (leaf reward < ``success_threshold``) form the buffer B.
    If B is empty, the rest of the budget goes to full trajectories (``"fill"``).
-3. (E1) tau* = argmax_{tau in B} Gap(tau), Gap = H_tool(tau) - H_root(tau), ties to
-   the first trajectory sampled. H_root is the mean token entropy of tau's first
+3. (E1) tau* = argmax_{tau in B} Gap(tau), Gap = H_tool(tau) - H_root(tau), ties (up
+   to ``GAP_TIE``) to the first trajectory sampled. H_root is the mean token entropy of tau's first
    step; H_tool the mean, over the steps generated right after tool feedback
    (``feedback_response`` nodes), of each step's mean token entropy [R: steps
    weigh equally]. ``entropy_tokens`` limits both to each step's first tokens.
@@ -96,6 +96,22 @@ class BelConfig(SamplerConfig):
         return math.floor(self.x_min + (self.x_max - self.x_min) * sig + 0.5)
 
 
+GAP_TIE = 1e-5
+"""Gaps within this many nats of the largest tie (E1 takes the first): trajectories with
+the same tokens have the same gap up to the float reductions of the batch they were
+decoded in (the rollout engine bounds logprob and entropy differences by 1e-5), and an
+exact comparison would let the batch break their tie."""
+
+
+def first_maximum(gaps: Sequence[float]) -> int:
+    """The index of the first gap within ``GAP_TIE`` of the largest (NaN never wins)."""
+    finite = [g for g in gaps if not math.isnan(g)]
+    if not finite:
+        return 0
+    top = max(finite)
+    return next(i for i, g in enumerate(gaps) if g >= top - GAP_TIE)
+
+
 def entropy_gap(steps: Sequence[Node], entropy_tokens: int | None = None) -> float:
     """E1: Gap(tau) = H_tool(tau) - H_root(tau) over a trajectory's step nodes (root first
     step first); 0 when no step follows tool feedback or entropies are missing."""
@@ -126,7 +142,7 @@ class BelSampler(Sampler):
         builder.meta["bel"] = info
         if failed:
             gaps = [entropy_gap(builder.path(leaf), c.entropy_tokens) for leaf in failed]
-            best = int(np.argmax(gaps))  # first maximum: ties go to the earliest rollout
+            best = first_maximum(gaps)
             path = builder.path(failed[best])
             k = len(path)
             h_root = head_entropy(path[0], c.entropy_tokens)

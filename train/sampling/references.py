@@ -235,8 +235,12 @@ def run_references(policy: Policy, env_factory: Callable[[], Environment],
             todo.append(i)
     if len(todo) < len(starts) and on_chunk is not None:
         on_chunk(len(starts) - len(todo))
+    # Whole calls, not the continuous decoder: k rollouts of one start advance in
+    # lockstep rounds of similar lengths, which whole calls (sorted by prompt length)
+    # decode in narrow batches; measured on 12 demo BEL trees (205 children, k 32): 21.5 /
+    # 24.4 s whole-call against 26.2 / 29.6 s continuous.
     engine = Engine(policy, max_rows=config.max_parallel,
-                    max_programs=max(1, config.max_parallel // k))
+                    max_programs=max(1, config.max_parallel // k), continuous=False)
 
     def done(j: int, wins: int) -> None:
         successes[todo[j]] = wins
