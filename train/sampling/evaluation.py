@@ -6,9 +6,9 @@ check): each task gets one episode from ``reset``, continued by the
 continuation primitive (``train.sampling.base.Continuing``) under the one step limit,
 ``Task.max_steps`` (an episode cut there ends with reward 0), and the one success rule,
 final reward >= ``success_threshold``. Every episode is a program of
-``train.sampling.engine``, so each decode step is one batched policy call over every
-live episode, environment steps run in the engine's pool, and each environment is
-closed when its episode ends. Episode i's row draws from the stream keyed by
+``train.sampling.engine``, so each decode step is one token of every live episode in
+one continuously batched decoder, environment steps run in the engine's pool, and each
+environment is closed when its episode ends. Episode i's row draws from the stream keyed by
 ``(seed, "eval", i, step)``, so an episode does not depend on the other tasks or on the
 batch; ``greedy`` keeps the top token (``top_p`` 1e-9).
 """
