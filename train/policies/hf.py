@@ -385,12 +385,14 @@ class BufferLayer(DynamicLayer):
     are the views ``buffer[:, :, offset:offset + L]``, so attention reads exactly the
     same L keys as with ``torch.cat`` (the same numbers, bit for bit); the buffer is
     reallocated (doubled) only when a write would pass its end. Positions in use are
-    never written again, so a view taken earlier stays valid. ``batch_select_indices``
-    and ``batch_repeat_interleave`` copy the used part into a new buffer of the same
-    capacity. A running batch that rows join (``DecodeBatch``) moves the start:
-    ``pad_left`` takes zeroed columns from the room before ``offset`` (reallocating
-    only when there is too little) and ``drop_left`` advances it, neither copying the
-    cache.
+    never written again, so a view taken earlier stays valid. The buffers may hold more
+    batch rows than the ``rows`` in use: ``batch_select_indices`` moves the selected
+    rows to the front in place when they fit (else, as ``batch_repeat_interleave``
+    expanding a prefill, it copies them into new buffers), and ``grow_rows`` hands out
+    zeroed rows, doubling the row capacity when it runs out. A running batch that rows
+    join (``DecodeBatch``) also moves the start: ``pad_left`` takes zeroed columns from
+    the room before ``offset`` (reallocating only when there is too little) and
+    ``drop_left`` advances it, neither copying the cache.
     """
 
     def __init__(self, capacity: int = 0) -> None:
@@ -922,8 +924,9 @@ def _similar_suffixes(lengths: Sequence[int]) -> list[list[int]]:
 
 DROP_COLUMNS_FROM = 32
 """A running batch forgets its leading cache columns once no live row has a key in the
-first ``DROP_COLUMNS_FROM`` of them and they are at least half of its width: attention
-costs rows x width per token, and every row decodes at the batch's last column."""
+first ``DROP_COLUMNS_FROM`` of them and they are at least a quarter of its width:
+attention reads rows x width keys per token (every row decodes at the batch's last
+column), and dropping costs no copy (``BufferLayer.drop_left``)."""
 
 
 class DecodeBatch:
