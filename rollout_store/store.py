@@ -59,6 +59,7 @@ the concurrency design.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import time
@@ -114,6 +115,9 @@ ROW_GROUP_SIZE = 128 * 1024  # pyarrow's 1M-row single row groups read 1.3-1.8x 
 # nodes: 3% smaller files (texts 8-10% smaller), reads as fast (issue 26).
 ZSTD_LEVEL = 3
 COMPACTED_PREFIX = "compact-"  # files written by maintenance.compact: committed rows only
+# Columns whose min and max each data file's commit records (``DataFile``): the commit
+# key (uncommitted rows) and the tree id (which files an append's checks must read).
+BOUNDED_COLUMNS = ("commit_key", "tree_id")
 
 
 class DamagedLogError(StoreError):
@@ -168,7 +172,10 @@ class DataFile:
     stats lack it). A file our writer appends holds one key (min == max); a
     file our compaction writes is named ``compact-*`` and holds committed rows
     only. Readers use this to skip uncommitted files and to read clean files
-    without a row filter.
+    without a row filter. ``min_tree`` / ``max_tree`` bound the file's ``tree_id``
+    values the same way (None in files written before these statistics existed):
+    the checks an append makes look only into files whose range holds one of its
+    tree ids (``may_hold``).
     """
 
     path: str  # absolute
@@ -176,10 +183,20 @@ class DataFile:
     num_records: int | None
     min_key: str | None = None
     max_key: str | None = None
+    min_tree: str | None = None
+    max_tree: str | None = None
 
     @property
     def compacted(self) -> bool:
         return os.path.basename(self.path).startswith(COMPACTED_PREFIX)
+
+    def may_hold(self, sorted_ids: Sequence[str]) -> bool:
+        """Whether a ``tree_id`` of ``sorted_ids`` (ascending) can be in this file: False only
+        when the file's recorded bounds exclude every one of them."""
+        if self.min_tree is None or self.max_tree is None:
+            return True
+        first = bisect.bisect_left(sorted_ids, self.min_tree)
+        return first < len(sorted_ids) and sorted_ids[first] <= self.max_tree
 
 
 @dataclass(frozen=True)
@@ -213,6 +230,12 @@ class CommitReport:
     @property
     def already_committed(self) -> bool:
         return "trees" in self.skipped or (bool(self.skipped) and not self.rows)
+
+
+def _sorted_ids(ids: pa.Array | pa.ChunkedArray) -> list[str]:
+    """The distinct non-null ids of ``ids``, ascending (the order of ``DataFile.may_hold``:
+    code points, which is the byte order of UTF-8 that Arrow's min/max use)."""
+    return sorted(i for i in pc.unique(ids).to_pylist() if i is not None)
 
 
 def _table_config(name: TableName) -> dict[str, str | None]:
@@ -677,14 +700,16 @@ class Store:
         listed = self.loc.sizes(str(root)) if check and self.loc.remote else {}
         out = []
         nothing = [None] * actions.num_rows
-        lo = (actions.column("min.commit_key").to_pylist()
-              if "min.commit_key" in actions.column_names else nothing)
-        hi = (actions.column("max.commit_key").to_pylist()
-              if "max.commit_key" in actions.column_names else nothing)
+
+        def stat(name: str) -> list[Any]:
+            return (actions.column(name).to_pylist() if name in actions.column_names
+                    else nothing)
+
         real_root = None if self.loc.remote else os.path.realpath(str(root))
-        for path, size, n, kmin, kmax in zip(
+        for path, size, n, kmin, kmax, tmin, tmax in zip(
                 actions.column("path").to_pylist(), actions.column("size_bytes").to_pylist(),
-                actions.column("num_records").to_pylist(), lo, hi, strict=True):
+                actions.column("num_records").to_pylist(), stat("min.commit_key"),
+                stat("max.commit_key"), stat("min.tree_id"), stat("max.tree_id"), strict=True):
             full = str(root / path)
             if _outside(str(path), full, real_root):
                 # a forged log ``add`` of /etc/passwd or ../../x: never read it
@@ -699,7 +724,8 @@ class Store:
                 if actual != size:
                     raise CorruptFileError(full, f"data file is {actual} bytes but its commit "
                                            f"recorded {size} (truncated or overwritten)")
-            out.append(DataFile(full, int(size), None if n is None else int(n), kmin, kmax))
+            out.append(DataFile(full, int(size), None if n is None else int(n), kmin, kmax,
+                                tmin, tmax))
         return out
 
     # ------------------------------------------------------------------ writes
@@ -711,7 +737,7 @@ class Store:
         checksums, the schema fingerprint in the footer, fsync'd so that a commit
         never references a file that a crash could lose. Returns the path
         relative to the table, the size in bytes, and the Delta stats JSON
-        (row count, and min/max ``commit_key`` where the table has one).
+        (row count, and min/max ``commit_key`` and ``tree_id`` where the table has them).
         """
         schema = SCHEMAS[name].with_metadata({PARQUET_METADATA_KEY: json.dumps(
             {"table": name, "version": SCHEMA_VERSION, "fingerprint": fingerprint(SCHEMAS[name])}
@@ -719,7 +745,7 @@ class Store:
         rel = f"{prefix}{uuid.uuid4().hex}.parquet"
         full = self.path / name / rel
         rows = 0
-        keys: list[str] = []
+        bounds: dict[str, list[str]] = {}  # column -> the min and max of each batch
         with pq.ParquetWriter(self.loc.fs_path(str(full)), schema, compression="zstd",
                               compression_level=ZSTD_LEVEL, write_page_checksum=True,
                               filesystem=self.loc.filesystem) as writer:
@@ -727,9 +753,11 @@ class Store:
                 table = part if isinstance(part, pa.Table) else pa.Table.from_batches([part])
                 writer.write_table(table.cast(schema), row_group_size=ROW_GROUP_SIZE)
                 rows += table.num_rows
-                if "commit_key" in table.column_names and table.num_rows:
-                    bounds = pc.min_max(table.column("commit_key"))
-                    keys += [bounds["min"].as_py(), bounds["max"].as_py()]
+                for column in BOUNDED_COLUMNS:
+                    if column in table.column_names and table.num_rows:
+                        lo_hi = pc.min_max(table.column(column))
+                        bounds.setdefault(column, []).extend(
+                            [lo_hi["min"].as_py(), lo_hi["max"].as_py()])
         if isinstance(full, Path):
             with open(full, "rb") as fh:  # durable before a commit references it
                 os.fsync(fh.fileno())
@@ -738,9 +766,10 @@ class Store:
         else:  # an object exists, durably, once its (multipart) upload completed
             size = self.loc.size(str(full)) or 0
         stats: dict[str, Any] = {"numRecords": rows}
-        if keys:
-            stats.update(minValues={"commit_key": min(keys)}, maxValues={"commit_key": max(keys)},
-                         nullCount={"commit_key": 0})
+        if bounds:  # both columns are non-null wherever a table has them
+            stats.update(minValues={c: min(v) for c, v in bounds.items()},
+                         maxValues={c: max(v) for c, v in bounds.items()},
+                         nullCount={c: 0 for c in bounds})
         return rel, size, json.dumps(stats)
 
     @contextmanager
@@ -891,10 +920,17 @@ class Store:
                                    guard if name == "trees" else None)
         return report
 
-    def stored_tree_ids(self, version: StoreVersion | None = None) -> pa.ChunkedArray:
-        """Every committed tree id (``trees`` rows are committed by definition)."""
+    def stored_tree_ids(self, version: StoreVersion | None = None,
+                        among: pa.Array | pa.ChunkedArray | None = None) -> pa.ChunkedArray:
+        """Every committed tree id (``trees`` rows are committed by definition); with
+        ``among``, at least those of ``among`` that are stored (only the files whose
+        ``tree_id`` bounds can hold one of them are read, so an append's duplicate-id
+        check costs a read per file that could clash, not per file of the store)."""
         parts = []
+        wanted = None if among is None else _sorted_ids(among)
         for f in self.files("trees", version):
+            if wanted is not None and not f.may_hold(wanted):
+                continue
             try:
                 parts.append(self.loc.read_table(f.path, columns=["tree_id"],
                                                  page_checksum_verification=True
@@ -905,7 +941,7 @@ class Store:
         return pa.chunked_array(chunks, pa.string())
 
     def _refuse_stored_trees(self, tree_ids: pa.ChunkedArray) -> None:
-        stored = self.stored_tree_ids()
+        stored = self.stored_tree_ids(among=tree_ids)
         clash = pc.is_in(tree_ids, value_set=stored)
         if pc.any(clash).as_py():
             tid = tree_ids[pc.index(clash, True).as_py()].as_py()
@@ -929,18 +965,23 @@ class Store:
         return self._append_rows("credits", table, key)
 
     def stored_node_keys(self, tree_ids: pa.Array | pa.ChunkedArray) -> pa.Table:
-        """``tree_id``, ``node_id`` of the committed nodes of ``tree_ids``."""
+        """``tree_id``, ``node_id`` of the committed nodes of ``tree_ids`` (reads only the
+        files whose ``tree_id`` bounds can hold one of them)."""
+        wanted = pc.unique(tree_ids)
+        in_order = _sorted_ids(wanted)
         trees = []
         for f in self.files("trees"):
-            trees.append(self.loc.read_table(f.path, columns=["tree_id", "commit_key"],
-                                             page_checksum_verification=True))
-        wanted = pc.unique(tree_ids)
+            if f.may_hold(in_order):
+                trees.append(self.loc.read_table(f.path, columns=["tree_id", "commit_key"],
+                                                 page_checksum_verification=True))
         parts = []
         if trees:
             stored = pa.concat_tables(trees)
             stored = stored.filter(pc.is_in(stored.column("tree_id"), value_set=wanted))
             keys = pc.unique(stored.column("commit_key"))
             for f in self.files("nodes"):
+                if not f.may_hold(in_order):
+                    continue
                 if (not f.compacted and f.min_key is not None and f.min_key == f.max_key
                         and not pc.is_in(pa.array([f.min_key]), value_set=keys)[0].as_py()):
                     continue  # another append's file (or one that never committed)
@@ -997,7 +1038,7 @@ class Store:
         (``unknown_node``). See ``rollout_store.labels``."""
         check_columns(table, SCHEMAS["labels"], "labels")
         tree_ids = table.column("tree_id")
-        unknown = pc.invert(pc.is_in(tree_ids, value_set=self.stored_tree_ids()))
+        unknown = pc.invert(pc.is_in(tree_ids, value_set=self.stored_tree_ids(among=tree_ids)))
         if len(table) and pc.any(unknown).as_py():
             row = pc.index(unknown, True).as_py()
             raise TreeValidationError(str(tree_ids[row]), None, "unknown_tree",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pyarrow as pa
 import pytest
 
@@ -137,3 +139,51 @@ def test_a_store_opened_before_another_writer_commits_sees_the_commit(store: Sto
     assert pa.types.is_dictionary(dictionary.column("tree_id").type)
     assert dictionary.column("tree_id").cast(pa.string()).to_pylist() == read_arrow(
         store, "nodes", columns=["tree_id"]).column("tree_id").to_pylist()
+
+
+def test_append_checks_read_only_the_files_whose_tree_ids_can_clash(store: Store) -> None:
+    """Each data file's commit records its ``tree_id`` bounds; the duplicate-id check of an
+    append and the stored-node check of a credit append read only the files whose bounds
+    hold one of their ids (a trainer's store gains a file per iteration), and still find
+    a clash inside another append's range."""
+    from rollout_store import maintenance
+    from rollout_store.schema import CREDITS
+    from rollout_store.validate import TreeValidationError
+
+    for i in range(6):
+        store.append_trees(bel_shaped_batch(2, rollouts=2, depth=2, seed=i,
+                                            tree_prefix=f"it{i:03d}"), key=f"k{i}")
+    bounds = sorted((f.min_tree, f.max_tree) for f in store.files("trees"))
+    assert bounds[0] == ("it000-0-0000000", "it000-0-0000001") and len(bounds) == 6
+    reads: list[str] = []
+    real_read = store.loc.read_table
+
+    def counted(path: str, *args: object, **kwargs: object) -> pa.Table:
+        reads.append(path)
+        return real_read(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    store.loc.read_table = counted  # type: ignore[method-assign]
+    credit = pa.Table.from_pylist([
+        {"run_id": "r", "method": "grpo", "method_params_hash": "h", "method_params": "{}",
+         "tree_id": "it003-3-0000001", "node_id": 1, "value": 0.5, "token_values": None,
+         "policy_version": "v0", "created_at": datetime.now(UTC)}], schema=CREDITS)
+    store.append_credits(credit)
+    assert [p.split("/")[-2] for p in reads] == ["trees", "nodes"]  # not 6 + 6 files
+    reads.clear()
+    store.append_trees(bel_shaped_batch(2, rollouts=2, depth=2, seed=9, tree_prefix="it900"),
+                       key="k9")
+    assert not [p for p in reads if p.split("/")[-2] == "trees"]  # no range holds it900-*
+    with pytest.raises(TreeValidationError, match="it003-3-0000000.*duplicate_tree_id"):
+        store.append_trees(bel_shaped_batch(2, rollouts=2, depth=2, seed=3,
+                                            tree_prefix="it003"), key="again")
+    missing = credit.set_column(credit.schema.get_field_index("node_id"),
+                                credit.schema.field("node_id"), pa.array([10_000], pa.int64()))
+    with pytest.raises(TreeValidationError, match="unknown_node"):
+        store.append_credits(missing)
+    del store.loc.read_table
+    maintenance.compact(store)
+    assert [(f.min_tree, f.max_tree) for f in store.files("trees")] == [
+        ("it000-0-0000000", "it900-9-0000001")]
+    with pytest.raises(TreeValidationError, match="duplicate_tree_id"):
+        store.append_trees(bel_shaped_batch(1, rollouts=2, depth=2, seed=5,
+                                            tree_prefix="it005"), key="after")
