@@ -26,14 +26,14 @@ as the trainer does (``Engine.sample_trees``: each decode step one ``HFPolicy.sa
 call over every tree's live rows, each group sharing its prompt's KV cache); *credit*:
 ``credit_for`` (the registry path of ``rtrees credit``, grpo); *batches*:
 ``build_sequences``, ``make_rows`` (layout ``tree``: each prompt forwarded once per
-group), ``micro_batches``; *check*: the
-no-grad forward comparing recomputed and sampling logprobs (the trainer's default
-``check_logprobs``); *train*: forward, ``token_loss`` (G2-G3, dual clip), ``aggregate``
-(token-mean), backward, grad clip, AdamW step; *store*: ``append_trees``,
+group), ``micro_batches``; *train*: forward (its logprobs also make the trainer's default
+``check_logprobs`` comparison with the sampling logprobs, free before the optimizer
+step), ``token_loss`` (G2-G3, dual clip), ``aggregate`` (token-mean), backward, grad
+clip, AdamW step; *store*: ``append_trees``,
 ``append_credits`` and the metrics row, keyed commits into a fresh Delta store;
 *checkpoint*: the weight hash of the new ``policy_version`` and ``save_checkpoint``
 (HF directory, optimizer, RNG, atomic rename). Rows: core = sample + credit + batches +
-check + train; + store; + store + checkpoint = the whole iteration body of ``train``
+train; + store; + store + checkpoint = the whole iteration body of ``train``
 (the verdict's row).
 
 TRL side: ``GRPOTrainer(model, reward_funcs=[calc reward], args=GRPOConfig(
@@ -93,7 +93,7 @@ from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
 from train.trainer import _commit_metrics, _state, credit_for, save_checkpoint
 
-CORE = ("sample", "credit", "batches", "check", "train")
+CORE = ("sample", "credit", "batches", "train")
 OURS_PHASES = (*CORE, "store", "checkpoint")
 TARGET = 1.5
 
@@ -179,17 +179,16 @@ class Ours:
         d = denominator(cfg.aggregation, n_tokens, sum(len(s.leaves) for s in seqs),
                         cfg.norm_length)
         clock.lap("batches")
-        with torch.no_grad():
-            diff = max((float((forward_logprobs(model, mb)[0] - mb.old_logp).abs().max())
-                        for mb in mbs if mb.n_loss_tokens), default=0.0)
-        clock.lap("check")
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total = ent_sum = 0.0
+        total = ent_sum = diff = 0.0
         for mb in mbs:
             if not mb.n_loss_tokens:
                 continue
             logp, entropy = forward_logprobs(model, mb, with_entropy=True, entropy_grad=False)
+            # the logprob check on the training forward (before the optimizer step), as
+            # the trainer makes it for a model without dropout
+            diff = max(diff, float((logp.detach() - mb.old_logp).abs().max()))
             out = token_loss(logp, mb.old_logp, mb.advantage, mb.clip_low, mb.clip_high,
                              dual_clip=cfg.dual_clip)
             w = token_weights(cfg.aggregation, mb.traj_count, mb.inv_len_sum)

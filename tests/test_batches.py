@@ -21,6 +21,7 @@ from train.batches import (
     collate,
     dense_tree_mask,
     forward_logprobs,
+    has_dropout,
     loss_pieces,
     make_rows,
     micro_batches,
@@ -377,3 +378,17 @@ def test_hf_qwen2_tree_equals_paths(sampled: tuple[HFPolicy, list[Tree]]) -> Non
         assert worst < 1e-5, (name, worst)
         assert grads[name].abs().max() > 1e-4
         torch.testing.assert_close(grads[name], grads["paths"], rtol=0, atol=1e-5)
+
+
+def test_has_dropout_tells_when_the_training_forward_is_random() -> None:
+    """The trainer checks the sampling logprobs on its first training forward only for a
+    model whose training mode draws nothing (``has_dropout`` False); else it keeps a
+    separate no-grad forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    small = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}
+    assert not has_dropout(LlamaForCausalLM(LlamaConfig(**small)))
+    assert has_dropout(LlamaForCausalLM(LlamaConfig(**small, attention_dropout=0.1)))
+    assert has_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.2)))
+    assert not has_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))

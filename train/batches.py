@@ -798,6 +798,20 @@ def _forward(model: Any, mb: MicroBatch, with_entropy: bool, entropy_grad: bool,
     return logp, entropy
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether ``model`` in training mode is random: a ``Dropout`` module with p > 0, or a
+    config ``*dropout*`` rate > 0 that its functional attention applies (HF attention
+    passes ``attention_dropout`` to SDPA only while training). The trainer checks the
+    sampling logprobs on its first training forward only when this is False."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+           for m in model.modules()):
+        return True
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    rates: dict[str, Any] = to_dict() if callable(to_dict) else {}
+    return any("dropout" in key and isinstance(value, int | float) and value > 0
+               for key, value in rates.items())
+
+
 def forward_logprobs(model: Any, unit: Unit, with_entropy: bool = False,
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(target | prefix) of every loss token, (K,), and optionally the entropy (K,)
@@ -893,6 +907,6 @@ def tree_token_ratio(seqs: Sequence[TreeSeqs]) -> float:
 
 __all__ = ["LAYOUTS", "NODE_WEIGHTS", "BatchError", "Layout", "MicroBatch", "NodeCredit",
            "NodeSeq", "NodeWeight", "Piece", "ProxLogp", "Row", "SplitTree", "TreeSeqs", "Unit",
-           "build_sequences", "collate", "dense_tree_mask", "forward_logprobs", "loss_pieces",
-           "make_rows", "micro_batches", "node_credit", "pack_rows", "transcripts",
-           "tree_token_ratio"]
+           "build_sequences", "collate", "dense_tree_mask", "forward_logprobs", "has_dropout",
+           "loss_pieces", "make_rows", "micro_batches", "node_credit", "pack_rows",
+           "transcripts", "tree_token_ratio"]

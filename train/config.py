@@ -175,8 +175,11 @@ class TrainConfig:
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus (0: off)."""
     check_logprobs: bool = True
-    """Recompute the sampled tokens' logprobs before training and log the max difference
-    to the stored sampling logprobs (metric ``logprob_diff_max``)."""
+    """Compare the trainer's logprobs of the sampled tokens with the stored sampling
+    logprobs and log the max difference (metric ``logprob_diff_max``): on the training
+    forward of the first mini-batch, before any optimizer step (free; every token when
+    there is one mini-batch), or, for a model with active dropout, by a separate no-grad
+    forward of every mini-batch."""
     save_every: int = 10
     """Checkpoints at multiples of this are kept for good (one is written every iteration)."""
     keep_last: int = 3

@@ -101,6 +101,7 @@ from train.batches import (
     SplitTree,
     build_sequences,
     forward_logprobs,
+    has_dropout,
     loss_pieces,
     make_rows,
     micro_batches,
@@ -867,11 +868,16 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             part_batches.append((mbs, d, own, n_passes - n_live))  # FSDP: zero-weight passes
             metrics["split_trees"] = metrics.get("split_trees", 0.0) + sum(
                 isinstance(u, SplitTree) for u in mbs)  # trees over tree_row_tokens
-        if config.check_logprobs:  # with the full weights (FSDP: no collective)
+        # The logprob check (config.check_logprobs): the training forward of the first
+        # mini-batch runs before any optimizer step, so its logprobs are the sampling
+        # policy's and the check costs nothing there; a model with active dropout is
+        # checked by a separate no-grad forward of every mini-batch, as before.
+        diffs: list[float] = []
+        check_in_loss = config.check_logprobs and not has_dropout(policy.model)
+        if config.check_logprobs and not check_in_loss:  # full weights (FSDP: no collective)
             with torch.no_grad():
                 diffs = [float((forward_logprobs(policy.model, mb)[0] - mb.old_logp).abs().max())
                          for mbs, _, _, _ in part_batches for mb in mbs if mb.n_loss_tokens]
-            metrics["logprob_diff_max"] = dp.all_max(world, [max(diffs, default=0.0)])[0]
         model.train()
         sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual": 0.0, "kl": 0.0,
                 "entropy": 0.0, "tokens": 0.0, "wide": 0.0, "wide_clip": 0.0,
@@ -895,6 +901,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                 for piece in pieces:
                     mb, logp, entropy, ref = piece.mb, piece.logp, piece.entropy, piece.ref
                     assert entropy is not None
+                    if check_in_loss and not grad_norms:  # no optimizer step yet
+                        diffs.append(float((logp.detach() - mb.old_logp).abs().max()))
                     weight, old_logp = None, mb.old_logp  # G8: w = pi_prox / mu (1 fresh)
                     if reuse is not None:  # stored tokens: mb.stored
                         weight, old_logp = reuse.weight(mb, logp)
@@ -938,6 +946,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                 scheduler.step()
                 sums["loss"] += step_loss
         model.eval()
+        if config.check_logprobs:
+            metrics["logprob_diff_max"] = dp.all_max(world, [max(diffs, default=0.0)])[0]
         fsdp.copy_full_weights(model, policy.model)  # FSDP: the replica gets the new weights
         sums = dp.reduce_sums(world, sums)  # DDP: every rank's tokens
         n_loss_tokens, forward_tokens = (int(v) for v in dp.all_sum(
