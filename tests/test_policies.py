@@ -179,6 +179,42 @@ def test_chat_template_renders_like_tiny(tokenizer, policy) -> None:  # type: ig
         assert "".join(p for p, _ in render_segments(transcript)) == render(transcript, False)
 
 
+def test_piecewise_prompt_ids_equal_the_whole_transcript_tokenized() -> None:
+    """The renderer's fast path (each message's ids cached, ``ChatRenderer.piecewise``)
+    gives exactly the ids of the whole rendering tokenized at once, for every tiny
+    tokenizer and both observation roles, on transcripts built from the tokenizers' own
+    added tokens, pieces of role tokens and plain characters; another template never
+    takes it."""
+    from transformers import AutoTokenizer
+
+    from train.policies.hf import ChatRenderer
+
+    rng = random.Random(11)
+    for env in ("calc", "workflow", "sgls"):
+        tok = build_tokenizer(env)
+        added = [str(t.content) for t in tok.added_tokens_decoder.values()]
+        fragments = [*added, "<|", "|>", "<|user", "user|>", "<", ">", "|", " ", "\n",
+                     "a", "7", "{", '"', "<tool_response>"]
+        for role in ("user", "tool"):
+            renderer = ChatRenderer(tok, observation_role=role)  # type: ignore[arg-type]
+            assert renderer.piecewise
+            for _ in range(150):
+                transcript: Transcript = [("prompt", "".join(
+                    rng.choice(fragments) for _ in range(rng.randint(0, 12))))]
+                for _ in range(rng.randint(0, 4)):
+                    transcript += [(kind, "".join(rng.choice(fragments) for _ in range(
+                        rng.randint(0, 8)))) for kind in ("action", "observation")]
+                expected = tok(renderer.render(transcript), add_special_tokens=False)
+                assert renderer.prompt_ids(transcript) == expected["input_ids"]
+                assert renderer.prompt_ids(transcript) == expected["input_ids"]  # cached
+    other = build_tokenizer("calc")
+    other.chat_template = other.chat_template.replace("<|assistant|>", "<|assistant|>\n")
+    assert not ChatRenderer(other).piecewise
+    assert not ChatRenderer(build_tokenizer("calc"), system="be brief").piecewise
+    hf = AutoTokenizer.from_pretrained(COMMITTED_DIR / "calc")
+    assert ChatRenderer(hf).piecewise
+
+
 def test_save_pretrained_round_trip(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

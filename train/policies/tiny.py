@@ -86,7 +86,7 @@ from train.envs.sgls_worlds import AIRPORTS, CABINS, CATEGORIES, PAY_METHODS, SH
 from train.envs.workflow import STAGE_NAMES
 from train.envs.workflow_model import ACTION_TEXTS, TOOLS
 from train.policies.base import Transcript
-from train.policies.hf import HFPolicy, check_finite, quiet_progress
+from train.policies.hf import ROLE_CONCAT_TEMPLATE, HFPolicy, check_finite, quiet_progress
 from train.rundir import write_checkpoint
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
@@ -188,12 +188,7 @@ def _sgls_phrase_tokens() -> tuple[str, ...]:
 SGLS_PHRASE_TOKENS: tuple[str, ...] = _sgls_phrase_tokens()
 
 # Renders exactly like ``render_segments`` (checked by the tests).
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|' + message['role'] + '|>' + message['content'] -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
-)
+CHAT_TEMPLATE = ROLE_CONCAT_TEMPLATE  # each message's ids can be computed on its own
 
 COMMITTED_DIR = Path(__file__).resolve().parent / "checkpoints"
 ENVS: tuple[str, ...] = ("calc", "workflow", "sgls")
