@@ -173,7 +173,7 @@ def test_append_checks_read_only_the_files_whose_tree_ids_can_clash(store: Store
     store.append_trees(bel_shaped_batch(2, rollouts=2, depth=2, seed=9, tree_prefix="it900"),
                        key="k9")
     assert not [p for p in reads if p.split("/")[-2] == "trees"]  # no range holds it900-*
-    with pytest.raises(TreeValidationError, match="it003-3-0000000.*duplicate_tree_id"):
+    with pytest.raises(TreeValidationError, match=r"it003-3-0000000.*duplicate_tree_id"):
         store.append_trees(bel_shaped_batch(2, rollouts=2, depth=2, seed=3,
                                             tree_prefix="it003"), key="again")
     missing = credit.set_column(credit.schema.get_field_index("node_id"),
