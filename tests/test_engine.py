@@ -249,6 +249,25 @@ def test_engine_closes_the_environments_it_made_even_on_failure(calc_policy: Any
     assert len(closed) == len(CALC_TASKS)
 
 
+def test_prefix_cache_holds_refreshes_and_answers_exactly() -> None:
+    """``PrefixCache.holds``: True only for a stored sequence (same tokens, not just the
+    same hash key), and it makes the entry the most recently used, so a row whose keys
+    the cache already has is not copied again and the entry survives eviction."""
+    import torch
+
+    from train.policies.hf import PrefixCache
+
+    layer = [(torch.zeros(1, 4, 2), torch.zeros(1, 4, 2))]  # 64 bytes per entry
+    cache = PrefixCache(max_bytes=128)
+    cache.put([1, 2, 3, 4], layer)
+    cache.put([5, 6, 7, 8], layer)
+    assert cache.holds([1, 2, 3, 4]) and not cache.holds([1, 2, 3]) \
+        and not cache.holds([1, 2, 3, 5])
+    cache.put([9, 9, 9, 9], layer)  # evicts the least recently used: [5, 6, 7, 8]
+    assert cache.holds([1, 2, 3, 4]) and not cache.holds([5, 6, 7, 8])
+    assert cache.holds([9, 9, 9, 9]) and cache.bytes == 128
+
+
 def test_the_prefix_cache_changes_no_token_and_saves_prefill() -> None:
     """The HF backend's cross-call prefix cache: the same trees as a full prefill every
     step (logprobs within LOGPROB_TOL), fewer prefix tokens computed, and emptied when

@@ -425,12 +425,29 @@ class PrefixCache:
                 return length, entry[1]
         return 0, None
 
-    def put(self, ids: Sequence[int], layers: list[Any]) -> None:
+    @staticmethod
+    def key(ids: Sequence[int]) -> tuple[int, int]:
+        """The entry key of ``ids``: its length and its hash."""
+        return len(ids), _prefix_hashes(ids)[-1]
+
+    def holds(self, ids: Sequence[int], key: tuple[int, int] | None = None) -> bool:
+        """Whether ``ids`` (entry key ``key``, computed if None) is stored; then it becomes
+        the most recently used. A caller skips copying keys the cache already has (rows of
+        a group often end a step with the same tokens)."""
+        key = key or self.key(ids)
+        entry = self._entries.get(key)
+        if entry is None or entry[0] != tuple(ids):
+            return False
+        self._entries.move_to_end(key)
+        return True
+
+    def put(self, ids: Sequence[int], layers: list[Any],
+            key: tuple[int, int] | None = None) -> None:
         size = sum(k.numel() * k.element_size() + v.numel() * v.element_size()
                    for k, v in layers)
         if not ids or size > self.max_bytes:
             return
-        key = (len(ids), _prefix_hashes(ids)[-1])
+        key = key or self.key(ids)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
@@ -886,17 +903,28 @@ class HFPolicy:
                   ) -> None:
         """Store row ``row``'s keys/values of ``seq`` (its real positions, in order)."""
         assert self.prefix_cache is not None
+        if not seq:
+            return
+        key = self.prefix_cache.key(seq)
+        if self.prefix_cache.holds(seq, key):
+            return
         where = mask[row].nonzero().squeeze(1)
-        if len(where) < len(seq) or not seq:
+        if len(where) < len(seq):
             return
         where = where[:len(seq)]
+        first = int(where[0])
+        # a row's real positions are one run of columns (a slice copies faster than a
+        # gather); anything else is gathered
+        at: slice | torch.Tensor = (slice(first, first + len(seq))
+                                    if int(where[-1]) - first + 1 == len(seq) else where)
         kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in cache.layers:
             if type(layer) not in (DynamicLayer, BufferLayer):  # sliding windows etc.
                 return
             keys, values = getattr(layer, "keys"), getattr(layer, "values")  # noqa: B009
-            kv.append((keys[row][:, where], values[row][:, where]))
-        self.prefix_cache.put(seq, kv)
+            k, v = keys[row][:, at], values[row][:, at]
+            kv.append((k.clone(), v.clone()) if isinstance(at, slice) else (k, v))
+        self.prefix_cache.put(seq, kv, key)
 
     def _sample_chunk(self, prompts: list[list[int]], ns: list[int], seeds: list[int],
                       config: SampleConfig) -> list[list[Continuation]]:
