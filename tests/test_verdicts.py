@@ -118,14 +118,42 @@ def test_paired_difference_by_hand() -> None:
     from scipy import stats
 
     assert d.ci[1] - d.estimate == pytest.approx(stats.t.ppf(0.95, 2) * se)
-    # (S, T) with a pure seed effect: the task and cell terms cancel
+    # (S, T): the two-way variance v_seed + v_task - v_cell where it exceeds v_seed ...
+    a3 = np.array([[1.0, 0.0, 0.0], [1.0, 0.0, 1.0], [1.0, 1.0, 0.0]])
+    b3 = np.array([[0.0, 0.0, 0.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    d3 = paired_difference(a3, b3, 0.9)
+    dd = a3 - b3
+    v_seed = ((dd.mean(axis=1) - dd.mean()) ** 2).sum() / 6
+    v_task = ((dd.mean(axis=0) - dd.mean()) ** 2).sum() / 6
+    v_cell = ((dd - dd.mean()) ** 2).sum() / 72
+    assert v_seed + v_task - v_cell > v_seed
+    assert d3.se == pytest.approx(math.sqrt(v_seed + v_task - v_cell)) and d3.df == 2
+    # ... and never below the seed-cluster variance: with a pure seed effect the task and
+    # cell terms would cancel part of it
     a2 = np.array([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
     b2 = np.zeros((3, 2))
     d2 = paired_difference(a2, b2, 0.9)
     row = a2.mean(axis=1)
     v_seed = ((row - row.mean()) ** 2).sum() / 6
-    v_cell = ((a2 - a2.mean()) ** 2).sum() / 30
-    assert d2.se == pytest.approx(math.sqrt(v_seed - v_cell)) and d2.df == 1
+    assert d2.se == pytest.approx(math.sqrt(v_seed)) and d2.df == 1
+
+
+def test_a_few_seeds_cannot_shrink_the_interval_below_the_seed_variation() -> None:
+    """Sparse per-task differences (most tasks give both arms the same outcome, as on
+    workflow where the deterministic env and converged policies agree): with 5 seeds the
+    two-way estimator's task and cell terms can cancel its seed term by chance, which
+    gave a Table 1 comparison an interval 6x narrower than its seeds' spread and a
+    spurious 'inferior'. The interval is at least the seed-paired t interval's width."""
+    rng = np.random.default_rng(47)  # a draw where the unfloored variance is 0.26 v_seed
+    n_seeds, n_tasks = 5, 200
+    a = (rng.random((n_seeds, n_tasks)) < 0.58).astype(float)
+    b = a.copy()
+    flip = rng.random((n_seeds, n_tasks)) < 0.05  # 5% of cells differ, in both directions
+    b[flip] = 1.0 - b[flip]
+    d = paired_difference(a, b, 0.967)
+    seeds_only = paired_difference(a.mean(axis=1), b.mean(axis=1), 0.967)
+    assert d.se >= seeds_only.se - 1e-12
+    assert d.ci[1] - d.ci[0] >= seeds_only.ci[1] - seeds_only.ci[0] - 1e-12
     with pytest.raises(ValueError, match="2 seeds"):
         paired_difference(np.array([0.5]), np.array([0.4]), 0.9)
 
