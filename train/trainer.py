@@ -689,6 +689,11 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             model = fsdp.shard_for_training(policy.model, world)
         except fsdp.ShardError as exc:
             raise TrainError(f"--shard fsdp: {exc}") from None
+    # The logprob check (config.check_logprobs): the training forward of an iteration's
+    # first mini-batch runs before any optimizer step, so its logprobs are the sampling
+    # policy's and the check costs nothing there; a model with active dropout is checked
+    # by a separate no-grad forward of every mini-batch instead.
+    check_in_loss = config.check_logprobs and not has_dropout(policy.model)
     ref_policy = None  # the frozen initial policy: KL reference, and trace's scorer (T2)
     if config.kl_coef > 0 or config.credit == "trace":
         ref_policy = load_start_policy(config)
@@ -868,12 +873,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             part_batches.append((mbs, d, own, n_passes - n_live))  # FSDP: zero-weight passes
             metrics["split_trees"] = metrics.get("split_trees", 0.0) + sum(
                 isinstance(u, SplitTree) for u in mbs)  # trees over tree_row_tokens
-        # The logprob check (config.check_logprobs): the training forward of the first
-        # mini-batch runs before any optimizer step, so its logprobs are the sampling
-        # policy's and the check costs nothing there; a model with active dropout is
-        # checked by a separate no-grad forward of every mini-batch, as before.
-        diffs: list[float] = []
-        check_in_loss = config.check_logprobs and not has_dropout(policy.model)
+        diffs: list[float] = []  # the logprob check's max differences (check_in_loss)
         if config.check_logprobs and not check_in_loss:  # full weights (FSDP: no collective)
             with torch.no_grad():
                 diffs = [float((forward_logprobs(policy.model, mb)[0] - mb.old_logp).abs().max())
