@@ -62,8 +62,14 @@ def main() -> None:
     ap.add_argument("--horizon", type=int, default=18)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
+    for name in ("tasks", "repeat"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     tokenizer = build_tokenizer("workflow")
-    prompts = step_prompts(args.tasks, args.horizon, seed=1)
+    try:
+        prompts = step_prompts(args.tasks, args.horizon, seed=1)
+    except ValueError as exc:  # the task generator names a bad horizon
+        ap.error(f"--horizon {args.horizon}: {exc}")
     tokens = sum(len(ChatRenderer(tokenizer).prompt_ids(p)) for p in prompts)
     print(f"{len(prompts)} step prompts of {args.tasks} workflow episodes (H = {args.horizon}),"
           f" {tokens / len(prompts):.0f} tokens each on average")
