@@ -198,9 +198,13 @@ def _encode(column: pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
     column = _unified(column)
     if not column.num_chunks:
         return pa.array([], column.type.value_type), np.zeros(0, np.int64)
-    codes = [(c.indices if not c.null_count else pc.fill_null(c.indices, -1)).to_numpy()
-             .astype(np.int64) for c in column.chunks]
-    return column.chunk(0).dictionary, np.concatenate(codes)
+    codes = np.empty(len(column), np.int64)  # filled chunk by chunk: one new array
+    start = 0
+    for c in column.chunks:
+        codes[start:start + len(c)] = (c.indices if not c.null_count
+                                       else pc.fill_null(c.indices, -1)).to_numpy()
+        start += len(c)
+    return column.chunk(0).dictionary, codes
 
 
 def _codes_in(column: pa.ChunkedArray, names: pa.Array, null: int = -1) -> np.ndarray:
@@ -210,7 +214,8 @@ def _codes_in(column: pa.ChunkedArray, names: pa.Array, null: int = -1) -> np.nd
     if values.equals(names):  # the same dictionary (tables written in one tree order)
         return codes if null == -1 else np.where(codes < 0, null, codes)
     found = pc.fill_null(pc.index_in(values, value_set=names), -1).to_numpy()
-    return np.append(found.astype(np.int64), null)[codes]  # code -1 takes the last entry
+    lookup = np.append(found.astype(np.int64), null)
+    return np.take(lookup, codes, out=codes, mode="wrap")  # code -1 takes the last entry
 
 
 def credit_hashes(source: duckdb.DuckDBPyConnection | TableSource
@@ -218,25 +223,28 @@ def credit_hashes(source: duckdb.DuckDBPyConnection | TableSource
     """Every method's parameter hashes with their params JSON (the first non-null one
     stored), most recent first (by the latest ``created_at``; ties by hash)."""
     t = TableSource.of(source).table("credits", _CREDIT_COLUMNS)
-    methods, m = _encode(t.column("method"))
-    hashes, h = _encode(t.column("method_params_hash"))
-    params, p = _encode(t.column("method_params"))
     at = pc.cast(t.column("created_at"), pa.int64()).to_numpy()
-    pair = m * len(hashes) + h
+    methods, hashes = _values(t.column("method")), _values(t.column("method_params_hash"))
     size = len(methods) * len(hashes)
     last = np.full(size, np.iinfo(np.int64).min)
-    first = np.full(size, len(pair))
-    has = np.flatnonzero(p >= 0)
-    if size == 1:  # one method, one hash (no scatter over every row)
+    first = np.full(size, len(at))
+    params = t.column("method_params")
+    if size == 1:
+        # one method, one hash: no per-row codes (each would be an (N,) int64 array)
+        present = np.arange(min(len(at), 1))
         last[:] = at.max(initial=last[0])
-        first[:] = has[0] if len(has) else len(pair)
+        has = pc.index(pc.is_valid(params), True).as_py()
+        first[:] = len(at) if has < 0 else has
     else:
+        pair = _encode(t.column("method"))[1] * len(hashes) + _encode(
+            t.column("method_params_hash"))[1]
+        has = np.flatnonzero(pc.is_valid(params).to_numpy(zero_copy_only=False))
         np.maximum.at(last, pair, at)
         np.minimum.at(first, pair[has], has)
-    present = np.flatnonzero(np.bincount(pair, minlength=size))
-    m_names, h_names, p_values = methods.to_pylist(), hashes.to_pylist(), params.to_pylist()
+        present = np.flatnonzero(np.bincount(pair, minlength=size))
+    m_names, h_names = methods.to_pylist(), hashes.to_pylist()
     rows = sorted(((m_names[g // len(hashes)], -int(last[g]), h_names[g % len(hashes)],
-                    None if first[g] == len(pair) else p_values[p[first[g]]])
+                    None if first[g] == len(at) else params[int(first[g])].as_py())
                    for g in present), key=lambda r: r[:3])
     out: dict[str, list[tuple[str, str | None]]] = {}
     for method, _, hash_, js in rows:
@@ -415,11 +423,21 @@ class _NodeKeys:
         ``names`` and node in range: the others can match no child. The indices are
         ``slice(None)`` when that is every row (no copy to index with)."""
         code = _codes_in(t.column("tree_id"), self.names)
-        node = t.column("node_id").to_numpy().astype(np.int64, copy=False) - self.lo
+        node = t.column("node_id").to_numpy().astype(np.int64, copy=False)
+        if self.lo:
+            node = node - self.lo
         if not len(code) or (code.min() >= 0 and node.min() >= 0 and node.max() < self.span):
-            return code * self.span + node, slice(None)  # every row (the usual)
+            return _keyed(code, self.span, node), slice(None)  # every row (the usual)
         rows = np.flatnonzero((code >= 0) & (node >= 0) & (node < self.span))
-        return code[rows] * self.span + node[rows], rows
+        return _keyed(code[rows], self.span, node[rows]), rows
+
+
+def _keyed(code: np.ndarray, span: int, offset: np.ndarray) -> np.ndarray:
+    """``code · span + offset`` (int64) with one new array: an audit's peak memory is its
+    page faults, a cost comparable to its arithmetic here."""
+    out = np.multiply(code, span, dtype=np.int64)
+    out += offset
+    return out
 
 
 def _at_keys(keys: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -437,8 +455,9 @@ def _unique_rows(nk: _NodeKeys, keys: np.ndarray, targets: np.ndarray
     row numbers over the key space; None when keys are sparse or some key has several."""
     if not nk.dense:
         return None
-    index = np.full(nk.size, -1, np.int64)
-    index[keys] = np.arange(len(keys))
+    dtype = np.int32 if len(keys) < 2**31 else np.int64  # half the memory, as often
+    index: np.ndarray = np.full(nk.size, -1, dtype)
+    index[keys] = np.arange(len(keys), dtype=dtype)
     if np.count_nonzero(index >= 0) != len(keys):
         return None
     rows = index[targets]
@@ -449,7 +468,10 @@ def _pick(column: np.ndarray, rows: np.ndarray, hit: np.ndarray, fill: float = 0
     """``column[rows]`` where ``hit``, else ``fill``."""
     if not len(column):
         return np.full(len(rows), fill, column.dtype)
-    return np.where(hit, column[rows], fill)
+    picked = column[rows]
+    if not hit.all():
+        picked[~hit] = fill
+    return picked
 
 
 def _sums_at(nk: _NodeKeys, keys: np.ndarray, columns: Sequence[np.ndarray],
@@ -458,7 +480,7 @@ def _sums_at(nk: _NodeKeys, keys: np.ndarray, columns: Sequence[np.ndarray],
     unique = _unique_rows(nk, keys, targets)
     if unique is not None:  # nothing to add up
         rows, hit = unique
-        return [_pick(c.astype(np.int64, copy=False), rows, hit) for c in columns], hit
+        return [_pick(c, rows, hit).astype(np.int64, copy=False) for c in columns], hit
     if nk.dense:
         n = np.bincount(keys, minlength=nk.size)
         return [np.bincount(keys, c.astype(np.float64), minlength=nk.size)[targets].astype(
@@ -530,32 +552,42 @@ def _branching_children(source: TableSource, methods: Sequence[MethodRef],
     """
     nodes = source.table("nodes", _NODE_COLUMNS)
     names, code = _encode(nodes.column("tree_id"))
-    has_parent = np.flatnonzero(pc.is_valid(nodes.column("parent_id")).to_numpy(
-        zero_copy_only=False))
-    code = code[has_parent]
+    # Temporaries are few and freed early: at this size the peak memory's page faults
+    # cost about as much as the arithmetic (benchmarks/README.md, the ranking audit).
+    is_child = pc.is_valid(nodes.column("parent_id")).to_numpy(zero_copy_only=False)
+    code = code[is_child]
     parent = pc.fill_null(nodes.column("parent_id"), 0).to_numpy().astype(
-        np.int64, copy=False)[has_parent]
-    node = nodes.column("node_id").to_numpy().astype(np.int64, copy=False)[has_parent]
+        np.int64, copy=False)[is_child]
+    node = nodes.column("node_id").to_numpy().astype(np.int64, copy=False)[is_child]
+    del is_child
     lo = int(min(parent.min(), node.min())) if len(node) else 0
     span = int(max(parent.max(), node.max())) - lo + 1 if len(node) else 1
     if len(names) * span * span >= 2**62:
         raise RankingError(f"node ids span {span} in {len(names)} trees: too wide to key")
+    if lo:
+        parent, node = parent - lo, node - lo  # offsets in [0, span) from here on
     nk = _NodeKeys(names, lo, span, len(names) * span <= 4 * len(node) + 1024)
-    prefix = code * span + (parent - lo)
+    prefix = _keyed(code, span, parent)
     if nk.dense:
-        n_children = np.bincount(prefix, minlength=nk.size)[prefix]
+        sibling = (np.bincount(prefix, minlength=nk.size) >= 2)[prefix]
     else:
         _, inverse, counts = np.unique(prefix, return_inverse=True, return_counts=True)
-        n_children = counts[inverse]
-    rows = np.flatnonzero(n_children >= 2)
-    every = len(rows) == len(node)  # every child is a sibling (no copies needed)
-    position = (prefix * span + (node - lo) if every  # sorts by (tree, parent, node)
-                else prefix[rows] * span + (node[rows] - lo))
-    if np.any(np.diff(position) < 0):
-        rows, every = rows[np.argsort(position, kind="stable")], False
+        sibling = (counts >= 2)[inverse]
+        del inverse
+    every = bool(sibling.all())  # every child is a sibling (no copies needed)
+    rows: np.ndarray | slice = slice(None) if every else np.flatnonzero(sibling)
+    del sibling
+    prefix, offset = prefix[rows], node[rows]
+    same = prefix[1:] == prefix[:-1]  # sorted by (tree, parent, node)? bools only
+    if (prefix[1:] < prefix[:-1]).any() or (same & (offset[1:] < offset[:-1])).any():
+        order = np.argsort(_keyed(prefix, span, offset), kind="stable")
+        rows, every = order if isinstance(rows, slice) else rows[order], False
+    del prefix, offset, same
     if not every:
         code, parent, node = code[rows], parent[rows], node[rows]
-    target = code * span + (node - lo)
+    target = _keyed(code, span, node)
+    if lo:
+        parent, node = parent + lo, node + lo
 
     ref = source.table("mc_references", _REFERENCE_COLUMNS)
     keys, at = nk.of(ref)
@@ -569,7 +601,8 @@ def _branching_children(source: TableSource, methods: Sequence[MethodRef],
     tree_code = _codes_in(trees.column("tree_id"), names)
     tree_policy[tree_code] = _codes_in(trees.column("policy_version"), vocab, -2)
     tree_policy[-1] = -3  # trees outside ``names`` (code -1) hold no child
-    want = tree_policy[keys // span]
+    one_policy = np.unique(tree_policy[:-1])  # keys hold only trees in ``names``
+    want = one_policy[0] if len(one_policy) == 1 else tree_policy[keys // span]
     if reference_policy is not None:
         want = np.where(want == -3, -3, len(vocab) - 1)
     ok = ((ref.column("k").to_numpy()[at] == k)
@@ -578,6 +611,7 @@ def _branching_children(source: TableSource, methods: Sequence[MethodRef],
         keys, at = keys[ok], np.flatnonzero(ok) if isinstance(at, slice) else at[ok]
     (successes, k_total), has_ref = _sums_at(
         nk, keys, [ref.column(c).to_numpy()[at] for c in ("successes", "k")], target)
+    del keys, at, ok, want
 
     credit = source.table("credits", _CREDIT_COLUMNS)
     pairs = list(dict.fromkeys((m.method, m.params_hash) for m in methods))
@@ -601,12 +635,14 @@ def _branching_children(source: TableSource, methods: Sequence[MethodRef],
     for j, pair in enumerate(pairs):
         mine = slice(None) if pair_of is None else np.flatnonzero(pair_of == j)
         latest[pair] = _latest_at(nk, credit_keys[mine], created[mine], values[mine], target)
-    scores = np.zeros((len(rows), len(methods)))
-    has_score = np.zeros((len(rows), len(methods)), bool)
+    scores = np.zeros((len(target), len(methods)))
+    has_score = np.zeros((len(target), len(methods)), bool)
     for i, m in enumerate(methods):
         scores[:, i], has_score[:, i] = latest[(m.method, m.params_hash)]
-    return _Children(nk.names, code, parent, node, np.where(has_ref, successes, 0),
-                     np.where(has_ref, k_total, 0), has_ref, scores, has_score)
+    if not has_ref.all():
+        successes, k_total = np.where(has_ref, successes, 0), np.where(has_ref, k_total, 0)
+    return _Children(nk.names, code, parent, node, successes, k_total, has_ref, scores,
+                     has_score)
 
 
 def load_ranking_data(source: duckdb.DuckDBPyConnection | TableSource,

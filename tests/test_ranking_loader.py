@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from analysis.ranking import RANKING_TABLES, TableSource, load_ranking_data, resolve_methods
@@ -19,6 +20,7 @@ from rollout_store import Store, connect
 from rollout_store.schema import CREDITS, MC_REFERENCES
 from rollout_store.store import now_utc
 from rollout_store.synthetic import bel_shaped_batch, wide_batch
+from rollout_store.tree import TreeBatch
 
 K = 8
 
@@ -39,10 +41,19 @@ REFERENCE_SQL = """
     SEMI JOIN complete USING (tree_id, parent_id) ORDER BY ALL"""
 
 
-def _store(path: Path, wide: bool) -> Store:
+def _shifted(batch: TreeBatch, by: int) -> TreeBatch:
+    """The same trees with every node id (and parent id) plus ``by``."""
+    nodes = batch.nodes
+    for name in ("node_id", "parent_id"):
+        i = nodes.schema.get_field_index(name)
+        nodes = nodes.set_column(i, nodes.schema.field(i), pc.add(nodes.column(name), by))
+    return TreeBatch(batch.trees, nodes, batch.snapshots)
+
+
+def _store(path: Path, wide: bool, shift: int = 0) -> Store:
     store = Store(path, create=True)
-    store.append_trees(bel_shaped_batch(12, rollouts=4, depth=3, seed=1, run_id="r"),
-                       key="bel")
+    store.append_trees(_shifted(bel_shaped_batch(12, rollouts=4, depth=3, seed=1,
+                                                 run_id="r"), shift), key="bel")
     if wide:  # 1 tree of 1,201 nodes beside 12 small ones: len(trees) x span >> nodes
         store.append_trees(wide_batch(1200), key="wide")
     con = connect(store)
@@ -127,3 +138,19 @@ def test_loader_equals_plain_sql(tmp_path: Path, wide: bool, policy: str | None,
         t for (t,) in con.sql("SELECT tree_id FROM nodes").fetchall() if t in data.tree_ids))
     assert data.tree_ids == first_seen
     assert np.all(np.diff(data.group) >= 0)
+
+
+def test_node_ids_need_not_start_at_zero(tmp_path: Path) -> None:
+    """Keys count node ids from the smallest child's parent (``lo``): the same trees with
+    every node id plus 1,000 give the same audit rows, ids shifted."""
+    rows = []
+    for shift in (0, 1000):
+        store = _store(tmp_path / f"s{shift}", wide=False, shift=shift)
+        with store.pinned_reads():
+            tables = TableSource.pinned(store, store.resolve(None, RANKING_TABLES))
+            data, _ = load_ranking_data(tables, resolve_methods(tables, ["m@aaa"]), K)
+        rows.append((data.parent_id - shift, data.node_id - shift, data.successes,
+                     data.k_total, data.scores, data.group, data.tree_ids))
+    assert len(rows[0][0]) > 10
+    for a, b in zip(*rows, strict=True):
+        assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
