@@ -56,15 +56,27 @@ def run_golden(tmp: Path) -> dict[str, list[float]]:
     return {name: [v for _, v in metrics[name]] for name in ("loss", "reward", "grad_norm")}
 
 
-def tree_digest(tree: Any) -> str:
+def tree_digest(tree: Any, versions: dict[str, str]) -> str:
     """sha256 of what a refreshed tree holds: its shape, actions, observations, rewards and
-    lineage (not its snapshots' bytes, which the env's pickling may vary)."""
-    body = [tree.tree_id, tree.policy_version, json.dumps(tree.meta, sort_keys=True)]
+    lineage (not its snapshots' bytes, which the env's pickling may vary). Policy versions
+    are hashes of the weights' bytes, so they enter as ``versions`` maps them (to the
+    iteration that published them): a float reduction in another order changes the hash
+    but not the lineage this checks."""
+    meta = {k: versions.get(v, v) if isinstance(v, str) else v for k, v in tree.meta.items()}
+    body = [tree.tree_id, versions.get(tree.policy_version, tree.policy_version),
+            json.dumps(meta, sort_keys=True)]
     for n in tree.nodes:
         body.append(json.dumps([n.node_id, n.parent_id, n.kind, n.action_token_ids,
                                 [round(x, 5) for x in n.action_logprobs], n.observation_text,
                                 n.reward, n.tool_calls, n.meta], sort_keys=True, default=str))
     return hashlib.sha256("\n".join(body).encode()).hexdigest()
+
+
+def iteration_versions(trees: list[Any]) -> dict[str, str]:
+    """Each fresh tree's policy version -> ``it<k>``, k the iteration in its tree id
+    (``<run>/it<k>/<index>``)."""
+    return {t.policy_version: t.tree_id.split("/")[1] for t in trees
+            if t.sampler != "refresh"}
 
 
 def run_reuse_golden(tmp: Path, rule: str) -> dict[str, Any]:
@@ -74,7 +86,9 @@ def run_reuse_golden(tmp: Path, rule: str) -> dict[str, Any]:
     metrics = read_metrics(cfg.store, "golden")
     got: dict[str, Any] = {name: [v for _, v in metrics.get(name, [])]
                            for name in REUSE_METRICS}
-    got["refreshed_trees"] = {t.tree_id: tree_digest(t) for t in read_trees(cfg.store)
+    trees = read_trees(cfg.store)
+    versions = iteration_versions(trees)
+    got["refreshed_trees"] = {t.tree_id: tree_digest(t, versions) for t in trees
                               if t.sampler == "refresh"}
     return got
 
