@@ -376,3 +376,43 @@ def test_rows_joining_a_running_batch_decode_as_alone(calc_policy: Any, max_rows
     for key, cont in alone.items():
         assert together[key].token_ids == cont.token_ids, key
         assert np.abs(np.subtract(together[key].logprobs, cont.logprobs)).max() < LOGPROB_TOL
+
+
+def test_an_empty_batch_prefills_short_and_long_suffixes_apart(
+        calc_policy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts whose uncomputed suffixes differ widely (a cached transcript plus an
+    observation beside a fresh root prompt) are prefilled in separate forwards even into
+    an empty batch, so no row computes at the longest suffix's width; each row still draws
+    what it draws alone."""
+    from train.policies import hf
+
+    env = make_env("calc")
+    first, fresh = env_class("calc").generate_tasks(2, seed=11)
+    config = SampleConfig(max_new_tokens=24)
+    root = calc_policy.prompt_ids([("prompt", env.reset(first))])
+    step = calc_policy.sample_rows([Rows([("prompt", env.reset(first))], 1, 50)], config)
+    grown = root + step[0][0].token_ids[:-1] + root[:6]  # cached, then 6 new tokens
+    long = calc_policy.prompt_ids([("prompt", env.reset(fresh))]) * 3  # nothing cached
+    widths: list[int] = []
+    forward = calc_policy.model.forward
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        widths.append(int(kwargs["input_ids"].shape[1]))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(calc_policy.model, "forward", spy)
+    batch = hf.DecodeBatch(calc_policy, config)
+    batch.admit([grown, long], [2, 1], [7, 8])
+    assert sorted(widths) == [6, len(long)], (widths, len(long))
+    got: dict[tuple[int, int], Any] = {}
+    while batch.live:
+        got.update({(t, k): c for t, k, c in batch.step()})
+    monkeypatch.setattr(calc_policy.model, "forward", forward)
+    for t, (prompt, n, seed) in enumerate([(grown, 2, 7), (long, 1, 8)]):
+        single = hf.DecodeBatch(calc_policy, config)
+        single.admit([prompt], [n], [seed])
+        while single.live:
+            for _, k, cont in single.step():
+                assert cont.token_ids == got[(t, k)].token_ids
+                assert np.abs(np.subtract(cont.logprobs, got[(t, k)].logprobs)).max() \
+                    < LOGPROB_TOL

@@ -1107,19 +1107,29 @@ class DecodeBatch:
             raise ValueError("a transcript rendered to zero tokens")
         tags = list(range(len(prompts))) if tags is None else list(tags)
         config = config or self.config
-        if not self.live_pos:
+        mergeable = all(type(layer) is DynamicLayer
+                        for layer in DynamicCache(config=self.policy.model.config).layers)
+        if not self.live_pos and not mergeable:
             self._prefill(prompts, ns, seeds, tags, config)
             return
         if not self.accepting:
             raise RuntimeError("rows cannot join a running batch of this model (a cache "
                                "layer is not full attention); admit them when it is empty")
         hits = self.policy.cached_prefixes(prompts)
+        # Rows whose suffixes differ widely are prefilled in separate forwards, also
+        # into an empty batch: a fresh root prompt (hundreds of tokens) beside rows
+        # whose cached prefix leaves only an observation to compute would make every
+        # row compute at the root's width (measured on workflow H = 18: 56 rows x 334
+        # query positions where most needed about 25).
         for group in _similar_suffixes([len(p) - c for p, (c, _) in
                                         zip(prompts, hits, strict=True)]):
+            part = ([prompts[t] for t in group], [ns[t] for t in group],
+                    [seeds[t] for t in group], [tags[t] for t in group])
+            if not self.live_pos:
+                self._prefill(*part, config, [hits[t] for t in group])
+                continue
             other = DecodeBatch(self.policy, config)
-            other._prefill([prompts[t] for t in group], [ns[t] for t in group],
-                           [seeds[t] for t in group], [tags[t] for t in group], config,
-                           [hits[t] for t in group])
+            other._prefill(*part, config, [hits[t] for t in group])
             self._merge(other)
 
     def _prefill(self, prompts: Sequence[list[int]], ns: Sequence[int], seeds: Sequence[int],
