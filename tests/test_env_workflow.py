@@ -409,6 +409,41 @@ def test_generate_tasks_is_seeded_and_mixed() -> None:
         WorkflowEnv.generate_tasks(1, 0, colour="red")
 
 
+def test_mark_optional_shows_exactly_the_optional_stages() -> None:
+    """``mark_optional`` adds ``; optional`` to the optional stages' needs (prompt list
+    and state lines) and nothing else: same stages, probabilities and outcomes; the flag
+    survives config, snapshot and restore; unmarked tasks keep their old config."""
+    plain = WorkflowEnv.generate_tasks(12, seed=3, horizons=(18,))
+    marked = WorkflowEnv.generate_tasks(12, seed=3, horizons=(18,), mark_optional=True)
+    assert all("mark_optional" not in t.config for t in plain)
+    assert any(len(WorkflowSpec.from_config(t.config).required()) < len(t.config["stages"])
+               for t in marked)
+    for p, m in zip(plain, marked, strict=True):
+        assert {**p.config, "mark_optional": True} == m.config
+        model = WorkflowModel.from_config(m.config)
+        assert model.spec.to_config() == m.config
+        for i, stage in enumerate(model.spec.stages):
+            line = f"{i + 1}. {stage.name} (needs: "
+            row = next(r for r in m.prompt.splitlines() if r.strip().startswith(line))
+            assert row.endswith("; optional)") == (i not in model.required), row
+            key = ObsKey(i, 1, False)
+            text = model.state_text(key)
+            assert ("; optional)" in text) == (i not in model.required)
+            assert model.key_from_text(text) == key
+        env, other = WorkflowEnv(), WorkflowEnv()
+        assert env.reset(m) == m.prompt
+        outcomes = [env.step(CAREFUL).observation for _ in range(3)]
+        other.reset(p)
+        assert [o.replace("; optional", "") for o in outcomes] == \
+            [other.step(CAREFUL).observation for _ in range(3)]
+        snap = env.snapshot()
+        restored = WorkflowEnv()
+        restored.restore(snap)
+        assert restored.model.spec.mark_optional and restored.snapshot() == snap
+    with pytest.raises(ValueError, match="mark_optional"):
+        WorkflowEnv.generate_tasks(1, 0, mark_optional="yes")  # type: ignore[arg-type]
+
+
 def test_expert_solves_deterministic_tasks() -> None:
     for task in WorkflowEnv.generate_tasks(24, seed=2, deterministic=True):
         env = WorkflowEnv()

@@ -41,7 +41,12 @@ Action format (``model.valid_actions(state)`` lists the valid strings)::
     <tool_call>{"name": "careful", "arguments": {}}</tool_call>
 
 Observation formats. ``reset`` returns the prompt: the stage list with each
-stage's needs, the rules, the tools, and the first state line. Each step returns::
+stage's needs, the rules, the tools, and the first state line. With the task option
+``mark_optional`` (``generate_tasks(..., mark_optional=True)``, ``--task-param
+mark_optional=true``) every mention of an optional stage reads ``(needs: X; optional)``,
+so the one decision whose value the needs lists alone do not show locally (skipping an
+optional stage is always safe and saves a step) is visible in the state line; the
+dynamics are unchanged. Each step returns::
 
     <tool_response>fast on 'parse': failure. The stage is broken.
     Stage 2/5: parse (needs: fetch). Status: broken. Steps left: 6. Valid tools: repair, skip.
@@ -275,9 +280,11 @@ class WorkflowEnv(Environment):
 
     @classmethod
     def generate_tasks(cls, n: int, seed: int, horizons: Sequence[int] = DEFAULT_HORIZONS,
-                       deterministic: bool = False, **mix: Any) -> list[Task]:
+                       deterministic: bool = False, mark_optional: bool = False,
+                       **mix: Any) -> list[Task]:
         """``n`` tasks; horizons cycle through ``horizons`` (the mix is in the module doc;
-        one integer is one horizon)."""
+        one integer is one horizon). ``mark_optional`` marks the optional stages in the
+        prompt and state lines (module docstring); the tasks are otherwise the same."""
         if mix:
             raise TypeError(f"unknown task-mix options {sorted(mix)}")
         if isinstance(horizons, int):
@@ -287,11 +294,14 @@ class WorkflowEnv(Environment):
             raise ValueError(f"horizons must be integers, got {horizons!r}")
         if not horizons or any(h < 2 for h in horizons):
             raise ValueError(f"horizons must be >= 2, got {list(horizons)}")
-        return [cls._generate_task(seed, i, horizons[i % len(horizons)], deterministic)
-                for i in range(n)]
+        if not isinstance(mark_optional, bool):
+            raise ValueError(f"mark_optional must be true or false, got {mark_optional!r}")
+        return [cls._generate_task(seed, i, horizons[i % len(horizons)], deterministic,
+                                   mark_optional) for i in range(n)]
 
     @staticmethod
-    def _generate_task(seed: int, index: int, horizon: int, deterministic: bool) -> Task:
+    def _generate_task(seed: int, index: int, horizon: int, deterministic: bool,
+                       mark_optional: bool = False) -> Task:
         rng = random.Random(_mix(seed, index))
         n = rng.randint(math.ceil(horizon / 3) + 1, horizon // 2 + 1)
         n = min(n, len(STAGE_NAMES))
@@ -316,7 +326,8 @@ class WorkflowEnv(Environment):
                 p_repair=round(rng.uniform(0.4, 0.9), 2),
                 fast_failure="crash" if rng.random() < 0.25 else "broken"))
         spec = WorkflowSpec(stages=tuple(stages), horizon=horizon,
-                            rng_seed=_mix(seed, index, 1) >> 1, deterministic=deterministic)
+                            rng_seed=_mix(seed, index, 1) >> 1, deterministic=deterministic,
+                            mark_optional=mark_optional)
         model = WorkflowModel(spec)
         return Task(task_id=f"workflow-{seed}-{index}", env="workflow", prompt=model.prompt(),
                     answer=None, max_steps=horizon, config=spec.to_config())

@@ -82,6 +82,7 @@ class WorkflowSpec:
     horizon: int
     rng_seed: int = 0
     deterministic: bool = False
+    mark_optional: bool = False
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -119,6 +120,7 @@ class WorkflowSpec:
         return {
             "horizon": self.horizon, "rng_seed": self.rng_seed,
             "deterministic": self.deterministic,
+            **({"mark_optional": True} if self.mark_optional else {}),
             "stages": [{"name": s.name, "needs": list(s.needs), "p_fast": s.p_fast,
                         "p_careful": s.p_careful, "p_repair": s.p_repair,
                         "fast_failure": s.fast_failure} for s in self.stages],
@@ -135,27 +137,32 @@ class WorkflowSpec:
                 for s in config["stages"])
             return cls(stages=stages, horizon=int(config["horizon"]),
                        rng_seed=int(config.get("rng_seed", 0)),
-                       deterministic=bool(config.get("deterministic", False)))
+                       deterministic=bool(config.get("deterministic", False)),
+                       mark_optional=bool(config.get("mark_optional", False)))
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"bad workflow task config: {exc!r}") from exc
 
     def to_compact(self) -> list[Any]:
         """A short list form for snapshots: ``[horizon, rng_seed, [[name, needs, p_fast,
-        p_careful, p_repair, "b"|"c"], ...]]`` (``deterministic`` travels separately)."""
+        p_careful, p_repair, "b"|"c"], ...]]``, plus a trailing ``1`` when
+        ``mark_optional`` (``deterministic`` travels separately)."""
         return [self.horizon, self.rng_seed,
                 [[s.name, list(s.needs), s.p_fast, s.p_careful, s.p_repair,
-                  s.fast_failure[0]] for s in self.stages]]
+                  s.fast_failure[0]] for s in self.stages], *([1] if self.mark_optional else [])]
 
     @classmethod
     def from_compact(cls, data: Any, deterministic: bool = False) -> WorkflowSpec:
         try:
-            horizon, rng_seed, stages = data
+            horizon, rng_seed, stages, *marked = data
+            if marked not in ([], [1]):
+                raise ValueError(f"unexpected trailing fields {marked}")
             return cls(
                 stages=tuple(StageSpec(str(n), tuple(int(j) for j in needs), float(pf),
                                        float(pc), float(pr),
                                        "crash" if ff == "c" else "broken")
                              for n, needs, pf, pc, pr, ff in stages),
-                horizon=int(horizon), rng_seed=int(rng_seed), deterministic=deterministic)
+                horizon=int(horizon), rng_seed=int(rng_seed), deterministic=deterministic,
+                mark_optional=bool(marked))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad compact workflow spec: {exc}") from exc
 
@@ -451,8 +458,13 @@ class WorkflowModel:
     # ----- text ---------------------------------------------------------------------------
 
     def _needs_text(self, i: int) -> str:
+        """What follows ``needs:`` for stage ``i``: the stages it needs, and ``; optional``
+        when the task marks its optional stages (``mark_optional``) and ``i`` is one."""
         needs = self.spec.stages[i].needs
-        return ", ".join(self.spec.stages[j].name for j in needs) if needs else "nothing"
+        text = ", ".join(self.spec.stages[j].name for j in needs) if needs else "nothing"
+        if self.spec.mark_optional and i not in self.required:
+            text += "; optional"
+        return text
 
     def state_text(self, s: State | ObsKey) -> str:
         """The line describing a non-terminal state; it ends every observation and is

@@ -1039,11 +1039,12 @@ class DecodeBatch:
     ``stream_uniforms(., j)``), runs one forward and returns ``(tag, k, Continuation)``
     for each row whose step ended (a stop string, an end-of-sequence token, or
     ``max_new_tokens``). Rows may be admitted between any two steps (continuous
-    batching, the rollout engine's ``decoder``): the first admission into a batch with
-    no live row lays the prompts out as one prefill (left-padded); a later one prefills
-    its prompts in a batch of their own and copies each row's keys into a free position
-    of this one, right-aligned at the current column (its positions continue its own
-    count; the columns left of it are masked). A row's numbers depend on its prompt,
+    batching, the rollout engine's ``decoder``): an admission splits its prompts into
+    groups of similar uncomputed-suffix length (``_similar_suffixes``); into a batch with
+    no live row the first group is laid out as one prefill (left-padded), and every other
+    group is prefilled in a batch of its own whose rows' keys are copied into free
+    positions of this one, right-aligned at the current column (their positions continue
+    their own count; the columns left of them are masked). A row's numbers depend on its prompt,
     its stream and the weights; which rows share its steps changes only the float
     reductions of the batched matmuls.
 
@@ -1054,9 +1055,9 @@ class DecodeBatch:
     the positions, or at most ``FEW_ROWS``, are live; only then are cache and mask
     compacted to the live rows (one copy instead of one per finishing step). Leading
     columns no live row uses are dropped once rows have joined (``DROP_COLUMNS_FROM``).
-    Without admissions after the first, every live row sees the same keys and meets the same matmul
-    kernels as when finished rows were dropped at once, so the numbers are the same
-    bits.
+    Without rows joining after the first prefill, every live row sees the same keys and
+    meets the same matmul kernels as when finished rows were dropped at once, so the
+    numbers are the same bits.
     """
 
     def __init__(self, policy: HFPolicy, config: SampleConfig,
