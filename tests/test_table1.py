@@ -263,6 +263,15 @@ def test_workflow_and_no_elc_configs_carry_horizons_and_recipe(tmp_path: Path) -
         Table1Config(minibatches=32, tasks_per_step=16)
     with pytest.raises(ValueError, match="workflow_horizons"):
         Table1Config(workflow_horizons=(1,))
+    assert wf.policy == "tiny" and calc.policy == "tiny"
+    marked = Table1Config(configs=WORKFLOW_CONFIGS, workflow_mark_optional=True,
+                          workflow_policy="hf:/some/dir")
+    wf = run_config("grpo+group (workflow)", 0, marked, tmp_path)
+    assert wf.task_params == {"horizons": [18], "mark_optional": True}
+    assert wf.policy == "hf:/some/dir"
+    assert run_config("grpo+group", 0, marked, tmp_path).policy == "tiny"  # calc keeps it
+    with pytest.raises(ValueError, match="workflow_policy"):
+        Table1Config(workflow_policy="vllm:/x")
 
 
 def test_processes_sharing_a_study_directory_merge_their_runs(tmp_path: Path) -> None:

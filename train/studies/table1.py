@@ -39,7 +39,13 @@ issue is, e.g.::
 ``grpo+group (sgls)`` is the baseline SLCA-GRPO's claim needs on the same env. The
 workflow configs train at the horizons ``workflow_horizons`` (default 18: where each
 step explains a few percent of the return variance and a failed trajectory has many
-zero-advantage steps, so credit can matter; calc is a two-step task). ``elpo+bel (no
+zero-advantage steps, so credit can matter; calc is a two-step task).
+``workflow_mark_optional`` marks the optional stages in those tasks and
+``workflow_policy`` (``hf:DIR``) starts the workflow configs from another policy: the
+default tiny policy runs ``careful`` on every stage greedily and RL never moved it, while
+one trained on marked tasks (``rtrees policy init --env workflow --task-param
+horizons=18 --task-param mark_optional=true --out DIR``) leaves visible headroom
+(benchmarks/README.md). ``elpo+bel (no
 ELC)`` is ELPO without its wider lower clip bound (E8), the row that says whether ELC
 matters; it needs a recipe where clipping binds: ``epochs``, ``minibatches`` and ``lr``
 are the study's (defaults: the trainer's one epoch, two mini-batches, at which clipping
@@ -162,6 +168,13 @@ class Table1Config:
     """Horizons of the workflow configs' tasks, both splits (``task_params``)."""
     workflow_max_new_tokens: int = 48
     """Token cap of one agent step on workflow."""
+    workflow_mark_optional: bool = False
+    """Workflow tasks mark their optional stages (``mark_optional``, both splits): the
+    variant where the greedy policy can improve from visible information."""
+    workflow_policy: str = "tiny"
+    """Start policy of the workflow configs (``TrainConfig.policy``: ``tiny`` or
+    ``hf:DIR``, e.g. a ``rtrees policy init --env workflow --task-param
+    mark_optional=true --out DIR`` checkpoint)."""
     delta: float = 0.02
     """Pre-registered equivalence margin of every claim (docs/METHODS.md V1): a difference
     whose interval lies inside +-delta is called ``equivalent``."""
@@ -184,6 +197,9 @@ class Table1Config:
                              f"({self.tasks_per_step})")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not (self.workflow_policy == "tiny" or self.workflow_policy.startswith("hf:")):
+            raise ValueError(f"workflow_policy must be tiny or hf:DIR, got "
+                             f"{self.workflow_policy!r}")
         if not self.workflow_horizons or any(h < 2 for h in self.workflow_horizons):
             raise ValueError(f"workflow_horizons must be >= 2, got {self.workflow_horizons}")
         if not (0.0 < self.delta < 1.0):  # also refuses nan
@@ -208,10 +224,14 @@ def run_config(name: str, seed: int, config: Table1Config, run_dir: Path) -> Any
     env, sampler, credit = CONFIGS[name]
     tokens = {"sgls": config.sgls_max_new_tokens,
               "workflow": config.workflow_max_new_tokens}.get(env, config.max_new_tokens)
-    tasks = {"horizons": list(config.workflow_horizons)} if env == "workflow" else {}
+    tasks: dict[str, Any] = {}
+    if env == "workflow":
+        tasks = {"horizons": list(config.workflow_horizons),
+                 **({"mark_optional": True} if config.workflow_mark_optional else {})}
     return TrainConfig(
         store=str(run_dir / "store"), out=str(run_dir / "train"),
-        run_id=f"table1-{slug(name)}-s{seed}", env=env, policy="tiny", sampler=sampler,
+        run_id=f"table1-{slug(name)}-s{seed}", env=env,
+        policy=config.workflow_policy if env == "workflow" else "tiny", sampler=sampler,
         credit=credit, steps=config.steps, tasks_per_step=config.tasks_per_step,
         n_total=config.n_total, heldout_tasks=config.heldout_tasks,
         eval_every=config.eval_every, seed=seed, max_new_tokens=tokens, task_params=tasks,
