@@ -46,7 +46,7 @@ stage's needs, the rules, the tools, and the first state line. With the task opt
 mark_optional=true``) every mention of an optional stage reads ``(needs: X; optional)``,
 so the one decision whose value the needs lists alone do not show locally (skipping an
 optional stage is always safe and saves a step) is visible in the state line; the
-dynamics are unchanged. Each step returns::
+dynamics are unchanged (docs/METHODS.md W1-W3). Each step returns::
 
     <tool_response>fast on 'parse': failure. The stage is broken.
     Stage 2/5: parse (needs: fetch). Status: broken. Steps left: 6. Valid tools: repair, skip.
