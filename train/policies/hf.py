@@ -1044,8 +1044,8 @@ class DecodeBatch:
     no live row the first group is laid out as one prefill (left-padded), and every other
     group is prefilled in a batch of its own whose rows' keys are copied into free
     positions of this one, right-aligned at the current column (their positions continue
-    their own count; the columns left of them are masked). A row's numbers depend on its prompt,
-    its stream and the weights; which rows share its steps changes only the float
+    their own count; the columns left of them are masked). A row's numbers depend on its
+    prompt, its stream and the weights; which rows share its steps changes only the float
     reductions of the batched matmuls.
 
     Cost per token. Keys/values live in ``BufferLayer`` buffers (written in place, no
@@ -1108,9 +1108,9 @@ class DecodeBatch:
             raise ValueError("a transcript rendered to zero tokens")
         tags = list(range(len(prompts))) if tags is None else list(tags)
         config = config or self.config
-        mergeable = all(type(layer) is DynamicLayer
-                        for layer in DynamicCache(config=self.policy.model.config).layers)
-        if not self.live_pos and not mergeable:
+        if not self.live_pos and not all(  # a layer kind rows cannot join: one prefill
+                type(layer) is DynamicLayer
+                for layer in DynamicCache(config=self.policy.model.config).layers):
             self._prefill(prompts, ns, seeds, tags, config)
             return
         if not self.accepting:
