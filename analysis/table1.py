@@ -370,9 +370,17 @@ def _entropy(d: Mapping[str, Any]) -> str:
 def table1_report(results: Mapping[str, Any]) -> str:
     """The markdown report of ``table1_results``' dict."""
     c = results["config"]
+    envs = {d["env"] for d in results["configs"].values()}
+    start = "the tiny policy of its env"
+    if "workflow" in envs and c.get("workflow_policy", "tiny") != "tiny":
+        start += f" (workflow: {c['workflow_policy']})"
+    if "workflow" in envs:
+        start += (f"; workflow tasks at horizons {list(c.get('workflow_horizons', []))}"
+                  + (", optional stages marked (mark_optional)"
+                     if c.get("workflow_mark_optional") else ""))
     lines = ["# Table 1 in miniature: held-out success after training", "",
              f"Miniature of {results['paper_table']}.", "",
-             f"Every run: the tiny policy of its env, {c['steps']} iterations x "
+             f"Every run: {start}, {c['steps']} iterations x "
              f"{c['tasks_per_step']} tasks x n_total = {c['n_total']} rollouts per tree "
              f"(equal iterations, equal n_total), seeds {list(c['seeds'])}, held-out "
              f"success on {c['heldout_tasks']} fixed held-out tasks (one sampled rollout "

@@ -171,6 +171,15 @@ def test_report_numbers_come_from_the_metric_rows(tmp_path: Path) -> None:
     with_sgcd = {**res, "configs": {**res["configs"], "sgcd+group": {
         "env": "calc", "sampler": "group", "credit": "sgcd", "status": "not run"}}}
     assert "stand-in for the paper's LLM summary" in t1.table1_report(with_sgcd)
+    # workflow rows name their start policy, horizons and marks; calc-only reports do not
+    marked = {**res, "config": {**res["config"], "workflow_policy": "hf:/p",
+                                "workflow_horizons": [18], "workflow_mark_optional": True},
+              "configs": {**res["configs"], "grpo+group (workflow)": {
+                  "env": "workflow", "sampler": "group", "credit": "grpo",
+                  "status": "not run"}}}
+    assert ("(workflow: hf:/p); workflow tasks at horizons [18], optional stages marked"
+            in t1.table1_report(marked))
+    assert "workflow" not in report.split("## calc")[0]
     # the audit's rebuild from the files alone gives the same numbers
     again = build_study_report(study, tmp_path / "rebuilt")
     assert again.name == "table1"
