@@ -386,6 +386,9 @@ def test_an_empty_batch_prefills_short_and_long_suffixes_apart(
     what it draws alone."""
     from train.policies import hf
 
+    assert calc_policy.prefix_cache is not None  # an empty one: earlier tests filled it
+    monkeypatch.setattr(calc_policy, "prefix_cache",
+                        hf.PrefixCache(calc_policy.prefix_cache.max_bytes))
     env = make_env("calc")
     first, fresh = env_class("calc").generate_tasks(2, seed=11)
     config = SampleConfig(max_new_tokens=24)
