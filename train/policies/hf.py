@@ -1088,8 +1088,13 @@ class DecodeBatch:
         """Whether rows can be admitted now: always into a batch with no live row, and
         into a running one when every cache layer is a ``BufferLayer`` (sliding-window
         and other layer kinds cannot be re-laid out)."""
-        return not self.live_pos or all(isinstance(layer, BufferLayer)
-                                        for layer in self.cache.layers)
+        return not self.live_pos or self._joinable
+
+    @property
+    def _joinable(self) -> bool:
+        """Whether every cache layer is a ``BufferLayer`` (rows of another prefill can be
+        merged in)."""
+        return all(isinstance(layer, BufferLayer) for layer in self.cache.layers)
 
     def add(self, rows: Sequence[Rows], tags: Sequence[Any], config: SampleConfig) -> None:
         """Admit ``rows[i].n`` branches of each request, tagged ``tags[i]``, sampled by
@@ -1108,9 +1113,7 @@ class DecodeBatch:
             raise ValueError("a transcript rendered to zero tokens")
         tags = list(range(len(prompts))) if tags is None else list(tags)
         config = config or self.config
-        if not self.live_pos and not all(  # a layer kind rows cannot join: one prefill
-                type(layer) is DynamicLayer
-                for layer in DynamicCache(config=self.policy.model.config).layers):
+        if not self.live_pos and not self._joinable:  # a layer kind rows cannot join
             self._prefill(prompts, ns, seeds, tags, config)
             return
         if not self.accepting:
