@@ -202,14 +202,15 @@ def table2_analysis(instances_path: Path, pairs_path: Path, config: Mapping[str,
     bs = (pt["kind"] == "branch_selective").astype(np.float64)
     od = (pt["kind"] == "ordinary").astype(np.float64)
     ref = (pt["decision"] == "refresh").astype(np.float64)
-    sb = cluster_bootstrap_means({"bs": bs, "od": od, "ref_bs": ref * bs, "ref_od": ref * od},
-                                 pt["task_id"], config["n_boot"], config["seed"] + 1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        share_diff = sb["ref_bs"] / sb["bs"] - sb["ref_od"] / sb["od"]
-    point = (float((ref * bs).sum() / bs.sum()) if bs.sum() else math.nan) - \
-        (float((ref * od).sum() / od.sum()) if od.sum() else math.nan)
-    out["refresh_share_bs_minus_ordinary"] = {"value": point,
-                                              "ci95": percentile_ci(share_diff)}
+    if bs.any() and od.any():  # the synthetic updates (the LM variant has neither kind)
+        sb = cluster_bootstrap_means({"bs": bs, "od": od, "ref_bs": ref * bs,
+                                      "ref_od": ref * od},
+                                     pt["task_id"], config["n_boot"], config["seed"] + 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share_diff = sb["ref_bs"] / sb["bs"] - sb["ref_od"] / sb["od"]
+        point = float((ref * bs).sum() / bs.sum()) - float((ref * od).sum() / od.sum())
+        out["refresh_share_bs_minus_ordinary"] = {"value": point,
+                                                  "ci95": percentile_ci(share_diff)}
     near = np.abs(pt["c_pi"]) < thr
     diag: dict[str, Any] = {}
     for name, m in (("near_tie", near), ("clear", ~near)):
@@ -310,6 +311,56 @@ def gate_plots(results: dict[str, Any], out_dir: Path) -> list[str]:
     return files
 
 
+def lm_check_summary(check_path: Path) -> dict[str, dict[str, float]]:
+    """Per model of the real-update variant (LM3, ``lm_check.parquet``): routes checked,
+    mean and max |Q_exact - Q_MC|, the share within 2 standard errors, and the mean
+    Q_exact - Q_MC over live routes (Q_MC > 0 or Q_exact > 0)."""
+    con = study_connection({"chk": check_path})
+    out: dict[str, dict[str, float]] = {}
+    for model, n, mae, worst, within, bias in con.sql("""
+            SELECT model, count(*), avg(abs(q_exact - q_mc)), max(abs(q_exact - q_mc)),
+                   avg(CASE WHEN abs(q_exact - q_mc) <= 2 * se + 1e-12 THEN 1 ELSE 0 END),
+                   avg(q_exact - q_mc)
+            FROM chk WHERE q_exact > 0 OR q_mc > 0 GROUP BY model ORDER BY model""").fetchall():
+        out[model] = {"routes": n, "mean_abs": mae, "max_abs": worst, "within_2se": within,
+                      "mean_diff": bias}
+    return out
+
+
+def _updates_line(results: Mapping[str, Any]) -> str:
+    """What the updates were: the synthetic kinds and KL targets, or the LM checkpoints."""
+    c = results["config"]
+    if c.get("lm_mu"):
+        kl = results.get("mean_kl", {})
+        models = ", ".join(f"{label} = `{spec}` (mean global KL from mu {fmt(kl.get(label))})"
+                           for label, spec in zip(results.get("update_labels", []),
+                                                  c["lm_pi"], strict=False))
+        return (f"{results['n_eval_tasks']} evaluation tasks x {len(c['lm_pi'])} real updates "
+                f"(mu = the language model `{c['lm_mu']}`; {models}; each model read as an "
+                "observable-state policy, docs/METHODS.md 8.3, LM1-LM3) = ")
+    return (f"{results['n_eval_tasks']} evaluation tasks x "
+            f"{len(c['kinds']) * len(c['kl_targets'])} updates ({', '.join(c['kinds'])}; "
+            f"matched global KL {c['kl_targets']}) = ")
+
+
+def _lm_check_lines(results: Mapping[str, Any]) -> list[str]:
+    chk = results.get("lm_check")
+    if not chk:
+        return []
+    c = results["config"]
+    lines = ["", "## The models' readings against the real models (LM3)", "",
+             f"Exact Q_model(s0, a) of each reading against Monte Carlo of the real model "
+             f"(full transcripts, {c['lm_check_k']} rollouts per root tool and outcome) on "
+             f"{c['lm_check_tasks']} evaluation tasks; live routes only:", "",
+             "| model | routes | mean abs diff | max abs diff | within 2 SE | mean exact - MC |",
+             "|---|---|---|---|---|---|"]
+    for model, r in chk.items():
+        lines.append(f"| {model} | {r['routes']} | {fmt(r['mean_abs'], 4)} | "
+                     f"{fmt(r['max_abs'], 4)} | {r['within_2se']:.0%} | "
+                     f"{fmt(r['mean_diff'], 4)} |")
+    return lines
+
+
 def gate_report(results: dict[str, Any]) -> str:
     """The markdown report of a gate results dict (``gate_results``'s return value)."""
     c = results["config"]
@@ -319,8 +370,7 @@ def gate_report(results: dict[str, Any]) -> str:
         ("# DSC-Gate Table 2 (L4 design on workflow, exact regret)"
          if results.get("audit") == "dsc-table2" else
          "# Gate evaluation (DSC-Gate Table 2, exact regret on workflow)"), "",
-        f"{results['n_eval_tasks']} evaluation tasks x {len(c['kinds']) * len(c['kl_targets'])}"
-        f" updates ({', '.join(c['kinds'])}; matched global KL {c['kl_targets']}) = "
+        _updates_line(results) +
         f"{results['n_instances']} instances; {c['n_old']} old trajectories per root action "
         f"from mu; calibration on {c['n_dev']} dev + {c['n_calib']} calib tasks; refresh "
         f"cap {c['cap_steps']} new tool steps, kappa_e = {c['kappa_e']}. Regret = max_a "
@@ -378,6 +428,7 @@ def gate_report(results: dict[str, Any]) -> str:
         lines.append(f"| {g} | {cells[0]} | {cells[1]} |")
     if "table2" in results:
         lines += _table2_lines(results)
+    lines += _lm_check_lines(results)
     lines += ["",
               "## Estimators of Q_pi(s0, a) from the old data (MSE over evaluation routes, "
               "dead routes excluded)", "",
@@ -403,9 +454,12 @@ def gate_report(results: dict[str, Any]) -> str:
         "by largest remainder; common random numbers across gates.",
         f"- Reproduction criterion: one-sided 95% upper bound of DSC - Gap regret <= "
         f"{c['margin']} and DSC/Gap new steps <= {c['step_ratio_max']}.",
-        f"- μ: softmax of {c['mu_beta']}·Q* plus {c['mu_noise']}·N(0, 1) logit noise; "
-        "updates: see `train.studies.drift` and "
-        "`train.studies.workflow_study.update_direction`.",
+        ("- μ and π: the language models read per observable state on canonical "
+         "histories (`train.studies.lm_tables`, docs/METHODS.md 8.3, LM1-LM3)."
+         if c.get("lm_mu") else
+         f"- μ: softmax of {c['mu_beta']}·Q* plus {c['mu_noise']}·N(0, 1) logit noise; "
+         "updates: see `train.studies.drift` and "
+         "`train.studies.workflow_study.update_direction`."),
         "", "Plots: " + ", ".join(f"`{f}`" for f in results["plots"]), "",
         f"Reproduce: `train.jobs.gate_study(out_dir, GateStudyConfig(**config))` with the "
         "config in "
@@ -495,6 +549,9 @@ def gate_results(study_dir: str | Path, out_dir: str | Path | None = None) -> di
                                 study["config"])
         results["table2"] = extra
         results["verdicts"] = table2_verdicts(summary, extra, study["config"])
+    if study.get("lm_check_path"):
+        results["lm_check"] = lm_check_summary(study_path(src, study["lm_check_path"],
+                                                          "lm_check_path"))
     results["plots"] = gate_plots(results, out)
     return write_study_results(out, results, gate_report(results))
 
@@ -511,5 +568,5 @@ def build_gate_report(study_dir: Path, out: Path) -> ReportOutput:
 
 
 __all__ = ["GATE_KINDS", "KAPPA_SCALES", "PAPER_L4", "build_gate_report", "gate_plots",
-           "gate_report", "gate_results", "gate_summary", "table2_analysis",
+           "gate_report", "gate_results", "gate_summary", "lm_check_summary", "table2_analysis",
            "table2_verdicts"]

@@ -105,6 +105,24 @@ def test_dsc_table2_small(tmp_path: Path) -> None:
     assert len(res["verdicts"]) == 4
 
 
+def test_dsc_table2_real_update_variant_small(tmp_path: Path) -> None:
+    """The LM variant (docs/METHODS.md 8.3, LM1-LM3) end to end: mu and pi1 the same tiny model, so
+    the update is zero (KL 0 up to float noise; the old data alone decide, as for
+    reuse-only), and the Monte Carlo check of both readings draws the same rollouts."""
+    res = _run_and_rebuild(tmp_path, "dsc-table2", "--param", "lm_mu=tiny", "--param",
+                           "lm_pi=tiny", "--param", "lm_check_tasks=2", "--param",
+                           "lm_check_k=16")
+    assert res["update_labels"] == ["pi1"] and res["mean_kl"]["pi1"] < 1e-9  # float noise:
+    # mu and pi were scored in different batches
+    assert res["n_instances"] == res["n_eval_tasks"]
+    assert res["table"]["oracle"]["regret"] == 0.0
+    assert res["table"]["transport_only"]["regret"] == res["table"]["reuse_only"]["regret"]
+    assert len(res["verdicts"]) == 3  # no branch-selective update, so no share claim
+    chk = res["lm_check"]
+    assert set(chk) == {"mu", "pi1"} and chk["mu"] == chk["pi1"] and chk["mu"]["routes"] > 0
+    assert "real updates" in (tmp_path / "dsc-table2" / "report.md").read_text()
+
+
 def test_elpo_fig1_small(tmp_path: Path) -> None:
     res = _run_and_rebuild(tmp_path, "elpo-fig1")
     assert set(res["envs"]) == {"workflow", "calc"}

@@ -97,11 +97,17 @@ from train.coerce import check_bounds, check_types
 from train.credit.dsc import RATIO, STATE, transport_returns
 from train.credit.dsc_gate import DSCGateParams, GatePairs, calibrate_radii, dsc_gate
 from train.envs.base import Task
-from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
+from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv, action_text
 from train.envs.workflow_policy import TabularPolicy
+from train.policies import load_policy
+from train.policies.base import Policy
+from train.policies.errors import PolicyUnavailableError
+from train.sampling.references import ReferenceConfig, run_references
 from train.sampling.refresh import RefreshSampler, refresh_protocol
 from train.studies import STUDY_MAXIMA
 from train.studies.estimates import RouteEstimates, old_trajectories, route_estimates
+from train.studies.lm_tables import TREES_PER_PASS, lm_tables, outcome_starts
+from train.studies.sensitivity import UpdateAnalysis
 from train.studies.workflow_study import (
     DEFAULT_KL_TARGETS,
     UPDATE_KINDS,
@@ -137,7 +143,7 @@ Split = Literal["dev", "calib", "eval"]
 DATA_FIELDS = ("n_dev", "n_calib", "n_eval", "n_old", "seed", "horizons", "kinds", "kl_targets",
                "kappa_e", "cap_steps", "refresh_batch", "min_gap", "level", "mu_beta",
                "mu_noise", "noise_frac", "archive_refresh", "competing_share",
-               "competing_gap")
+               "competing_gap", "lm_mu", "lm_pi")
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,20 @@ class GateStudyConfig:
     chain of stages). The class uses mu only (no update, no test outcome)."""
     competing_gap: float = 0.1
     """Q_mu gap below which a task's root decision is competing [R]."""
+    lm_mu: str = ""
+    """The real-update variant (docs/METHODS.md 8.3, LM1-LM3): a policy spec (``tiny``,
+    ``hf:DIR``, a checkpoint directory) whose language model, read as an observable-state policy
+    (``train.studies.lm_tables``, LM1), is mu on every task; '' (default): the synthetic
+    mu of ``mu_beta`` / ``mu_noise``."""
+    lm_pi: tuple[str, ...] = ()
+    """With ``lm_mu``: the updated models (e.g. trainer checkpoints one and four iterations
+    later), read the same way; each is one update, labelled ``pi1``, ``pi2``, ... in place
+    of ``kinds`` x ``kl_targets``."""
+    lm_check_tasks: int = 20
+    """With ``lm_mu``: evaluation tasks on which each model's exact root Q (LM1) is checked
+    against Monte Carlo of the real model (LM3); 0: no check."""
+    lm_check_k: int = 1000
+    """Rollouts of the real model per (root tool, outcome) child in that check."""
 
     def __post_init__(self) -> None:
         check_types(self)  # train.coerce: field types, finite floats (issue 21)
@@ -206,6 +226,16 @@ class GateStudyConfig:
             raise ValueError(f"kl_targets must be non-empty and >= 0, got {self.kl_targets}")
         if not 0.0 < self.level < 1.0:
             raise ValueError(f"level must be in (0, 1), got {self.level}")
+        if bool(self.lm_mu) != bool(self.lm_pi):
+            raise ValueError("lm_mu and lm_pi go together: the real-update variant needs the "
+                             "old model and at least one updated one")
+        if self.lm_check_tasks < 0 or self.lm_check_k < 1:
+            raise ValueError("lm_check_tasks must be >= 0 and lm_check_k >= 1")
+
+    @property
+    def updates_per_task(self) -> int:
+        """Updates per task: one per ``lm_pi`` model, else ``kinds`` x ``kl_targets``."""
+        return len(self.lm_pi) if self.lm_mu else len(self.kinds) * len(self.kl_targets)
 
     @property
     def run_id(self) -> str:
@@ -319,40 +349,59 @@ def task_class(model: Any, mu: TabularPolicy, gap: float) -> str:
     return "competing" if len(q) > 1 and q[0] - q[1] < gap else "serial"
 
 
+def load_lm(spec: str) -> Policy:
+    """A ``workflow`` language model for the real-update variant; ``ValueError`` naming the
+    spec when it cannot be loaded."""
+    try:
+        return load_policy(spec, "workflow")
+    except (OSError, ValueError, PolicyUnavailableError) as exc:
+        raise ValueError(f"lm policy {spec!r}: {exc}") from None
+
+
 def _study_tasks(config: GateStudyConfig
                  ) -> list[tuple[int, Task, Split, TabularPolicy, str]]:
     """(task index, task, split, mu, class) of every study task. Dev and calib tasks come
     first, as generated; evaluation tasks follow, as generated, or (``competing_share``)
     drawn in generation order until round(share * n_eval) competing and the rest serial
-    tasks are found (at most 50x n_eval candidates, then whatever was found)."""
+    tasks are found (at most 50x n_eval candidates, then whatever was found). mu is the
+    synthetic policy, or with ``lm_mu`` the language model read per task (LM1)."""
     n_fixed = config.n_dev + config.n_calib
+    lm = load_lm(config.lm_mu) if config.lm_mu else None
 
-    def make(i: int, task: Task) -> tuple[TabularPolicy, str]:
-        model = task_model(task)
-        mu = base_policy(model, np.random.default_rng([config.seed, i, 2]), config.mu_beta,
-                         config.mu_noise)
-        return mu, task_class(model, mu, config.competing_gap)
+    def make(pairs: Sequence[tuple[int, Task]]) -> list[tuple[TabularPolicy, str]]:
+        models = [task_model(task) for _, task in pairs]
+        if lm is not None:
+            mus = [t.policy for t in lm_tables(lm, [task for _, task in pairs], models)]
+        else:
+            mus = [base_policy(model, np.random.default_rng([config.seed, i, 2]),
+                               config.mu_beta, config.mu_noise)
+                   for (i, _), model in zip(pairs, models, strict=True)]
+        return [(mu, task_class(model, mu, config.competing_gap))
+                for mu, model in zip(mus, models, strict=True)]
 
     out: list[tuple[int, Task, Split, TabularPolicy, str]] = []
     if config.competing_share is None:
-        tasks = make_tasks(n_fixed + config.n_eval, config.seed, config.horizons)
-        for i, task in enumerate(tasks):
+        tasks = list(enumerate(make_tasks(n_fixed + config.n_eval, config.seed,
+                                          config.horizons)))
+        for (i, task), made in zip(tasks, make(tasks), strict=True):
             split: Split = "dev" if i < config.n_dev else "calib" if i < n_fixed else "eval"
-            out.append((i, task, split, *make(i, task)))
+            out.append((i, task, split, *made))
         return out
     n_max = n_fixed + 50 * config.n_eval
-    tasks = make_tasks(n_max, config.seed, config.horizons)
+    tasks = list(enumerate(make_tasks(n_max, config.seed, config.horizons)))
     quota = {"competing": round(config.competing_share * config.n_eval)}
     quota["serial"] = config.n_eval - quota["competing"]
-    for i, task in enumerate(tasks):
-        if i >= n_fixed and not any(quota.values()):
+    chunk = TREES_PER_PASS if lm is not None else 1
+    for start in range(0, n_max, chunk):
+        if start >= n_fixed and not any(quota.values()):
             break
-        mu, cls = make(i, task)
-        if i < n_fixed:
-            out.append((i, task, "dev" if i < config.n_dev else "calib", mu, cls))
-        elif quota[cls] > 0:
-            quota[cls] -= 1
-            out.append((i, task, "eval", mu, cls))
+        for (i, task), (mu, cls) in zip(tasks[start:start + chunk],
+                                        make(tasks[start:start + chunk]), strict=True):
+            if i < n_fixed:
+                out.append((i, task, "dev" if i < config.n_dev else "calib", mu, cls))
+            elif quota[cls] > 0:
+                quota[cls] -= 1
+                out.append((i, task, "eval", mu, cls))
     return out
 
 
@@ -389,6 +438,59 @@ def _pair_truth(data: RouteData, pairs: GatePairs, q_mu: Sequence[np.ndarray],
     return out[0], out[1]
 
 
+def lm_updates(data: RouteData, mu: Sequence[TabularPolicy], specs: Sequence[str]
+               ) -> list[list[Update]]:
+    """Per tree, one update per language model of ``specs`` (labels ``pi1``, ``pi2``, ...):
+    the model read on the tree's task (LM1), its exact global KL from mu."""
+    tasks = [_task_of(data, t) for t in range(data.batch.n_trees)]
+    out: list[list[Update]] = [[] for _ in tasks]
+    for j, spec in enumerate(specs):
+        for t, table in enumerate(lm_tables(load_lm(spec), tasks, data.models)):
+            kl = UpdateAnalysis(data.models[t], mu[t], table.policy).global_kl()
+            out[t].append(Update(f"pi{j + 1}", math.nan, 0.0, kl, table.policy))
+    return out
+
+
+def lm_versions(config: GateStudyConfig) -> dict[str, str]:
+    """The policy version (weights hash) of every language model the study names."""
+    if not config.lm_mu:
+        return {}
+    return {spec: str(load_lm(spec).policy_version) for spec in (config.lm_mu, *config.lm_pi)}
+
+
+def lm_check(config: GateStudyConfig, data: RouteData, mu: Sequence[TabularPolicy],
+             updates: Sequence[Sequence[Update]], trees: Sequence[int]) -> pa.Table:
+    """LM3 on the evaluation trees ``trees``: per model (mu, pi1, ...), task and root tool,
+    the exact Q of the model's reading (LM1) beside the Monte Carlo Q of the real model
+    (``lm_check_k`` rollouts per (tool, outcome) start, ``run_references``: the engine,
+    full transcripts) and its standard error."""
+    starts = [outcome_starts(_task_of(data, t)) for t in trees]
+    flat = [o.start for task_starts in starts for o in task_starts]
+    models = [("mu", config.lm_mu, list(mu))] + [
+        (f"pi{j + 1}", spec, [updates[t][j].policy for t in range(len(updates))])
+        for j, spec in enumerate(config.lm_pi)]
+    k = config.lm_check_k
+    rows: dict[str, list[Any]] = {}
+    for label, spec, tables in models:
+        wins = iter(run_references(load_lm(spec), WorkflowEnv, flat,
+                                   ReferenceConfig(k=k, seed=config.seed)))
+        for t, task_starts in zip(trees, starts, strict=True):
+            values = tables[t].values()
+            s0 = data.models[t].initial_state()
+            by_tool: dict[str, list[tuple[float, float]]] = {}
+            for o in task_starts:
+                by_tool.setdefault(o.tool, []).append((o.p, next(wins) / k))
+            for tool, parts in by_tool.items():
+                q_mc = sum(p * q for p, q in parts)
+                se = math.sqrt(sum(p * p * q * (1 - q) for p, q in parts) / k)
+                for key, value in (("model", label), ("spec", spec),
+                                   ("task_id", data.tasks[t]), ("route", tool),
+                                   ("q_exact", values.q(s0, action_text(tool))),
+                                   ("q_mc", q_mc), ("se", se), ("k", k)):
+                    rows.setdefault(key, []).append(value)
+    return pa.table(rows)
+
+
 def calibrate(per_update: Sequence[tuple[GatePairs, np.ndarray, np.ndarray]],
               split_of_tree: Sequence[Split], level: float) -> dict[str, Any]:
     """D7: residual variances on dev trees, kappas on calib trees
@@ -419,11 +521,13 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
     n_trees = data.batch.n_trees
     split_of_tree: list[Split] = [data.meta[t]["split"] for t in range(n_trees)]
     mu = [policy_from_json(data.models[t], data.meta[t]["mu"]) for t in range(n_trees)]
-    updates: list[list[Update]] = [
-        make_updates(data.models[t], mu[t],
-                     np.random.default_rng([config.seed, int(data.meta[t]["task_index"]), 3]),
-                     config.kinds, config.kl_targets, config.noise_frac)
-        for t in range(n_trees)]
+    if config.lm_mu:
+        updates = lm_updates(data, mu, config.lm_pi)
+    else:
+        updates = [make_updates(
+            data.models[t], mu[t],
+            np.random.default_rng([config.seed, int(data.meta[t]["task_index"]), 3]),
+            config.kinds, config.kl_targets, config.noise_frac) for t in range(n_trees)]
     n_updates = len(updates[0])
     trajs = old_trajectories(data)
     states = data.state_ids()
@@ -524,6 +628,12 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
                           "pi": policy_to_json(pi[t])}))
     if refresh_trees:
         store.append_trees(refresh_trees, key=f"{config.run_id}:refresh")
+    check_path = None
+    if config.lm_mu and config.lm_check_tasks:
+        log_progress(log, "lm check (Monte Carlo of the real models)", 0, 1, start)
+        check = lm_check(config, data, mu, updates, eval_trees[:config.lm_check_tasks])
+        check_path = out / "lm_check.parquet"
+        pq.write_table(check, check_path)
     inst_path, routes_path = out / "instances.parquet", out / "routes.parquet"
     pairs_path = out / "pairs.parquet"
     pq.write_table(pa.table(inst_rows), inst_path)
@@ -534,6 +644,12 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
         "gates": list(GATES), "store": store_path.name, "instances_path": inst_path.name,
         "routes_path": routes_path.name, "pairs_path": pairs_path.name,
         "calibration": calib,
+        "lm_check_path": check_path.name if check_path is not None else None,
+        "update_labels": sorted({u.kind for row in updates for u in row}),
+        "mean_kl": {label: float(np.mean([u.kl for row in updates for u in row
+                                          if u.kind == label]))
+                    for label in sorted({u.kind for row in updates for u in row})},
+        "lm_versions": lm_versions(config),
         "n_eval_tasks": len(eval_trees), "n_instances": len(eval_trees) * n_updates,
         "seconds": {"collect_old": t_collect, "total": time.perf_counter() - start}})
 

@@ -166,7 +166,9 @@ class Update:
     (``eta`` then sits at the search's upper end).
     """
 
-    kind: UpdateKind
+    kind: str
+    """An ``UpdateKind``, or the label of a language-model checkpoint (``pi1``, ...: the
+    gate study's real-update variant, docs/METHODS.md 8.3, LM1-LM3)."""
     kl_target: float
     eta: float
     kl: float
