@@ -323,7 +323,7 @@ def _collect_old(store: Store, config: GateStudyConfig, log: Log | None = None) 
         return
     env = WorkflowEnv()
     trees: list[Tree] = []
-    tasks = _study_tasks(config)
+    tasks = _study_tasks(config, log)
     start = time.perf_counter()
     for i, task, split, mu, task_class in tasks:
         log_progress(log, "old trees", len(trees), len(tasks), start)
@@ -358,7 +358,7 @@ def load_lm(spec: str) -> Policy:
         raise ValueError(f"lm policy {spec!r}: {exc}") from None
 
 
-def _study_tasks(config: GateStudyConfig
+def _study_tasks(config: GateStudyConfig, log: Log | None = None
                  ) -> list[tuple[int, Task, Split, TabularPolicy, str]]:
     """(task index, task, split, mu, class) of every study task. Dev and calib tasks come
     first, as generated; evaluation tasks follow, as generated, or (``competing_share``)
@@ -367,6 +367,7 @@ def _study_tasks(config: GateStudyConfig
     synthetic policy, or with ``lm_mu`` the language model read per task (LM1)."""
     n_fixed = config.n_dev + config.n_calib
     lm = load_lm(config.lm_mu) if config.lm_mu else None
+    start = time.perf_counter()
 
     def make(pairs: Sequence[tuple[int, Task]]) -> list[tuple[TabularPolicy, str]]:
         models = [task_model(task) for _, task in pairs]
@@ -392,11 +393,16 @@ def _study_tasks(config: GateStudyConfig
     quota = {"competing": round(config.competing_share * config.n_eval)}
     quota["serial"] = config.n_eval - quota["competing"]
     chunk = TREES_PER_PASS if lm is not None else 1
-    for start in range(0, n_max, chunk):
-        if start >= n_fixed and not any(quota.values()):
+    total, decile = n_fixed + config.n_eval, -1
+    for first in range(0, n_max, chunk):
+        if first >= n_fixed and not any(quota.values()):
             break
-        for (i, task), (mu, cls) in zip(tasks[start:start + chunk],
-                                        make(tasks[start:start + chunk]), strict=True):
+        if lm is not None and log is not None and 10 * len(out) // total > decile:
+            decile = 10 * len(out) // total
+            log(f"tasks (mu read from the language model): {len(out)}/{total} "
+                f"({time.perf_counter() - start:.0f} s)")
+        for (i, task), (mu, cls) in zip(tasks[first:first + chunk],
+                                        make(tasks[first:first + chunk]), strict=True):
             if i < n_fixed:
                 out.append((i, task, "dev" if i < config.n_dev else "calib", mu, cls))
             elif quota[cls] > 0:
@@ -438,13 +444,16 @@ def _pair_truth(data: RouteData, pairs: GatePairs, q_mu: Sequence[np.ndarray],
     return out[0], out[1]
 
 
-def lm_updates(data: RouteData, mu: Sequence[TabularPolicy], specs: Sequence[str]
-               ) -> list[list[Update]]:
+def lm_updates(data: RouteData, mu: Sequence[TabularPolicy], specs: Sequence[str],
+               log: Log | None = None) -> list[list[Update]]:
     """Per tree, one update per language model of ``specs`` (labels ``pi1``, ``pi2``, ...):
     the model read on the tree's task (LM1), its exact global KL from mu."""
     tasks = [_task_of(data, t) for t in range(data.batch.n_trees)]
     out: list[list[Update]] = [[] for _ in tasks]
+    start = time.perf_counter()
     for j, spec in enumerate(specs):
+        log_progress(log, f"updates read from {len(specs)} language models", j, len(specs),
+                     start)
         for t, table in enumerate(lm_tables(load_lm(spec), tasks, data.models)):
             kl = UpdateAnalysis(data.models[t], mu[t], table.policy).global_kl()
             out[t].append(Update(f"pi{j + 1}", math.nan, 0.0, kl, table.policy))
@@ -459,7 +468,8 @@ def lm_versions(config: GateStudyConfig) -> dict[str, str]:
 
 
 def lm_check(config: GateStudyConfig, data: RouteData, mu: Sequence[TabularPolicy],
-             updates: Sequence[Sequence[Update]], trees: Sequence[int]) -> pa.Table:
+             updates: Sequence[Sequence[Update]], trees: Sequence[int],
+             log: Log | None = None) -> pa.Table:
     """LM3 on the evaluation trees ``trees``: per model (mu, pi1, ...), task and root tool,
     the exact Q of the model's reading (LM1) beside the Monte Carlo Q of the real model
     (``lm_check_k`` rollouts per (tool, outcome) start, ``run_references``: the engine,
@@ -471,7 +481,10 @@ def lm_check(config: GateStudyConfig, data: RouteData, mu: Sequence[TabularPolic
         for j, spec in enumerate(config.lm_pi)]
     k = config.lm_check_k
     rows: dict[str, list[Any]] = {}
-    for label, spec, tables in models:
+    start = time.perf_counter()
+    for done, (label, spec, tables) in enumerate(models):
+        log_progress(log, f"lm check: {len(flat)} starts x {k} rollouts per model", done,
+                     len(models), start)
         wins = iter(run_references(load_lm(spec), WorkflowEnv, flat,
                                    ReferenceConfig(k=k, seed=config.seed)))
         for t, task_starts in zip(trees, starts, strict=True):
@@ -522,7 +535,7 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
     split_of_tree: list[Split] = [data.meta[t]["split"] for t in range(n_trees)]
     mu = [policy_from_json(data.models[t], data.meta[t]["mu"]) for t in range(n_trees)]
     if config.lm_mu:
-        updates = lm_updates(data, mu, config.lm_pi)
+        updates = lm_updates(data, mu, config.lm_pi, log)
     else:
         updates = [make_updates(
             data.models[t], mu[t],
@@ -630,8 +643,7 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
         store.append_trees(refresh_trees, key=f"{config.run_id}:refresh")
     check_path = None
     if config.lm_mu and config.lm_check_tasks:
-        log_progress(log, "lm check (Monte Carlo of the real models)", 0, 1, start)
-        check = lm_check(config, data, mu, updates, eval_trees[:config.lm_check_tasks])
+        check = lm_check(config, data, mu, updates, eval_trees[:config.lm_check_tasks], log)
         check_path = out / "lm_check.parquet"
         pq.write_table(check, check_path)
     inst_path, routes_path = out / "instances.parquet", out / "routes.parquet"
