@@ -281,6 +281,13 @@ def test_workflow_and_no_elc_configs_carry_horizons_and_recipe(tmp_path: Path) -
     assert run_config("grpo+group", 0, marked, tmp_path).policy == "tiny"  # calc keeps it
     with pytest.raises(ValueError, match="workflow_policy"):
         Table1Config(workflow_policy="vllm:/x")
+    # a checkpoint that does not exist stops the study before any run, calc ones included
+    from train.studies.table1 import run_table1_study
+    missing = dataclasses.replace(marked, configs=("grpo+group", *WORKFLOW_CONFIGS),
+                                  workflow_policy=f"hf:{tmp_path / 'gone'}")
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        run_table1_study(tmp_path / "study", missing)
+    assert not (tmp_path / "study").exists()
 
 
 def test_processes_sharing_a_study_directory_merge_their_runs(tmp_path: Path) -> None:
