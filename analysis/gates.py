@@ -311,19 +311,27 @@ def gate_plots(results: dict[str, Any], out_dir: Path) -> list[str]:
     return files
 
 
-def lm_check_summary(check_path: Path) -> dict[str, dict[str, float]]:
+def lm_check_summary(check_path: Path) -> dict[str, dict[str, Any]]:
     """Per model of the real-update variant (LM3, ``lm_check.parquet``): routes checked,
     mean and max |Q_exact - Q_MC|, the share within 2 standard errors, and the mean
-    Q_exact - Q_MC over live routes (Q_MC > 0 or Q_exact > 0)."""
+    Q_exact - Q_MC over live routes (Q_MC > 0 or Q_exact > 0), also per root tool
+    (``by_route``: a reading biased for one tool and against another shifts the root
+    decision itself)."""
     con = study_connection({"chk": check_path})
-    out: dict[str, dict[str, float]] = {}
-    for model, n, mae, worst, within, bias in con.sql("""
-            SELECT model, count(*), avg(abs(q_exact - q_mc)), max(abs(q_exact - q_mc)),
+    out: dict[str, dict[str, Any]] = {}
+    for model, route, n, mae, worst, within, bias in con.sql("""
+            SELECT model, route, count(*), avg(abs(q_exact - q_mc)), max(abs(q_exact - q_mc)),
                    avg(CASE WHEN abs(q_exact - q_mc) <= 2 * se + 1e-12 THEN 1 ELSE 0 END),
                    avg(q_exact - q_mc)
-            FROM chk WHERE q_exact > 0 OR q_mc > 0 GROUP BY model ORDER BY model""").fetchall():
-        out[model] = {"routes": n, "mean_abs": mae, "max_abs": worst, "within_2se": within,
-                      "mean_diff": bias}
+            FROM chk WHERE q_exact > 0 OR q_mc > 0
+            GROUP BY GROUPING SETS ((model), (model, route))
+            ORDER BY model, route NULLS FIRST""").fetchall():
+        row = {"routes": n, "mean_abs": mae, "max_abs": worst, "within_2se": within,
+               "mean_diff": bias}
+        if route is None:
+            out[model] = {**row, "by_route": {}}
+        else:
+            out[model]["by_route"][route] = row
     return out
 
 
@@ -352,12 +360,14 @@ def _lm_check_lines(results: Mapping[str, Any]) -> list[str]:
              f"Exact Q_model(s0, a) of each reading against Monte Carlo of the real model "
              f"(full transcripts, {c['lm_check_k']} rollouts per root tool and outcome) on "
              f"{c['lm_check_tasks']} evaluation tasks; live routes only:", "",
-             "| model | routes | mean abs diff | max abs diff | within 2 SE | mean exact - MC |",
+             "| model (root tool) | routes | mean abs diff | max abs diff | within 2 SE "
+             "| mean exact - MC |",
              "|---|---|---|---|---|---|"]
     for model, r in chk.items():
-        lines.append(f"| {model} | {r['routes']} | {fmt(r['mean_abs'], 4)} | "
-                     f"{fmt(r['max_abs'], 4)} | {r['within_2se']:.0%} | "
-                     f"{fmt(r['mean_diff'], 4)} |")
+        for name, row in (("all", r), *r.get("by_route", {}).items()):
+            lines.append(f"| {model} ({name}) | {row['routes']} | {fmt(row['mean_abs'], 4)} | "
+                         f"{fmt(row['max_abs'], 4)} | {row['within_2se']:.0%} | "
+                         f"{fmt(row['mean_diff'], 4)} |")
     return lines
 
 
