@@ -233,11 +233,6 @@ class GateStudyConfig:
             raise ValueError("lm_check_tasks must be >= 0 and lm_check_k >= 1")
 
     @property
-    def updates_per_task(self) -> int:
-        """Updates per task: one per ``lm_pi`` model, else ``kinds`` x ``kl_targets``."""
-        return len(self.lm_pi) if self.lm_mu else len(self.kinds) * len(self.kl_targets)
-
-    @property
     def run_id(self) -> str:
         """``gates-{seed}-{hash of the data-defining settings}``."""
         return f"gates-{self.seed}-{config_hash(self, DATA_FIELDS)}"
@@ -641,6 +636,7 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
                           "pi": policy_to_json(pi[t])}))
     if refresh_trees:
         store.append_trees(refresh_trees, key=f"{config.run_id}:refresh")
+    labels = list(dict.fromkeys(u.kind for u in updates[0]))  # in update order
     check_path = None
     if config.lm_mu and config.lm_check_tasks:
         check = lm_check(config, data, mu, updates, eval_trees[:config.lm_check_tasks], log)
@@ -657,10 +653,9 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
         "routes_path": routes_path.name, "pairs_path": pairs_path.name,
         "calibration": calib,
         "lm_check_path": check_path.name if check_path is not None else None,
-        "update_labels": sorted({u.kind for row in updates for u in row}),
+        "update_labels": labels,
         "mean_kl": {label: float(np.mean([u.kl for row in updates for u in row
-                                          if u.kind == label]))
-                    for label in sorted({u.kind for row in updates for u in row})},
+                                          if u.kind == label])) for label in labels},
         "lm_versions": lm_versions(config),
         "n_eval_tasks": len(eval_trees), "n_instances": len(eval_trees) * n_updates,
         "seconds": {"collect_old": t_collect, "total": time.perf_counter() - start}})
