@@ -308,7 +308,8 @@ def run_gate(gate: GateName, est: RouteEstimates, sampler: Callable[[int, int], 
 
 
 # ----------------------------------------------------------------- the study
-def _collect_old(store: Store, config: GateStudyConfig, log: Log | None = None) -> None:
+def _collect_old(store: Store, config: GateStudyConfig, lms: dict[str, Policy],
+                 log: Log | None = None) -> None:
     """Sample and archive the old interventional trees (idempotent per run id: a store
     that already holds them is left as it is)."""
     stored = connect(store).execute("SELECT count(*) FROM trees WHERE run_id = ? "
@@ -318,7 +319,7 @@ def _collect_old(store: Store, config: GateStudyConfig, log: Log | None = None) 
         return
     env = WorkflowEnv()
     trees: list[Tree] = []
-    tasks = _study_tasks(config, log)
+    tasks = _study_tasks(config, lms, log)
     start = time.perf_counter()
     for i, task, split, mu, task_class in tasks:
         log_progress(log, "old trees", len(trees), len(tasks), start)
@@ -344,16 +345,21 @@ def task_class(model: Any, mu: TabularPolicy, gap: float) -> str:
     return "competing" if len(q) > 1 and q[0] - q[1] < gap else "serial"
 
 
-def load_lm(spec: str) -> Policy:
-    """A ``workflow`` language model for the real-update variant; ``ValueError`` naming the
-    spec when it cannot be loaded."""
-    try:
-        return load_policy(spec, "workflow")
-    except (OSError, ValueError, PolicyUnavailableError) as exc:
-        raise ValueError(f"lm policy {spec!r}: {exc}") from None
+def load_lms(config: GateStudyConfig) -> dict[str, Policy]:
+    """The ``workflow`` language models of the real-update variant by spec (``lm_mu`` and
+    ``lm_pi``; none for the synthetic updates), each loaded once for the whole study;
+    ``ValueError`` naming the spec that cannot be loaded."""
+    out: dict[str, Policy] = {}
+    for spec in (config.lm_mu, *config.lm_pi) if config.lm_mu else ():
+        if spec not in out:
+            try:
+                out[spec] = load_policy(spec, "workflow")
+            except (OSError, ValueError, PolicyUnavailableError) as exc:
+                raise ValueError(f"lm policy {spec!r}: {exc}") from None
+    return out
 
 
-def _study_tasks(config: GateStudyConfig, log: Log | None = None
+def _study_tasks(config: GateStudyConfig, lms: dict[str, Policy], log: Log | None = None
                  ) -> list[tuple[int, Task, Split, TabularPolicy, str]]:
     """(task index, task, split, mu, class) of every study task. Dev and calib tasks come
     first, as generated; evaluation tasks follow, as generated, or (``competing_share``)
@@ -361,7 +367,7 @@ def _study_tasks(config: GateStudyConfig, log: Log | None = None
     tasks are found (at most 50x n_eval candidates, then whatever was found). mu is the
     synthetic policy, or with ``lm_mu`` the language model read per task (LM1)."""
     n_fixed = config.n_dev + config.n_calib
-    lm = load_lm(config.lm_mu) if config.lm_mu else None
+    lm = lms[config.lm_mu] if config.lm_mu else None
     start = time.perf_counter()
 
     def make(pairs: Sequence[tuple[int, Task]]) -> list[tuple[TabularPolicy, str]]:
@@ -440,7 +446,7 @@ def _pair_truth(data: RouteData, pairs: GatePairs, q_mu: Sequence[np.ndarray],
 
 
 def lm_updates(data: RouteData, mu: Sequence[TabularPolicy], specs: Sequence[str],
-               log: Log | None = None) -> list[list[Update]]:
+               lms: dict[str, Policy], log: Log | None = None) -> list[list[Update]]:
     """Per tree, one update per language model of ``specs`` (labels ``pi1``, ``pi2``, ...):
     the model read on the tree's task (LM1), its exact global KL from mu."""
     tasks = [_task_of(data, t) for t in range(data.batch.n_trees)]
@@ -449,22 +455,15 @@ def lm_updates(data: RouteData, mu: Sequence[TabularPolicy], specs: Sequence[str
     for j, spec in enumerate(specs):
         log_progress(log, f"updates read from {len(specs)} language models", j, len(specs),
                      start)
-        for t, table in enumerate(lm_tables(load_lm(spec), tasks, data.models)):
+        for t, table in enumerate(lm_tables(lms[spec], tasks, data.models)):
             kl = UpdateAnalysis(data.models[t], mu[t], table.policy).global_kl()
             out[t].append(Update(f"pi{j + 1}", math.nan, 0.0, kl, table.policy))
     return out
 
 
-def lm_versions(config: GateStudyConfig) -> dict[str, str]:
-    """The policy version (weights hash) of every language model the study names."""
-    if not config.lm_mu:
-        return {}
-    return {spec: str(load_lm(spec).policy_version) for spec in (config.lm_mu, *config.lm_pi)}
-
-
 def lm_check(config: GateStudyConfig, data: RouteData, mu: Sequence[TabularPolicy],
              updates: Sequence[Sequence[Update]], trees: Sequence[int],
-             log: Log | None = None) -> pa.Table:
+             lms: dict[str, Policy], log: Log | None = None) -> pa.Table:
     """LM3 on the evaluation trees ``trees``: per model (mu, pi1, ...), task and root tool,
     the exact Q of the model's reading (LM1) beside the Monte Carlo Q of the real model
     (``lm_check_k`` rollouts per (tool, outcome) start, ``run_references``: the engine,
@@ -480,7 +479,7 @@ def lm_check(config: GateStudyConfig, data: RouteData, mu: Sequence[TabularPolic
     for done, (label, spec, tables) in enumerate(models):
         log_progress(log, f"lm check: {len(flat)} starts x {k} rollouts per model", done,
                      len(models), start)
-        wins = iter(run_references(load_lm(spec), WorkflowEnv, flat,
+        wins = iter(run_references(lms[spec], WorkflowEnv, flat,
                                    ReferenceConfig(k=k, seed=config.seed)))
         for t, task_starts in zip(trees, starts, strict=True):
             values = tables[t].values()
@@ -517,11 +516,12 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
     report: ``analysis.gates.gate_results``); return the path of ``study.json``. Progress
     lines go to ``log``."""
     config = config or GateStudyConfig()
+    lms = load_lms(config)  # a bad spec fails before the store or any study file exists
     out = make_study_dir(out_dir)
     start = time.perf_counter()
     store_path = out / "store"
     store = Store(store_path, create=not store_path.exists())
-    _collect_old(store, config, log)
+    _collect_old(store, config, lms, log)
     t_collect = time.perf_counter() - start
 
     data = load_route_data(store, config.run_id)
@@ -530,7 +530,7 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
     split_of_tree: list[Split] = [data.meta[t]["split"] for t in range(n_trees)]
     mu = [policy_from_json(data.models[t], data.meta[t]["mu"]) for t in range(n_trees)]
     if config.lm_mu:
-        updates = lm_updates(data, mu, config.lm_pi, log)
+        updates = lm_updates(data, mu, config.lm_pi, lms, log)
     else:
         updates = [make_updates(
             data.models[t], mu[t],
@@ -639,7 +639,8 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
     labels = list(dict.fromkeys(u.kind for u in updates[0]))  # in update order
     check_path = None
     if config.lm_mu and config.lm_check_tasks:
-        check = lm_check(config, data, mu, updates, eval_trees[:config.lm_check_tasks], log)
+        check = lm_check(config, data, mu, updates, eval_trees[:config.lm_check_tasks], lms,
+                         log)
         check_path = out / "lm_check.parquet"
         pq.write_table(check, check_path)
     inst_path, routes_path = out / "instances.parquet", out / "routes.parquet"
@@ -656,7 +657,7 @@ def run_gate_study(out_dir: str | Path, config: GateStudyConfig | None = None,
         "update_labels": labels,
         "mean_kl": {label: float(np.mean([u.kl for row in updates for u in row
                                           if u.kind == label])) for label in labels},
-        "lm_versions": lm_versions(config),
+        "lm_versions": {spec: str(lm.policy_version) for spec, lm in lms.items()},
         "n_eval_tasks": len(eval_trees), "n_instances": len(eval_trees) * n_updates,
         "seconds": {"collect_old": t_collect, "total": time.perf_counter() - start}})
 
