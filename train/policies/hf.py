@@ -644,6 +644,13 @@ class BufferLayer(DynamicLayer):
             self._views()
 
 
+def require_checkpoint_dir(path: Path) -> None:
+    """``FileNotFoundError`` unless ``path`` holds a transformers ``config.json`` (the first
+    check of every loader of a transformers checkpoint)."""
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a transformers checkpoint (no config.json)")
+
+
 def buffered_cache(config: Any, capacity: int) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose plain (full-attention) layers are
     ``BufferLayer``s of ``capacity`` positions (sliding-window and other layer kinds
@@ -711,9 +718,7 @@ class HFPolicy:
         loaded weights (``recorded_version``). Damage is a ``CheckpointError`` naming
         the file."""
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a transformers checkpoint "
-                                    "(no config.json)")
+        require_checkpoint_dir(path)
         meta = read_meta(path)  # a training checkpoint names its version and digests
         if meta is not None and DIGESTS_KEY in meta:
             verify_checkpoint(path)

@@ -49,7 +49,12 @@ import numpy as np
 
 from train.policies.base import STOP_STRINGS, Continuation, Rows, SampleConfig, Transcript
 from train.policies.errors import INSTALL_HINT, PolicyUnavailableError
-from train.policies.hf import ChatRenderer, ObservationRole, weights_version
+from train.policies.hf import (
+    ChatRenderer,
+    ObservationRole,
+    require_checkpoint_dir,
+    weights_version,
+)
 from train.rundir import DIGESTS_KEY, read_meta, verify_checkpoint
 
 
@@ -85,9 +90,7 @@ class VLLMPolicy:
         from transformers import AutoTokenizer
 
         self.path = Path(path)
-        if not (self.path / "config.json").is_file():
-            raise FileNotFoundError(f"{self.path} is not a transformers checkpoint "
-                                    "(no config.json)")
+        require_checkpoint_dir(self.path)
         if entropy_topk == 0 or entropy_topk < -1:
             raise ValueError(f"entropy_topk must be >= 1 or -1 (all), got {entropy_topk}")
         self.entropy_topk = entropy_topk

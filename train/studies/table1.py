@@ -289,12 +289,16 @@ def run_table1_study(out_dir: str | Path, config: Table1Config | None = None,
     ``study.json``; returns its path. A rerun skips finished runs, resumes unfinished ones
     and retries refused ones."""
     config = config or Table1Config()
-    policy_dir = Path(config.workflow_policy.partition(":")[2])
-    if config.workflow_policy.startswith("hf:") and not (policy_dir / "config.json").is_file() \
+    if config.workflow_policy.startswith("hf:") \
             and any(CONFIGS[name][0] == "workflow" for name in config.configs):
         # checked before any run: the workflow runs may come after hours of calc runs
-        raise ValueError(f"workflow_policy {config.workflow_policy!r}: {policy_dir} is not a "
-                         "checkpoint directory (no config.json)")
+        from train.policies.hf import require_checkpoint_dir
+
+        try:
+            require_checkpoint_dir(Path(config.workflow_policy.partition(":")[2]))
+        except FileNotFoundError as exc:
+            raise ValueError(f"workflow_policy {config.workflow_policy!r} is not a checkpoint "
+                             f"directory: {exc}") from None
     out = make_study_dir(out_dir)
     started = time.perf_counter()
     runs = []
