@@ -62,6 +62,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -278,6 +279,11 @@ class Store:
         # Each table as ``_check_table`` opened it, for the first ``delta_table`` call to
         # bring up to date (reading the log entries since) instead of opening it again.
         self._opened: dict[str, DeltaTable] = {}
+        # The latest version of each table for this store's own version checks and
+        # commits (``_latest``): one handle per table and thread, brought up to date by
+        # reading the log entries since, never handed out (a caller's handle does not
+        # move under it, and two threads appending through one Store share none).
+        self._threads = threading.local()
         unknown = sorted(set(tables or ()) - set(TABLE_NAMES))
         if unknown:
             raise StoreError(f"no table named {', '.join(map(repr, unknown))} (the tables: "
@@ -624,6 +630,23 @@ class Store:
             self._remember(name, version, found)
         return found
 
+    def _latest(self, name: TableName) -> DeltaTable:
+        """The table at its latest version, for reads inside this class that keep no
+        handle across another ``_latest`` of the same table: the handle of the last call
+        brought up to date (a fresh open costs a listing and a read of the log since the
+        last checkpoint, several per append), opened afresh when that fails."""
+        handles: dict[str, DeltaTable] = self._threads.__dict__.setdefault("handles", {})
+        dt = handles.pop(name, None)
+        if dt is not None:
+            try:
+                dt.update_incremental()
+            except (DeltaError, OSError):
+                dt = None  # opened afresh below, which names what is wrong
+        if dt is None:
+            dt = self.delta_table(name)
+        handles[name] = dt
+        return dt
+
     def _remember(self, name: TableName, version: int, dt: DeltaTable) -> None:
         if len(self._pinned) >= 256:
             self._pinned.clear()
@@ -650,10 +673,12 @@ class Store:
         to pin a view."""
         out: dict[str, int] = {}
         for name in TABLE_NAMES if tables is None else tables:
-            dt = self.delta_table(name)
+            if not self._reading:
+                out[name] = self._latest(name).version()
+                continue
+            dt = self.delta_table(name)  # its own handle: kept at this version
             out[name] = dt.version()
-            if self._reading:  # inside pinned_reads: the table at that version, loaded once
-                self._remember(name, out[name], dt)
+            self._remember(name, out[name], dt)  # in pinned_reads: loaded once
         return StoreVersion(out)
 
     def version_at(self, trees_version: int) -> StoreVersion:
@@ -787,7 +812,7 @@ class Store:
                          dt: DeltaTable | None = None) -> bool:
         """Whether ``key`` already committed ``name`` (at ``dt``'s version, latest if None);
         refuse it if with other content."""
-        dt = self.delta_table(name) if dt is None else dt
+        dt = self._latest(name) if dt is None else dt
         recorded = dt.transaction_version(key)
         if recorded is None:
             return False
@@ -821,7 +846,7 @@ class Store:
         self._require_current(name)
         if digest is None:
             digest = default_digest(name, table)
-        dt = self.delta_table(name)
+        dt = self._latest(name)
         if self._committed_under(name, key, digest, table.num_rows, dt):
             report.skipped.append(name)
             return
@@ -831,7 +856,7 @@ class Store:
         checked = None if guard is None else guard[0]
         rel, size, stats = self.write_data_file(name, [table])
         for _ in range(COMMIT_ATTEMPTS):
-            dt = self.delta_table(name)
+            dt = self._latest(name)
             before = dt.version()
             if before != keys_seen:
                 if self._committed_under(name, key, digest, table.num_rows, dt):
@@ -854,7 +879,7 @@ class Store:
                     ),
                 )
             except CommitFailedError as exc:
-                if self.delta_table(name).version() > before:
+                if self._latest(name).version() > before:
                     continue  # another commit took version before + 1: check against it
                 raise StoreError(f"{self.path}: commit to table {name!r} failed: "
                                  f"{str(exc).splitlines()[0] if str(exc) else exc}") from None
@@ -862,7 +887,7 @@ class Store:
         else:
             raise StoreError(f"{self.path}: commit to table {name!r} failed: other commits "
                              f"took the next version {COMMIT_ATTEMPTS} times in a row")
-        after = self.delta_table(name)
+        after = self._latest(name)
         if not self.loc.remote:
             fsync_commit(self._uri(name), before, after.version())
         checkpoint_if_due(after, before, CHECKPOINT_EVERY,

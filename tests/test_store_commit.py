@@ -187,3 +187,43 @@ def test_append_checks_read_only_the_files_whose_tree_ids_can_clash(store: Store
     with pytest.raises(TreeValidationError, match="duplicate_tree_id"):
         store.append_trees(bel_shaped_batch(1, rollouts=2, depth=2, seed=5,
                                             tree_prefix="it005"), key="after")
+
+
+def test_kept_table_handles_follow_other_writers_and_threads(store: Store) -> None:
+    """The handles a ``Store`` keeps for its own version checks and commits (``_latest``,
+    one per table and thread) see every other writer's commits, key checks included, and
+    two threads appending through one ``Store`` both land."""
+    import threading
+
+    other = Store(store.path)
+    store.append_trees(bel_shaped_batch(2, rollouts=2, depth=2, seed=1, tree_prefix="a"),
+                       key="a")
+    assert other.version() == store.version()  # both now hold handles
+    for i in range(3):  # commits by one, seen by the other's kept handles
+        other.append_trees(bel_shaped_batch(2, rollouts=2, depth=2, seed=2 + i,
+                                            tree_prefix=f"b{i}"), key=f"b{i}")
+        assert store.version() == other.version()
+    again = store.append_trees(bel_shaped_batch(2, rollouts=2, depth=2, seed=4,
+                                                tree_prefix="b2"), key="b2")
+    assert again.already_committed  # the key the other Store committed, seen
+    with pytest.raises(StoreError, match="commit key 'b1' already committed different"):
+        store.append_trees(bel_shaped_batch(3, rollouts=2, depth=2, seed=9,
+                                            tree_prefix="z"), key="b1")
+    errors: list[BaseException] = []
+
+    def append(prefix: str) -> None:
+        try:
+            for i in range(3):
+                store.append_trees(bel_shaped_batch(1, rollouts=2, depth=2, seed=20 + i,
+                                                    tree_prefix=f"{prefix}{i}"),
+                                   key=f"{prefix}{i}")
+        except BaseException as exc:  # reported by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=append, args=(p,)) for p in ("t", "u")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert counts(other)["trees"] == 2 + 3 * 2 + 2 * 3
