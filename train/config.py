@@ -30,7 +30,8 @@ from train.loss import AGGREGATIONS, IS_MODES, KL_ESTIMATORS, Aggregation, ISMod
 from train.reuse.params import REUSE_MODES, ReuseMode, ReuseParams
 
 # Fields a resumed run may change: how long it runs and what it displays.
-RESUMABLE_FIELDS: frozenset[str] = frozenset({"steps", "tensorboard", "progress"})
+RESUMABLE_FIELDS: frozenset[str] = frozenset({"steps", "tensorboard", "progress",
+                                              "background_writes"})
 # Estimators whose inputs the trainer does not produce (yet).
 # (trace is supported: the trainer scores T2 with the frozen initial policy.)
 UNSUPPORTED_CREDIT: dict[str, str] = {
@@ -188,6 +189,11 @@ class TrainConfig:
     """Also write TensorBoard event files to OUT/tensorboard."""
     progress: bool = True
     """Show a progress line per iteration."""
+    background_writes: bool = True
+    """Run an iteration's store commits and its checkpoint on a background thread, in
+    order, while the next iteration samples (``train.writer``); the loop waits for them
+    before its first optimizer step. Same files, same order; false writes inline (DDP,
+    FSDP and replayed attempts always do)."""
     reuse: ReuseMode = "none"
     """Stored-tree reuse rule (issue 12, ``train.reuse.resolve.RULES``; docs/METHODS.md
     section 9): none | all (stored credit as it is) | transport (D3-D5 to the current

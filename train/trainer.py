@@ -148,6 +148,7 @@ from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
 from train.sampling.evaluation import run_episodes
 from train.scoring import score_trees
+from train.writer import Writes
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"  # structure and scalars (train.rundir.save_state)
@@ -632,15 +633,15 @@ def train(config: TrainConfig, resume: bool = False) -> TrainReport:
     lines marked ``DDP`` are the data-parallel ones (``train.distributed``); with one
     process they do nothing. The run directory is locked (``open_run_dir``) from the
     moment it is written until this function returns."""
-    held: list[RunLock] = []
+    held: list[RunLock | Writes] = []  # released last to first: the writes, then the lock
     try:
         return _train(config, resume, held)
     finally:
-        for lock in held:
-            lock.release()
+        for item in reversed(held):
+            item.release()
 
 
-def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainReport:
+def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> TrainReport:
     world = dp.init_world()  # DDP: rank and size from the environment (1: no group)
     check_config(config, world.size)
     config = config.replace(store=str(Path(config.store).resolve()),
@@ -749,14 +750,23 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
     # and the store's *_latest views hide what it superseded.
     attempt = int(dp.all_max(world, [float(record_attempt(store, run_id, start))
                                      if world.is_main else 0.0])[0])
+    # Commits and checkpoints run in order on a background thread while the loop goes on
+    # (train.writer): the last checkpoint is waited for before the first optimizer step
+    # (it reads the weights and optimizer state), everything before the reuse stage reads
+    # the store and at the end. Inline for DDP / FSDP and for a replay that may have to
+    # retry its keys.
+    writes = Writes(config.background_writes and world.size == 1 and shards is None
+                    and attempt < 2)
+    held.append(writes)
+    checkpointed = 0  # the ticket of the last checkpoint's write
     if start == 0 and config.eval_every and heldout and world.is_main:  # step -1
         initial, rows = _heldout(current, heldout, config, 0)
-        _commit_heldout(store, run_id, -1, rows)
-        _commit_metrics(store, run_id, -1, initial)
+        writes.submit(partial(_commit_heldout, store, run_id, -1, rows))
+        writes.submit(partial(_commit_metrics, store, run_id, -1, initial))
         report.heldout[0] = initial
     for it in range(start, config.steps):
         metrics: dict[str, float] = {}
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), writes.waited
         # 1-2. draw tasks, sample one tree each with the current weights
         rng = np.random.default_rng(mix_seed(config.seed, "tasks", it))
         picks = rng.choice(len(train_tasks), size=min(config.tasks_per_step, len(train_tasks)),
@@ -779,8 +789,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         #    every rank's trees under the single-process key, so they land once)
         retry = False
         if world.is_main:
-            try:
-                store.append_trees(trees, key=f"{run_id}:trees:{it}")
+            try:  # a background write's conflict raises later: then attempt < 2 anyway
+                writes.submit(partial(store.append_trees, trees, key=f"{run_id}:trees:{it}"))
             except CommitKeyConflictError:
                 if attempt < 2:
                     raise
@@ -788,7 +798,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         if dp.all_max(world, [float(retry)])[0]:  # DDP: every rank renames its trees
             mine, trees = as_retry(mine, attempt), as_retry(trees, attempt)
             if world.is_main:
-                store.append_trees(trees, key=retry_key(f"{run_id}:trees:{it}", attempt))
+                writes.submit(partial(store.append_trees, trees,
+                                      key=retry_key(f"{run_id}:trees:{it}", attempt)))
 
         def key(name: str, step: int = it, retry: bool = retry) -> str:
             """The commit key of this iteration's ``name`` rows (a retry's: KEY@aN)."""
@@ -804,7 +815,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             scores = pa.concat_tables(dp.gather_list(world, [score_trees(
                 mine, ref_policy, GOLD, policy_ref=config.policy, run_id=run_id)]))
             if world.is_main:
-                store.append_policy_scores(scores, key=key("scores"))
+                writes.submit(partial(store.append_policy_scores, scores, key=key("scores")))
         kinds = token_score_kinds(config.credit, resolve_method(config.credit, {
             k: str(v) for k, v in config.credit_params.items()})[1])
         if kinds:  # factor / sgcd (F3, Q3): teacher and student scores under these weights
@@ -812,10 +823,10 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                 mine, current, kind, policy_ref=current.policy_ref, run_id=run_id)
                 for kind in dict.fromkeys(kinds.values())]))
             if world.is_main:
-                store.append_policy_scores(scores, key=key("scores"))
+                writes.submit(partial(store.append_policy_scores, scores, key=key("scores")))
         credit_rows_, credit = credit_for(trees, config, scores, ref_version)
         if world.is_main:
-            store.append_credits(credit_rows_, key=key("credit"))
+            writes.submit(partial(store.append_credits, credit_rows_, key=key("credit")))
         # 4b. stored trees (issue 12; train.reuse): earlier versions, scored under the
         #     pre-update weights pi_prox (D3, G8), comparisons resolved by the reuse rule,
         #     refreshed routes re-sampled and committed, their credit committed
@@ -824,6 +835,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
         staleness: dict[str, int] = {}
         batch_trees = list(trees)
         if reuse is not None:
+            writes.wait()  # the stage reads the store
             try:
                 got = reuse.step(store, model, current, partial(make_env, config.env),
                                  env_name=config.env, it=it,
@@ -878,6 +890,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             with torch.no_grad():
                 diffs = [float((forward_logprobs(policy.model, mb)[0] - mb.old_logp).abs().max())
                          for mbs, _, _, _ in part_batches for mb in mbs if mb.n_loss_tokens]
+        writes.wait(checkpointed)  # it reads the weights and optimizer state stepped next
         model.train()
         sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual": 0.0, "kl": 0.0,
                 "entropy": 0.0, "tokens": 0.0, "wide": 0.0, "wide_clip": 0.0,
@@ -986,6 +999,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
             "rss_mb": psutil.Process().memory_info().rss / 2**20,
             "seconds_sample": t1 - t0, "seconds_commit": t2 - t1,
             "seconds_credit": t3 - t2, "seconds_train": t4 - t3,
+            "seconds_wait_writes": writes.waited - waited,  # within credit and train
         })
         # 6. publish version it + 1; held-out success; metrics; checkpoint
         current = publish(it + 1)
@@ -1002,18 +1016,20 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                                               it + 1 == config.steps):
             t5 = time.perf_counter()
             rates, rows = _heldout(current, heldout, config, it + 1)
-            _commit_heldout(store, run_id, it, rows, attempt if retry else 0)
+            writes.submit(partial(_commit_heldout, store, run_id, it, rows,
+                                  attempt if retry else 0))
             metrics.update(rates)
             metrics["seconds_eval"] = time.perf_counter() - t5
             report.heldout[it + 1] = metrics
-        _commit_metrics(store, run_id, it, metrics, attempt if retry else 0)
+        writes.submit(partial(_commit_metrics, store, run_id, it, metrics,
+                              attempt if retry else 0))
         if writer is not None:
             for name, value in metrics.items():
                 writer.add_scalar(name, value, it)
             writer.flush()
-        save_checkpoint(out, it + 1, current, current.policy_version,
-                        _state(it + 1, optimizer, scheduler, sampler, store, shards), config,
-                        shards)
+        checkpointed = writes.submit(partial(
+            _save_after_commits, out, it + 1, current,
+            _state(it + 1, optimizer, scheduler, sampler, None, shards), store, config, shards))
         if config.progress:
             extra = "".join(f" {k.split('_')[1]} {metrics[k]:.3f}" for k in
                             ("heldout_sampled", "heldout_greedy") if k in metrics)
@@ -1021,6 +1037,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock]) -> TrainRepor
                   f"reward {metrics['reward']:.3f} clip {metrics['clip_frac_low']:.3f}/"
                   f"{metrics['clip_frac_high']:.3f} ratio {metrics['tree_token_ratio']:.2f} "
                   f"{metrics['tokens_per_s']:.0f} tok/s{extra}", file=sys.stderr, flush=True)
+    writes.close()  # every commit and checkpoint written; a failed one raises here
     if start >= config.steps and world.is_main:  # resumed a finished run: its stored result
         report.iterations, report.finished_before = start, True
         stored = read_metrics(store, run_id)  # metric step it holds iteration it + 1's eval
@@ -1088,15 +1105,28 @@ def _dynamic_sampling(trees: list[Tree], picks: Sequence[int], tasks: Sequence[T
 
 
 def _state(iteration: int, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Sampler,
-           store: Store, shards: fsdp.Shards | None = None) -> dict[str, Any]:
+           store: Store | None, shards: fsdp.Shards | None = None) -> dict[str, Any]:
     """The trainer state of a checkpoint; with ``shards`` (FSDP) the optimizer's is in the
-    checkpoint's DCP directory, which ``optimizer`` names."""
-    return {"iteration": iteration,
-            "optimizer": optimizer.state_dict() if shards is None else fsdp.DCP_DIR,
-            "scheduler": scheduler.state_dict(), "rng": rng_state(),
-            "store_version": dict(store.version()),
-            "sampler_state": sampler.state.to_dict() if isinstance(sampler, CaliperSampler)
-            else None}
+    checkpoint's DCP directory, which ``optimizer`` names. ``store`` None leaves out
+    ``store_version`` (``_save_after_commits`` reads it once the commits before it ran).
+    The optimizer's state tensors are the live ones: written before its next step."""
+    state = {"iteration": iteration,
+             "optimizer": optimizer.state_dict() if shards is None else fsdp.DCP_DIR,
+             "scheduler": scheduler.state_dict(), "rng": rng_state(),
+             "sampler_state": sampler.state.to_dict() if isinstance(sampler, CaliperSampler)
+             else None}
+    if store is not None:
+        state["store_version"] = dict(store.version())
+    return state
+
+
+def _save_after_commits(out: Path, step: int, policy: HFPolicy, state: dict[str, Any],
+                        store: Store, config: TrainConfig, shards: fsdp.Shards | None
+                        ) -> None:
+    """``save_checkpoint`` of ``state`` with the store's version as the iteration's commits
+    left it (a job of the trainer's ``Writes``, after those commits)."""
+    state = {**state, "store_version": dict(store.version())}
+    save_checkpoint(out, step, policy, policy.policy_version, state, config, shards)
 
 
 def _heldout(policy: HFPolicy, heldout: Sequence[Task], config: TrainConfig, version: int
