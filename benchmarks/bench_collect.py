@@ -41,9 +41,15 @@ per mode) against the loop the trainer had before it (``_old_evaluate``, kept he
 as the baseline: lockstep, one ``sample`` call per step over every live task,
 environments stepped one after another), and sampled alone.
 Target: at least 4x (200 tasks).
+``--decode-scaling`` times one decode step of the policy's model (its prefix in a
+``BufferLayer`` cache of 100 or 300 keys) at 1 to 512 rows and prints the cost per row:
+the ratio of the per-row cost at 16 rows (one group tree of n_total 16, the tree-at-a-time
+batch) to the cheapest per-row cost at any size bounds what batching trees can save on
+decode steps (prefill and tools aside).
 
     .venv/bin/python benchmarks/bench_collect.py --engine --tasks 64 --n-total 16 --repeat 1
     .venv/bin/python benchmarks/bench_collect.py --eval 200 --repeat 3
+    .venv/bin/python benchmarks/bench_collect.py --decode-scaling --repeat 3
     .venv/bin/python benchmarks/bench_collect.py [--tasks 16 --n-total 16 --repeat 3]
         [--env calc --policy tiny] [--random-init --max-new-tokens 32] [--fallback]
     .venv/bin/python benchmarks/bench_collect.py --executors one processes ray --workers 2
@@ -277,6 +283,46 @@ def compare_eval(args: argparse.Namespace) -> None:
             ratio, ratio >= EVAL_TARGET, f">= {EVAL_TARGET}")
 
 
+def decode_scaling(args: argparse.Namespace) -> None:
+    """Cost of one decode step of the policy's model by batch rows and keys
+    (``--decode-scaling``): what batching rows can save at most (module docstring)."""
+    import torch
+
+    from train.policies.hf import buffered_cache
+
+    _, policy, what = load(args.env, args.policy, False, args.random_init)
+    model = getattr(policy, "model", None)
+    if model is None:
+        print(f"SKIP: {what} has no transformers model to time")
+        return
+    print(f"one decode step of {what}: {torch.get_num_threads()} torch threads, "
+          f"{args.repeat} x 20 steps, min")
+    rows_out: list[list[str]] = []
+    per_row: dict[tuple[int, int], float] = {}
+    for keys in (100, 300):
+        for rows in (1, 16, 64, 128, 256, 512):
+            ids = torch.randint(0, model.config.vocab_size, (rows, keys))
+            best = float("inf")
+            with torch.inference_mode():
+                for _ in range(args.repeat):
+                    cache = buffered_cache(model.config, 0)
+                    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                    start = time.perf_counter()
+                    for j in range(20):
+                        model(input_ids=ids[:, :1], position_ids=torch.full((rows, 1), keys + j),
+                              cache=cache, use_cache=True)
+                    best = min(best, (time.perf_counter() - start) / 20)
+            per_row[rows, keys] = best / rows
+            rows_out.append([str(keys), str(rows), f"{best * 1e3:.2f}",
+                             f"{best / rows * 1e6:.0f}"])
+    print_table(["keys", "rows", "ms/step", "us per row"], rows_out)
+    for keys in (100, 300):
+        floor = min(v for (r, k), v in per_row.items() if k == keys and r >= 16)
+        print(f"keys {keys}: decoding 16 rows per step (one group tree) costs "
+              f"{per_row[16, keys] / floor:.2f}x the cheapest per-row cost of any batch: the "
+              "most that batching trees can save on decode steps")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", default="calc")
@@ -301,7 +347,12 @@ def main() -> None:
                          "alone); by default they run without it, as before the engine.")
     ap.add_argument("--eval", type=int, default=0,
                     help="Time held-out evaluation of this many calc tasks instead.")
+    ap.add_argument("--decode-scaling", action="store_true",
+                    help="Time one decode step of the model by rows and keys instead.")
     args = ap.parse_args()
+    if args.decode_scaling:
+        decode_scaling(args)
+        return
     if args.engine:
         compare_engine(args)
         return
