@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from train.rundir import load_state
 from train.trainer import (
     STATE_FILE,
     STATE_TENSORS,
+    TrainError,
     checkpoints,
     latest_checkpoint,
     read_metrics,
@@ -37,9 +39,12 @@ def _cfg(tmp: Path, name: str, **kw: object) -> TrainConfig:
 def test_jobs_run_in_order_on_another_thread() -> None:
     writes = Writes(background=True)
     done: list[tuple[int, str]] = []
-    for i in range(20):  # earlier jobs sleep longer: order must still hold
-        writes.submit(lambda i=i: (time.sleep(0.002 * (20 - i) / 20),
-                                   done.append((i, threading.current_thread().name))))
+    def job(i: int) -> None:
+        time.sleep(0.002 * (20 - i) / 20)  # earlier jobs sleep longer: order must hold
+        done.append((i, threading.current_thread().name))
+
+    for i in range(20):
+        writes.submit(partial(job, i))
     writes.wait()
     assert [i for i, _ in done] == list(range(20))
     assert {name for _, name in done} == {"rtrees-writes"}
@@ -137,7 +142,7 @@ def test_a_failed_background_commit_stops_the_run_with_its_error(
     def append_credits(self: Store, table: object, key: str | None = None) -> object:
         if key is not None and key.endswith(":credit:1"):
             raise OSError(f"{self.path}: no space left on device")
-        return real(self, table, key=key)  # type: ignore[arg-type]
+        return real(self, table, key=key)
 
     monkeypatch.setattr(Store, "append_credits", append_credits)
     with pytest.raises(OSError, match="no space left on device"):
@@ -151,3 +156,30 @@ def test_a_failed_background_commit_stops_the_run_with_its_error(
     assert len(read_trees(cfg.store)) == 4 * 2
     assert torch.isfinite(torch.tensor([v for _, v in read_metrics(cfg.store, "w")["loss"]])
                           ).all()
+
+
+def test_diverged_weights_stop_the_run_before_they_are_sampled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finite check of the weights to publish runs on the loop's thread (the
+    checkpoint itself is written in the background): the run stops with the one-line
+    'training diverged' error, the last good checkpoint published, nothing after it."""
+    from train import fsdp
+
+    cfg = _cfg(tmp_path, "nan", steps=3, heldout_tasks=0)
+    real = fsdp.copy_full_weights
+    calls: list[int] = []
+
+    def poison(sharded: torch.nn.Module, replica: torch.nn.Module) -> None:
+        real(sharded, replica)
+        calls.append(1)
+        if len(calls) == 2:  # after iteration 1's optimizer steps
+            with torch.no_grad():
+                next(replica.parameters()).fill_(float("nan"))
+
+    monkeypatch.setattr(fsdp, "copy_full_weights", poison)
+    with pytest.raises(TrainError, match=r"training diverged, checkpoint step-000002 not "
+                                         r"written \(lower lr or set grad_clip\)$"):
+        train(cfg)
+    assert [p.name for p in checkpoints(Path(cfg.out))][-1] == "step-000001"
+    assert {t.tree_id.split("/")[1] for t in read_trees(cfg.store)} == {"it000000",
+                                                                        "it000001"}

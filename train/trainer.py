@@ -27,6 +27,12 @@ One iteration, top to bottom in ``train``:
    written to a temporary directory and renamed into place (``train.rundir``). The last
    ``keep_last`` checkpoints and every ``save_every``-th are kept.
 
+The writes of steps 3, 4, 4b and 6 (commits, checkpoint) are jobs of one writer thread
+run in order while the loop goes on (``train.writer``; ``background_writes``): the loop
+waits for the last checkpoint before its first optimizer step, for every write before
+the reuse stage reads the store, and at the end. The finite check of the weights to
+publish runs on the loop's thread, before anything samples them.
+
 Trace credit (T2) scores the gold answer at every node of the fresh trees under a frozen
 copy of the initial policy; the scores are committed to ``policy_scores`` (keyed) and the
 credit is computed from them (``credit_for``), as ``rtrees credit --method trace`` would.
@@ -316,6 +322,16 @@ def run_fields(config: TrainConfig) -> dict[str, Any]:
     return loaded
 
 
+def require_finite(policy: HFPolicy, step: int) -> None:
+    """``TrainError`` (training diverged) unless every weight of ``policy`` is finite: the
+    weights are never published as checkpoint ``step``, nor sampled from."""
+    try:
+        check_finite(policy.model, f"the weights to publish as step-{step:06d}")
+    except CheckpointError as exc:
+        raise TrainError(f"{exc}: training diverged, checkpoint step-{step:06d} not written "
+                         "(lower lr or set grad_clip)") from None
+
+
 def save_checkpoint(out: Path, step: int, policy: HFPolicy, version: str, state: dict[str, Any],
                     config: TrainConfig, shards: fsdp.Shards | None = None) -> Path:
     """Write checkpoint ``step`` atomically with a sha256 per file
@@ -323,11 +339,7 @@ def save_checkpoint(out: Path, step: int, policy: HFPolicy, version: str, state:
     ``shards`` (FSDP): called on every rank, each writes its shard of the model and
     optimizer under ``dcp/`` and rank 0 the rest (``train.fsdp.save_sharded``); ``policy``
     holds the full weights on every rank."""
-    try:
-        check_finite(policy.model, f"the weights to publish as step-{step:06d}")
-    except CheckpointError as exc:
-        raise TrainError(f"{exc}: training diverged, checkpoint step-{step:06d} not written "
-                         "(lower lr or set grad_clip)") from None
+    require_finite(policy, step)
 
     def fill(tmp: Path) -> None:
         with quiet_progress():
@@ -1001,7 +1013,9 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
             "seconds_credit": t3 - t2, "seconds_train": t4 - t3,
             "seconds_wait_writes": writes.waited - waited,  # within credit and train
         })
-        # 6. publish version it + 1; held-out success; metrics; checkpoint
+        # 6. publish version it + 1; held-out success; metrics; checkpoint (its write is
+        #    queued, so diverged weights stop the run here, before anything samples them)
+        require_finite(policy, it + 1)
         current = publish(it + 1)
         report.iterations = it + 1
         report.losses.append(metrics["loss"])
