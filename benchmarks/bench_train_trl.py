@@ -29,11 +29,11 @@ call over every tree's live rows, each group sharing its prompt's KV cache); *cr
 group), ``micro_batches``; *train*: forward (its logprobs also make the trainer's default
 ``check_logprobs`` comparison with the sampling logprobs, free before the optimizer
 step), ``token_loss`` (G2-G3, dual clip), ``aggregate`` (token-mean), backward, grad
-clip, AdamW step; *store*: ``append_trees``,
-``append_credits`` and the metrics row, keyed commits into a fresh Delta store;
-*checkpoint*: the weight hash of the new ``policy_version`` and ``save_checkpoint``
-(HF directory, optimizer, RNG, atomic rename); *wait*: the trainer's wait for its
-writes before the first optimizer step.
+clip, AdamW step; *store*: ``append_trees``, ``append_credits`` and the metrics row,
+keyed commits into a fresh Delta store; *checkpoint*: the finite check of the new
+weights, their hash (the ``policy_version``) and ``save_checkpoint`` (HF directory,
+optimizer, RNG, atomic rename); *wait*: the trainer's wait for its writes before the
+first optimizer step.
 
 Two ways to write (``train.writer``; the trainer's ``background_writes``), each its own
 side with its own store and run directory: *inline*, every commit and the checkpoint on
@@ -101,7 +101,13 @@ from train.policies.tiny import find_checkpoint
 from train.sampling import make_sampler
 from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
-from train.trainer import _commit_metrics, _save_after_commits, _state, credit_for
+from train.trainer import (
+    _commit_metrics,
+    _save_after_commits,
+    _state,
+    credit_for,
+    require_finite,
+)
 from train.writer import Writes
 
 CORE = ("sample", "credit", "batches", "train")
@@ -226,6 +232,7 @@ class Ours:
             "loss": total, "grad_norm": grad_norm, "logprob_diff_max": diff,
             "entropy": ent_sum / max(n_tokens, 1.0), "reward": sample.reward}))
         clock.lap("store")
+        require_finite(self.policy, it + 1)  # on the loop's thread, as the trainer does
         version = f"{run_id}-{state_dict_version(model)}"
         current = self.policy.published(str(Path(cfg.out) / "checkpoints" / f"step-{it + 1}"),
                                         version)
