@@ -62,7 +62,9 @@ def test_trace_and_dsc_from_the_store(tiny_store: Store) -> None:
     rows = stored_scores(store, [tree.tree_id], GOLD, version)
     got = dict(zip(rows.column("node_id").to_pylist(), rows.column("value").to_pylist(),
                    strict=True))
-    assert got[node.node_id] == pytest.approx(want, abs=1e-9)
+    # the store's value was scored in a batch of many nodes, ``want`` alone: the batched
+    # matmuls reduce in another order (5e-7 apart here), so the bound is the house's 1e-5
+    assert got[node.node_id] == pytest.approx(want, abs=1e-5)
     # The credit is the pure estimator on those scores; params record the version.
     con = connect(store)
     params = con.sql("SELECT DISTINCT method_params FROM credits WHERE method = 'trace'"

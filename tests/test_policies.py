@@ -795,3 +795,13 @@ def test_cli_policy_init_refuses_an_unwritable_out_before_training(tmp_path: Pat
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: cannot write the checkpoint to")
     assert "episodes" not in result.output  # nothing was trained
+
+
+def test_a_policy_directory_that_does_not_exist_is_named_without_the_policy_ref_hint(
+        tmp_path: Path) -> None:
+    """A spec naming a missing directory is a typo, not a rotated-away checkpoint of stored
+    trees: the message says so and does not suggest --policy (which the user just gave)."""
+    with pytest.raises(FileNotFoundError) as info:
+        load_policy(str(tmp_path / "gone"), "calc")
+    assert str(info.value) == (f"no such directory {str(tmp_path / 'gone')!r} (a policy is "
+                               "tiny, hf:PATH, vllm:PATH, tabular, or a checkpoint directory)")

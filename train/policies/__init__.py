@@ -107,6 +107,9 @@ def load_policy(spec: str, env: str, **kw: Any) -> Policy:
 
         return TabularBackend(**kw)
     if looks_like_path(spec):
+        if not Path(spec).exists():  # a spec, not a stored policy_ref: no "--policy" hint
+            raise FileNotFoundError(f"no such directory {spec!r} (a policy is "
+                                    f"{', '.join(SPECS)}, or a checkpoint directory)")
         return load_policy_ref(spec, env, **kw)
     raise ValueError(f"unknown policy spec {spec!r}; expected one of {', '.join(SPECS)}, "
                      "or a checkpoint directory")
