@@ -238,8 +238,8 @@ class Ours:
                                         version)
         self.checkpointed = submit(partial(
             _save_after_commits, Path(cfg.out), it + 1, current,
-            _state(it + 1, self.optimizer, self.scheduler, self.sampler, None), self.store,
-            cfg, None))
+            _state(it + 1, self.optimizer, self.scheduler, self.sampler), self.store, cfg,
+            None))
         clock.lap("checkpoint")
         self.it += 1
         return sample

@@ -750,9 +750,9 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
 
     current = publish(start)
     if start_ckpt is None and (world.is_main or shards is not None):  # DDP: rank 0 writes
-        save_checkpoint(out, 0, current, current.policy_version,  # FSDP: every rank
-                        _state(0, optimizer, scheduler, sampler, store, shards), config,
-                        shards)
+        _save_after_commits(out, 0, current,  # FSDP: every rank
+                            _state(0, optimizer, scheduler, sampler, shards), store, config,
+                            shards)
     elif resumed is not None:
         current = policy.published(str(resumed.path), resumed.version)
 
@@ -1022,9 +1022,9 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
         report.rewards.append(metrics["reward"])
         if not world.is_main:  # DDP: rank 0 evaluates, commits metrics, checkpoints
             if shards is not None:  # FSDP: every rank writes its shard of the checkpoint
-                save_checkpoint(out, it + 1, current, current.policy_version,
-                                _state(it + 1, optimizer, scheduler, sampler, store, shards),
-                                config, shards)
+                _save_after_commits(out, it + 1, current,
+                                    _state(it + 1, optimizer, scheduler, sampler, shards),
+                                    store, config, shards)
             continue
         if config.eval_every and heldout and ((it + 1) % config.eval_every == 0 or
                                               it + 1 == config.steps):
@@ -1043,7 +1043,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
             writer.flush()
         checkpointed = writes.submit(partial(
             _save_after_commits, out, it + 1, current,
-            _state(it + 1, optimizer, scheduler, sampler, None, shards), store, config, shards))
+            _state(it + 1, optimizer, scheduler, sampler, shards), store, config, shards))
         if config.progress:
             extra = "".join(f" {k.split('_')[1]} {metrics[k]:.3f}" for k in
                             ("heldout_sampled", "heldout_greedy") if k in metrics)
@@ -1119,26 +1119,24 @@ def _dynamic_sampling(trees: list[Tree], picks: Sequence[int], tasks: Sequence[T
 
 
 def _state(iteration: int, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Sampler,
-           store: Store | None, shards: fsdp.Shards | None = None) -> dict[str, Any]:
-    """The trainer state of a checkpoint; with ``shards`` (FSDP) the optimizer's is in the
-    checkpoint's DCP directory, which ``optimizer`` names. ``store`` None leaves out
-    ``store_version`` (``_save_after_commits`` reads it once the commits before it ran).
-    The optimizer's state tensors are the live ones: written before its next step."""
-    state = {"iteration": iteration,
-             "optimizer": optimizer.state_dict() if shards is None else fsdp.DCP_DIR,
-             "scheduler": scheduler.state_dict(), "rng": rng_state(),
-             "sampler_state": sampler.state.to_dict() if isinstance(sampler, CaliperSampler)
-             else None}
-    if store is not None:
-        state["store_version"] = dict(store.version())
-    return state
+           shards: fsdp.Shards | None = None) -> dict[str, Any]:
+    """The trainer state of a checkpoint but its store version (``_save_after_commits``
+    adds it); with ``shards`` (FSDP) the optimizer's is in the checkpoint's DCP directory,
+    which ``optimizer`` names. The optimizer's state tensors are the live ones: written
+    before its next step."""
+    return {"iteration": iteration,
+            "optimizer": optimizer.state_dict() if shards is None else fsdp.DCP_DIR,
+            "scheduler": scheduler.state_dict(), "rng": rng_state(),
+            "sampler_state": sampler.state.to_dict() if isinstance(sampler, CaliperSampler)
+            else None}
 
 
 def _save_after_commits(out: Path, step: int, policy: HFPolicy, state: dict[str, Any],
                         store: Store, config: TrainConfig, shards: fsdp.Shards | None
                         ) -> None:
-    """``save_checkpoint`` of ``state`` with the store's version as the iteration's commits
-    left it (a job of the trainer's ``Writes``, after those commits)."""
+    """``save_checkpoint`` of ``state`` (``_state``) with the store's version as the
+    commits before it left it: the one way the trainer writes a checkpoint, inline or as a
+    job of its ``Writes`` after the iteration's commits."""
     state = {**state, "store_version": dict(store.version())}
     save_checkpoint(out, step, policy, policy.policy_version, state, config, shards)
 
