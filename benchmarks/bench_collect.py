@@ -293,8 +293,7 @@ def decode_scaling(args: argparse.Namespace) -> None:
     _, policy, what = load(args.env, args.policy, False, args.random_init)
     model = getattr(policy, "model", None)
     if model is None:
-        print(f"SKIP: {what} has no transformers model to time")
-        return
+        raise SystemExit(f"error: {what} has no transformers model to time")
     print(f"one decode step of {what}: {torch.get_num_threads()} torch threads, "
           f"{args.repeat} x 20 steps, min")
     rows_out: list[list[str]] = []
@@ -350,6 +349,8 @@ def main() -> None:
     ap.add_argument("--decode-scaling", action="store_true",
                     help="Time one decode step of the model by rows and keys instead.")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.decode_scaling:
         decode_scaling(args)
         return

@@ -394,6 +394,10 @@ def main() -> None:
     ap.add_argument("--multi-turn", action="store_true",
                     help="also one train.trainer.train iteration on multi-turn calc tasks")
     args = ap.parse_args()
+    for option in ("tasks", "group", "max_new_tokens", "repeats"):
+        if getattr(args, option) < 1:
+            ap.error(f"--{option.replace('_', '-')} must be at least 1, "
+                     f"got {getattr(args, option)}")
     try:
         import datasets  # noqa: F401
         import trl
