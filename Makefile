@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup test test-all lint demo bench clean
+.PHONY: setup test test-kernels test-all lint demo bench clean
 
 $(STAMP): pyproject.toml Makefile
 	# bubblewrap sandboxes the python tool (train/envs/sandbox.py); needs root (CI runs as root).
@@ -31,6 +31,20 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest -m "not slow" -q --durations=25
+	$(MAKE) --no-print-directory test-kernels
+
+# The goldens and the engine's batching/cache equivalences once more under other CPU
+# kernels than the machine's best (AVX2 where it has AVX-512, else the generic ones; MKL
+# likewise), so that a result which holds on one CPU only fails here, not on a user's
+# machine of the same kind (docs/REPRODUCIBILITY.md).
+OTHER_KERNELS := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null \
+	&& echo ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	|| echo ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2)
+test-kernels: $(STAMP)
+	env $(OTHER_KERNELS) $(BIN)/python -c "import torch; \
+		print('kernels:', torch.backends.cpu.get_cpu_capability(), '($(OTHER_KERNELS))')"
+	env $(OTHER_KERNELS) $(BIN)/pytest -q -p no:cacheprovider tests/test_trainer_golden.py \
+		tests/test_engine.py
 
 test-all: lint
 	$(BIN)/pytest -q

@@ -18,6 +18,18 @@ settings.register_profile("rollout-trees", deadline=None,
 settings.load_profile("rollout-trees")
 
 
+def pytest_report_header() -> str:
+    """Which CPU kernels ran: goldens must hold under any (``make test-kernels``)."""
+    import os
+
+    import torch
+
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "best")
+    return (f"torch cpu capability: {torch.backends.cpu.get_cpu_capability()} "
+            f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')}, "
+            f"MKL_ENABLE_INSTRUCTIONS={mkl})")
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
     return Store(tmp_path / "store", create=True)

@@ -6,9 +6,16 @@ sampler, with the trained tiny calc policy (the HF backend: left-padded batches 
 different transcripts, rows joining a running batch, shared-prefix KV expansion) and
 with the tabular workflow policy (the engine's one-call-per-branch fallback). The trees
 must be the same: the same nodes, the same tokens, rewards, phases and snapshots, and
-logprobs / entropies equal up to ``LOGPROB_TOL`` (batched matmuls reduce in another
-order than a lone row: measured here, the tokens stayed identical in every row and the
-logprobs differed by at most ~1e-6).
+logprobs / entropies equal up to ``LOGPROB_TOL``.
+
+The tiny policy runs in float64 here (``DTYPE``). Batched matmuls reduce in another order
+than a lone row, and a prefix from the cache in another order than a full prefill; in
+float32 that moved logprobs by up to ~1e-6 on one CPU and 1.1e-5 on an AVX-512 one, and a
+sampled token flips whenever its uniform falls that close to a CDF boundary, so a float32
+version of these tests holds on one machine and not on every machine of its kind. In
+float64 the same reorderings move logprobs by ~1e-15: the tokens cannot part, and
+``LOGPROB_TOL`` can be tight enough that any real difference in what a row attends to
+(a wrong cache entry, a misplaced position or mask column: >= 1e-4) fails.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from rollout_store.tree import Tree
 from train.envs import Environment, Task, env_class, make_env
@@ -31,7 +39,8 @@ from train.policies.tiny import load_tiny_policy
 from train.sampling import SAMPLERS, make_sampler
 from train.sampling.engine import Decode, Engine, TreeJob, Work
 
-LOGPROB_TOL = 1e-5
+DTYPE = torch.float64
+LOGPROB_TOL = 1e-9
 BUDGETS = (1, 7, 64)
 CALC_TASKS = env_class("calc").generate_tasks(4, seed=11)
 WF_TASKS = env_class("workflow").generate_tasks(4, seed=3)
@@ -39,7 +48,7 @@ WF_TASKS = env_class("workflow").generate_tasks(4, seed=3)
 
 @pytest.fixture(scope="module")
 def calc_policy() -> Any:
-    return load_tiny_policy("calc")
+    return load_tiny_policy("calc", dtype=DTYPE)
 
 
 def collect_with(policy: Any, env: str, sampler: str, tasks: list[Task], n_total: int,
@@ -272,14 +281,12 @@ def test_the_prefix_cache_changes_no_token_and_saves_prefill() -> None:
     """The HF backend's cross-call prefix cache: the same trees as a full prefill every
     step (logprobs within LOGPROB_TOL), fewer prefix tokens computed, and emptied when
     the weights change."""
-    import torch
-
     from train.policies.base import Continuation
 
     seen: dict[str, list[int]] = {"off": [], "on": []}
 
     def trees(mib: float, tag: str) -> list[Tree]:
-        policy = load_tiny_policy("calc", prefix_cache_mib=mib)
+        policy = load_tiny_policy("calc", prefix_cache_mib=mib, dtype=DTYPE)
         original = policy.decoder
 
         def spy() -> Any:  # the engine's continuous decoder, its steps watched

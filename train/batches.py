@@ -788,7 +788,8 @@ def _forward(model: Any, mb: MicroBatch, with_entropy: bool, entropy_grad: bool,
     picked = hidden[mb.loss_row.to(device), mb.loss_col.to(device)]  # (K, H)
     head = model.get_output_embeddings()
     assert head is not None
-    logits = head(picked).float()  # (K, V)
+    logits = head(picked)  # (K, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32+
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(1, mb.targets.to(device)[:, None]).squeeze(1)
     entropy = None

@@ -85,6 +85,10 @@ DYNAMIC_SAMPLING: dict[str, _Q1Choice] = {"off": _Q1Choice(False, False),
                                           "drop": _Q1Choice(True, False)}
 """``TrainConfig.dynamic_sampling`` choices (Q1)."""
 
+PolicyDtype = Literal["auto", "float32", "float64"]
+"""``TrainConfig.dtype`` choices."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Configuration of one training run (``rtrees train``)."""
@@ -99,6 +103,13 @@ class TrainConfig:
     """Environment (``train.envs.ENVIRONMENTS``)."""
     policy: str = "tiny"
     """Starting policy spec: ``tiny`` or ``hf:PATH`` (``train.policies.load_policy``)."""
+    dtype: PolicyDtype = "auto"
+    """Parameter precision of the trained policy: ``auto`` (as saved), ``float32`` or
+    ``float64``. Sampling, scoring and the loss then run in it (logits are never cast
+    below float32). ``float64`` makes a run reproducible across CPUs of one kind: their
+    kernels reduce in other orders, which moves float32 logits by ~1e-7 and, through
+    sampling, can change a token; in float64 the same moves are ~1e-16
+    (``tests/test_trainer_golden.py`` runs in it; docs/REPRODUCIBILITY.md)."""
     sampler: str = "group"
     """Tree sampler (``train.sampling.SAMPLERS``)."""
     sampler_params: dict[str, Any] = field(default_factory=dict)

@@ -144,6 +144,7 @@ from train.reuse.stage import make_reuse
 from train.rundir import (
     META_FILE,
     CheckpointError,
+    StateBinding,
     load_state,
     save_state,
     verify_checkpoint,
@@ -289,7 +290,8 @@ def load_start_policy(config: TrainConfig, checkpoint: Path | None = None) -> HF
     from train.policies import load_policy
 
     spec = f"hf:{checkpoint}" if checkpoint is not None else config.policy
-    policy = load_policy(spec, config.env, device="cpu")
+    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+    policy = load_policy(spec, config.env, device="cpu", dtype=dtype)
     if not isinstance(policy, HFPolicy):
         raise TrainError(f"{spec} is not a transformers policy")
     return policy
@@ -333,7 +335,8 @@ def require_finite(policy: HFPolicy, step: int) -> None:
 
 
 def save_checkpoint(out: Path, step: int, policy: HFPolicy, version: str, state: dict[str, Any],
-                    config: TrainConfig, shards: fsdp.Shards | None = None) -> Path:
+                    config: TrainConfig, shards: fsdp.Shards | None = None,
+                    store: Store | None = None) -> Path:
     """Write checkpoint ``step`` atomically with a sha256 per file
     (``train.rundir.write_checkpoint``); prune. Non-finite weights are never published.
     ``shards`` (FSDP): called on every rank, each writes its shard of the model and
@@ -345,7 +348,8 @@ def save_checkpoint(out: Path, step: int, policy: HFPolicy, version: str, state:
         with quiet_progress():
             policy.model.save_pretrained(tmp)
         policy.tokenizer.save_pretrained(tmp)
-        save_state(state, tmp / STATE_FILE, tmp / STATE_TENSORS)
+        save_state(state, tmp / STATE_FILE, tmp / STATE_TENSORS, StateBinding(  # issue 50
+            config.resolved_run_id, step, read_run_token(out), store))
 
     meta = {"policy_version": version, "env": config.env, "step": step,
             "run_id": config.resolved_run_id, "trained_from": config.policy,
@@ -404,7 +408,8 @@ def load_checkpoint(path: Path, config: TrainConfig) -> Resumed:
     if meta.get("policy_version") != version:
         raise CheckpointError(f"{path / META_FILE} names policy version "
                               f"{meta.get('policy_version')!r}, but the weights are {version!r}")
-    state = load_state(path / STATE_FILE, path / STATE_TENSORS)
+    state = load_state(path / STATE_FILE, path / STATE_TENSORS, StateBinding(  # issue 50
+        config.resolved_run_id, step, read_run_token(Path(config.out)), open_store(config.store)))
     if not isinstance(state, dict) or state.get("iteration") != step or not all(
             k in state for k in ("optimizer", "scheduler", "rng")):
         raise CheckpointError(f"{path / STATE_FILE} is not the trainer state of step {step}")
@@ -1138,7 +1143,7 @@ def _save_after_commits(out: Path, step: int, policy: HFPolicy, state: dict[str,
     commits before it left it: the one way the trainer writes a checkpoint, inline or as a
     job of its ``Writes`` after the iteration's commits."""
     state = {**state, "store_version": dict(store.version())}
-    save_checkpoint(out, step, policy, policy.policy_version, state, config, shards)
+    save_checkpoint(out, step, policy, policy.policy_version, state, config, shards, store)
 
 
 def _heldout(policy: HFPolicy, heldout: Sequence[Task], config: TrainConfig, version: int

@@ -349,6 +349,12 @@ def configure_threads(model: torch.nn.Module) -> int:
     return threads
 
 
+def widened(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` at float32 or wider: a bfloat16/float16 model's are cast up, a float64
+    model's stay float64 (its sampling and logprobs keep its precision)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def _row_seed(base: int, index: int) -> int:
     """The stream seed of transcript ``index`` of a ``sample`` call seeded ``base``."""
     digest = hashlib.sha256(f"{base}\x1f{index}".encode()).digest()
@@ -959,8 +965,9 @@ class HFPolicy:
                 continue
             ids, mask, positions = self._left_pad([pairs[i][0] + pairs[i][1] for i in chunk])
             keep = max(len(pairs[i][1]) for i in chunk) + 1
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                logits_to_keep=keep).logits.float()  # (B, keep, V)
+            logits = widened(self.model(input_ids=ids, attention_mask=mask,
+                                        position_ids=positions,
+                                        logits_to_keep=keep).logits)  # (B, keep, V)
             logp = torch.log_softmax(logits, dim=-1)
             for b, i in enumerate(chunk):
                 action = pairs[i][1]
@@ -1161,7 +1168,7 @@ class DecodeBatch:
         if pol.prefix_cache is not None:
             for t, prompt in enumerate(prompts):
                 pol._remember(prompt, cache, mask, t)
-        logits = out.logits[:, -1, :].float()  # (m, V)
+        logits = widened(out.logits[:, -1, :])  # (m, V)
         next_pos = mask.sum(-1)  # (m,) position of each row's next token
         if any(n > 1 for n in ns):  # one prefix computation, expanded to the n branches
             if len(set(ns)) == 1:
@@ -1356,6 +1363,6 @@ class DecodeBatch:
                            use_cache=True)
         self.width += 1
         self.next_pos = self.next_pos + 1
-        self.logits = result.logits[:, -1, :].float()  # (positions, V)
+        self.logits = widened(result.logits[:, -1, :])  # (positions, V)
         self._drop_columns()
         return out
