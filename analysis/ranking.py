@@ -594,9 +594,12 @@ def _branching_children(source: TableSource, methods: Sequence[MethodRef],
     # IS NOT DISTINCT FROM on policy versions, as codes in one vocabulary (null -> -2):
     # the reference's against the named one or its tree's (-3: the tree has no row).
     trees = source.table("trees", _TREE_COLUMNS)
-    vocab = pa.concat_arrays([
-        pc.unique(pc.drop_null(trees.column("policy_version").cast(pa.string()))),
-        pa.array([reference_policy], pa.string())])
+    # Each version once: a named version that is also a tree's own (the audit's policy is
+    # the one that collected the trees) must have one code, or the references, coded by
+    # their first occurrence, never match the named one's.
+    vocab = pc.unique(pa.concat_arrays([
+        pc.drop_null(trees.column("policy_version").cast(pa.string())).combine_chunks(),
+        pa.array([reference_policy], pa.string())]))
     tree_policy = np.full(len(names) + 1, -3)
     tree_code = _codes_in(trees.column("tree_id"), names)
     tree_policy[tree_code] = _codes_in(trees.column("policy_version"), vocab, -2)
@@ -604,7 +607,8 @@ def _branching_children(source: TableSource, methods: Sequence[MethodRef],
     one_policy = np.unique(tree_policy[:-1])  # keys hold only trees in ``names``
     want = one_policy[0] if len(one_policy) == 1 else tree_policy[keys // span]
     if reference_policy is not None:
-        want = np.where(want == -3, -3, len(vocab) - 1)
+        named = pc.index(vocab, reference_policy).as_py()
+        want = np.where(want == -3, -3, named)
     ok = ((ref.column("k").to_numpy()[at] == k)
           & (_codes_in(ref.column("policy_version"), vocab, -2)[at] == want))
     if not ok.all():

@@ -587,6 +587,19 @@ def test_cli_runs_the_reference_job_with_the_trees_policy(
     rows = connect(store).sql("SELECT DISTINCT policy_version FROM mc_references "
                               "WHERE k = 8 ORDER BY 1").fetchall()
     assert rows == [("retrained",), (policy.policy_version,)]
+    # --policy naming the very policy that collected the trees (same weights, same
+    # version): its references are the ones already stored, found and reused (this
+    # stopped with "no branching node ... has references" while the named version was
+    # coded apart from the trees' own).
+    monkeypatch.setattr(references_module, "resolve_policy", lambda spec, env: policy)
+    version = store.version()
+    result = runner.invoke(app, [*args[:-4], "--out", str(tmp_path / "o3"), "--policy",
+                                 "tabular", "--bootstrap", "0"])
+    assert result.exit_code == 0, result.output
+    assert "0 children sampled" in result.output and store.version() == version
+    doc = json.loads((tmp_path / "o3" / "results.json").read_text())
+    assert doc["reference_policy"] == policy.policy_version
+    assert doc["coverage"]["n_pairs"] > 0
 
 
 def test_split_by_run_and_sampler(wf: tuple[Store, Policy]) -> None:
