@@ -1,4 +1,7 @@
-"""``rtrees view``: the store in a local web page, or as a static HTML file (issue 26)."""
+"""``rtrees view``: the store in a local web page, or as a static HTML file (issue 26).
+
+The page is its owner's alone (issue 50): the server prints its URL with a random access
+token to stdout, and answers nothing without it (``analysis/viewer/server.py``)."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ def view_command(
         "--tree", help="With --export: a tree id (repeatable).")] = None,
     max_trees: Annotated[int, typer.Option(
         "--max-trees", help="With --export: refuse more trees than this.")] = 500,
+    force: Annotated[bool, typer.Option(
+        "--force", help="With --export: overwrite an existing DIR/index.html.")] = False,
     labels: Annotated[bool, typer.Option(
         help="Let the page append labels (its only write); --no-labels serves it "
              "strictly read-only.")] = True,
@@ -34,8 +39,12 @@ def view_command(
     """Serve a read-only page over the store on 127.0.0.1: runs and trees (filter by an SQL
     WHERE over trees), one tree drawn with its node panel (text, coloured tokens, credit
     under every method, Mean@k, snapshot), two methods compared, a run's metrics plotted.
-    Ctrl-C stops it. With --export, write the same page for one run or a set of trees as
-    a static HTML file instead."""
+    Only the printed URL opens it: it holds a random access token (keep it to yourself;
+    other accounts of this machine get 403). From another machine, forward the port
+    (ssh -L PORT:127.0.0.1:PORT host) and open the printed URL. Labels are written as
+    the user the server runs as. Ctrl-C stops it. With --export, write the same page for
+    one run or a set of trees as a static HTML file instead (no server, no token; an
+    existing DIR/index.html is kept unless --force)."""
     from rollout_store import SchemaMismatchError, Store, StoreError
 
     require(0 <= port <= 65_535, f"--port must be in 0..65535, got {port}")
@@ -44,6 +53,7 @@ def view_command(
         require(run is None and where is None and not tree,
                 "--run, --where and --tree select trees for --export; the page filters "
                 "them itself")
+        require(not force, "--force overwrites the file of --export; there is none here")
     try:
         s = Store(store)
     except (StoreError, SchemaMismatchError) as exc:
@@ -53,16 +63,16 @@ def view_command(
 
         try:
             report = export_static(s, export, run_id=run, where=where, tree_ids=tree,
-                                   max_trees=max_trees)
+                                   max_trees=max_trees, force=force)
         except (ValueError, OSError) as exc:  # FilterError is a ValueError
             fail(str(exc))
         print(report.summary(), flush=True)
         return
     from analysis.viewer import serve
 
-    def ready(url: str) -> None:
+    def ready(url: str) -> None:  # url holds the access token: stdout, the owner's only
         print(f"serving {s.path} on {url} ({'labels writable' if labels else 'read only'}; "
-              "Ctrl-C stops)", flush=True)
+              "open this URL, it holds the access token; Ctrl-C stops)", flush=True)
 
     try:
         serve(s, port, on_ready=ready, labels=labels)

@@ -143,26 +143,35 @@ def test_server_is_local_and_read_only(store_path: Path) -> None:
     server, thread = start(store_path)
     try:
         assert server.server_address[0] == HOST == "127.0.0.1"
-        status, page = _get(server.url)
+        # no access token: no page (and so no label token), no file, no answer
+        status, body = _get(server.url)
+        assert status == 403 and "access token" in body["error"]
+        assert server.token not in json.dumps(body)
+        assert _get(server.url + "api/runs")[0] == 403
+        status, page = _get(server.login_url)  # the URL the CLI prints
         assert status == 200 and server.token in page and "viewer.js" in page
-        assert _get(server.url + "static/viewer.js")[0] == 200
-        assert _get(server.url + "static/../data.py")[0] == 404
-        status, body = _get(server.url + "api/tree?id=bel-0")
+        auth = {"Cookie": f"{server.cookie_name}={server.access_token}"}
+        assert _get(server.url + "static/viewer.js", auth)[0] == 200
+        assert _get(server.url + "static/../data.py", auth)[0] == 404
+        status, body = _get(server.url + "api/tree?id=bel-0", auth)
         assert status == 200 and body["tree"]["critical_node_id"] == 2
-        assert _get(server.url + "api/tree?id=nope")[0] == 404
-        status, body = _get(server.url + "api/trees?where=1%3D1%3B%20DROP%20VIEW%20trees")
+        assert _get(server.url + "api/tree?id=nope", auth)[0] == 404
+        status, body = _get(server.url + "api/trees?where=1%3D1%3B%20DROP%20VIEW%20trees",
+                            auth)
         assert status == 400 and "';'" in body["error"]
-        assert _get(server.url + "api/trees")[1]["trees"][0]["tree_id"] == "bel-0"
-        # DNS rebinding: a request naming another host is refused
-        assert _get(server.url + "api/runs", {"Host": "evil.example:80"})[0] == 403
-        # the write route needs the page's token
-        req = urllib.request.Request(server.url + "api/label", data=b"{}", method="POST")
+        assert _get(server.url + "api/trees", auth)[1]["trees"][0]["tree_id"] == "bel-0"
+        # DNS rebinding: a request naming another host is refused, token or not
+        assert _get(server.url + "api/runs", {**auth, "Host": "evil.example:80"})[0] == 403
+        # the write route needs the page's token as well as the access token
+        req = urllib.request.Request(server.url + "api/label", data=b"{}", method="POST",
+                                     headers=auth)
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=10)
         assert info.value.code == 403
         req.add_header(TOKEN_HEADER, "wrong")
-        with pytest.raises(urllib.error.HTTPError):
+        with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=10)
+        assert info.value.code == 403
     finally:
         server.shutdown()
         server.server_close()
@@ -188,6 +197,7 @@ def test_static_export_embeds_every_answer(store_path: Path, tmp_path: Path) -> 
     start = html.index("window.RTREES_STATIC = ") + len("window.RTREES_STATIC = ")
     answers = json.loads(html[start:html.index(";</script>", start)])
     assert answers[static_key("/api/tree", id="bel-0")]["tree"]["critical_node_id"] == 2
+    assert '<meta name="rtrees-token" content="">' in html  # no server: no token
     cmp = answers[static_key("/api/compare", tree="bel-0", a="grpo", b="tree_grpo")]
     assert cmp["sign_disagreements"] == 1
     assert static_key("/api/trees", run="viewer-run", where="") == "/api/trees|run=viewer-run"
@@ -229,3 +239,37 @@ def test_stored_text_never_becomes_markup(tmp_path: Path) -> None:
     assert evil not in html and "\\u003c/script>\\u003cscript>alert(1)" in html
     assert html.count("<script>") == 2  # the data and the inlined viewer.js, nothing more
     assert ".innerHTML" not in static_text("viewer.js")  # the comment names it, no code
+
+
+def test_export_never_overwrites_without_force(store_path: Path, tmp_path: Path) -> None:
+    """``view --export DIR`` refuses an existing ``DIR/index.html`` (one line, exit 1, the
+    file untouched, even a dangling symlink there) unless ``--force``."""
+    from analysis.viewer.export import export_static
+    from cli.main import app
+
+    out = tmp_path / "e"
+    out.mkdir()
+    page = out / "index.html"
+    page.write_text("my report")
+    args = ["view", "--store", str(store_path), "--export", str(out), "--tree", "cal-0"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 1, res.output
+    assert res.output.strip().splitlines() == [f"error: {page} exists: pass --force to "
+                                               "overwrite it"]
+    assert page.read_text() == "my report"
+    with pytest.raises(FileExistsError, match="pass --force"):
+        export_static(store_path, out, tree_ids=["cal-0"])
+    assert page.read_text() == "my report"
+    res = CliRunner().invoke(app, [*args, "--force"])
+    assert res.exit_code == 0, res.output
+    assert "window.RTREES_STATIC" in page.read_text()
+    # a dangling symlink is refused too: writing through it would create its target
+    link_dir = tmp_path / "l"
+    link_dir.mkdir()
+    (link_dir / "index.html").symlink_to(tmp_path / "elsewhere.html")
+    assert CliRunner().invoke(app, ["view", "--store", str(store_path), "--export",
+                                    str(link_dir), "--tree", "cal-0"]).exit_code == 1
+    assert not (tmp_path / "elsewhere.html").exists()
+    # --force without --export is an error, not a silent no-op
+    res = CliRunner().invoke(app, ["view", "--store", str(store_path), "--force"])
+    assert res.exit_code == 1 and "--force overwrites the file of --export" in res.output

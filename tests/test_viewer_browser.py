@@ -4,9 +4,11 @@ Chromium and its driver come from Debian's packages (``make setup`` installs
 ``chromium chromium-driver``; Playwright's own browser download needs internet we do not
 have). Where neither a browser nor Selenium can be found the test skips and says why
 (``pytest -ra`` prints the reason). Otherwise, on the store of ``tests/viewer_store.py``:
-open the page, select a tree, click a node, check the panel's stored action text and
-credit values, label the node, switch the token and node colouring, plot a run's
-metrics, and take a screenshot into the test's temporary directory.
+check the page is refused without the access token, open the tokened URL the CLI
+prints (its cookie carries the page's own requests), select a tree, click a node, check
+the panel's stored action text and credit values, label the node, switch the token and
+node colouring, plot a run's metrics, and take a screenshot into the test's temporary
+directory.
 ``python tests/test_viewer_browser.py --write`` saves the screenshot as ``docs/viewer.png``.
 """
 
@@ -71,7 +73,8 @@ def driver() -> Iterator[Any]:
 
 
 def drive(d: Any, url: str, shot: Path) -> dict[str, Any]:
-    """The clicks of the test; returns what the page showed."""
+    """The clicks of the test on the page at ``url`` (the server's ``login_url``, with the
+    access token); returns what the page showed."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -80,9 +83,13 @@ def drive(d: Any, url: str, shot: Path) -> dict[str, Any]:
     def css(sel: str) -> Any:
         return wait.until(lambda d: d.find_element(By.CSS_SELECTOR, sel))
 
+    seen: dict[str, Any] = {}
+    d.get(url.split("?")[0])  # without the access token: a JSON error, no page
+    seen["no_token"] = d.find_element(By.TAG_NAME, "body").text
+    d.get_log("browser")  # drop the 403 the browser logged
     d.get(url)
     css("body[data-ready]")
-    seen: dict[str, Any] = {}
+    seen["address"] = d.current_url  # the page took the token out of it
     d.find_element(By.ID, "filter").send_keys("sampler = 'bel'")
     d.find_element(By.ID, "apply-filter").click()
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#tree-list tbody tr")) == 1)
@@ -128,11 +135,13 @@ def test_the_page_in_chromium(driver: Any, tmp_path: Path) -> None:
     store = viewer_store.build(tmp_path / "store")
     server, thread = start(store)
     try:
-        seen = drive(driver, server.url, tmp_path / "viewer.png")
+        seen = drive(driver, server.login_url, tmp_path / "viewer.png")
     finally:
         server.shutdown()
         server.server_close()
         thread.join(5)
+    assert "access token" in seen["no_token"] and "bel-0" not in seen["no_token"]
+    assert seen["address"] == server.url  # the token left the address bar
     assert seen["action"] == ACTION_2
     grpo, tree_grpo = CREDIT[("bel-0", 2)]
     assert seen["credit"] == {"grpo": f"{grpo:g}", "tree_grpo": f"{tree_grpo:g}"}
@@ -192,7 +201,7 @@ if __name__ == "__main__":  # python tests/test_viewer_browser.py --write: docs/
 
     with tempfile.TemporaryDirectory() as tmp:
         server, _ = start(viewer_store.build(Path(tmp) / "store"))
-        drive(d, server.url, ROOT / "docs" / "viewer.png")
+        drive(d, server.login_url, ROOT / "docs" / "viewer.png")
         server.shutdown()
     d.quit()
     print(f"wrote {ROOT / 'docs' / 'viewer.png'}")

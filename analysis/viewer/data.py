@@ -253,7 +253,8 @@ class ViewerData:
 
     def trees(self, where: str | None = None, run_id: str | None = None,
               limit: int = MAX_TREES) -> dict[str, Any]:
-        """Tree rows (``TREE_LIST_COLUMNS``) matching ``where`` (checked) and ``run_id``."""
+        """Tree rows (``TREE_LIST_COLUMNS``) matching ``where`` (checked) and ``run_id``;
+        ``FilterError`` also when a checked filter fails on the rows (a bad regex)."""
         clauses, params = [], []
         if where and where.strip():
             with self._lock:
@@ -262,9 +263,16 @@ class ViewerData:
             clauses.append("run_id = ?")
             params.append(run_id)
         cond = " AND ".join(clauses) or "true"
-        rows = self._rows(f"SELECT {', '.join(TREE_LIST_COLUMNS)} FROM {TREE_ROWS_VIEW} "
-                          f"WHERE {cond} ORDER BY run_id, tree_id LIMIT {int(limit) + 1}",
-                          params)
+        sql = (f"SELECT {', '.join(TREE_LIST_COLUMNS)} FROM {TREE_ROWS_VIEW} "
+               f"WHERE {cond} ORDER BY run_id, tree_id LIMIT {int(limit) + 1}")
+        import duckdb
+
+        try:
+            rows = self._rows(sql, params)
+        except duckdb.Error as exc:  # a checked filter failing on the rows: bad regex, cast
+            if not (where and where.strip()):
+                raise
+            raise FilterError(f"filter failed: {str(exc).strip().splitlines()[0]}") from None
         return {"trees": rows[:limit], "truncated": len(rows) > limit}
 
     def _credits(self, tree_id: str) -> dict[str, dict[int, dict[str, Any]]]:

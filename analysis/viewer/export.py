@@ -45,10 +45,16 @@ class ExportReport:
 
 def export_static(store: Store | str | Path, out: str | Path, *, run_id: str | None = None,
                   where: str | None = None, tree_ids: list[str] | None = None,
-                  max_trees: int = MAX_TREES) -> ExportReport:
+                  max_trees: int = MAX_TREES, force: bool = False) -> ExportReport:
     """Write ``out/index.html`` for the trees of ``run_id`` and/or matching ``where`` (both
     optional; checked like the page's filter) or exactly ``tree_ids``. ``ValueError``
-    when nothing or more than ``max_trees`` trees are selected, or a tree id is unknown."""
+    when nothing or more than ``max_trees`` trees are selected, or a tree id is unknown;
+    ``FileExistsError`` when ``out/index.html`` exists (checked first, and again by the
+    exclusive create) and ``force`` does not allow overwriting it."""
+    target = Path(out) / "index.html"
+    exists = FileExistsError(f"{target} exists: pass --force to overwrite it")
+    if not force and (target.exists() or target.is_symlink()):
+        raise exists
     data = ViewerData(store)
     if tree_ids:
         listed = data.trees(None, None, limit=10**9)["trees"]
@@ -90,10 +96,13 @@ def export_static(store: Store | str | Path, out: str | Path, *, run_id: str | N
         for a, b in permutations(tree["methods"], 2):
             answers[static_key("/api/compare", tree=tid, a=a, b=b)] = data.compare(tid, a, b,
                                                                                  tree)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    # NaN stays NaN: the answers are a JavaScript literal, not JSON
+    # NaN stays NaN: the answers are a JavaScript literal, not JSON; no server, no token
     html = page_html("", json.dumps(answers, default=str), inline=True)
-    path = out / "index.html"
-    path.write_text(html, encoding="utf-8")
-    return ExportReport(path, len(rows), len(runs), len(html.encode()))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # "x" refuses a file that appeared since the check above (unless --force)
+    try:
+        with target.open("w" if force else "x", encoding="utf-8") as f:
+            f.write(html)
+    except FileExistsError:
+        raise exists from None
+    return ExportReport(target, len(rows), len(runs), len(html.encode()))

@@ -45,7 +45,8 @@
       if (!(key in STATIC)) throw new Error("not in this export: " + key);
       return STATIC[key];
     }
-    const r = await fetch(key, { headers: { Accept: "application/json" } });
+    // the access cookie the tokened URL set (HttpOnly: this script never sees it)
+    const r = await fetch(key, { credentials: "same-origin", headers: { Accept: "application/json" } });
     const body = await r.json();
     if (!r.ok) throw new Error(body.error || r.statusText);
     return body;
@@ -305,7 +306,7 @@
       ev.preventDefault();
       const body = { tree_id: data.tree.tree_id, node_id: target.value === "node" ? state.node : null, key: key.value, value: value.value === "" ? null : value.value };
       try {
-        const r = await fetch("/api/label", { method: "POST", headers: { "Content-Type": "application/json", "X-Rtrees-Token": TOKEN }, body: JSON.stringify(body) });
+        const r = await fetch("/api/label", { method: "POST", credentials: "same-origin", headers: { "Content-Type": "application/json", "X-Rtrees-Token": TOKEN }, body: JSON.stringify(body) });
         const res = await r.json();
         if (!r.ok) throw new Error(res.error || r.statusText);
         data.labels = res;
@@ -378,6 +379,8 @@
   window.RTREES = { state: state, api: api, openTree: openTree, selectNode: selectNode, TOKEN: TOKEN };
   document.addEventListener("DOMContentLoaded", async () => {
     $("filter-form").addEventListener("submit", (e) => { e.preventDefault(); loadTrees(); });
+    // the access token has set its cookie: keep it out of the address bar and history
+    if (!STATIC && new URLSearchParams(location.search).has("token")) history.replaceState(null, "", location.pathname);
     if (STATIC) { $("filter").disabled = true; $("apply-filter").disabled = true; $("filter").placeholder = "static export: no SQL filter"; }
     $("node-color").addEventListener("change", draw);
     $("token-color").addEventListener("change", drawTokens);
