@@ -179,21 +179,77 @@ def register_study_report(kind: str) -> Callable[[StudyBuilder], StudyBuilder]:
     return deco
 
 
+# Upper bounds (inclusive) of the size settings a study.json's ``config`` may hold, by name:
+# the bounds a study is run with (train.studies.STUDY_MAXIMA, which analysis may not
+# import; tests/test_study_input.py keeps the two equal), checked again on reading, since
+# the file can be edited between run and report (issue 50 item 8: n_boot=1e9 hung the
+# report's bootstrap). A list setting is checked element by element.
+STUDY_FILE_MAXIMA: dict[str, int] = {
+    "n_tasks": 10_000, "calc_tasks": 10_000, "n_dev": 10_000, "n_calib": 10_000,
+    "n_eval": 10_000, "n_old": 100_000, "n_boot": 100_000, "k": 10_000, "n_total": 4_096,
+    "max_new_tokens": 32_768, "sgls_max_new_tokens": 32_768, "resamples": 10_000,
+    "failures_per_task": 1_000, "max_attempts": 100_000, "repeats": 1_000,
+    "n_initial": 4_096, "max_probes": 4_096, "cap_steps": 10_000_000, "refresh_batch": 4_096,
+    "steps": 1_000_000, "tasks_per_step": 4_096, "heldout_tasks": 10_000,
+    "eval_every": 1_000_000}
+STUDY_FILE_MAX_ITEMS = 10_000
+"""Most items of any list in a study.json's ``config`` (seeds, horizons, configs, ...)."""
+STUDY_FILE_MAX_BYTES = 64 * 2**20
+"""Largest ``study.json`` read (a study's own is a few KiB)."""
+
+
 def read_study(study_dir: Path, kind: str | None = None) -> dict[str, Any]:
     """A study directory's ``study.json`` (``NothingToReport`` when there is none, or it
-    is of another kind)."""
+    is of another kind; ``StudyFileError`` naming the field when its ``config`` is missing,
+    not an object, or holds a size setting that is not an integer in
+    ``[0, STUDY_FILE_MAXIMA[name]]`` (n_boot at most 100,000, n_total 4,096, ...) or a list
+    of more than ``STUDY_FILE_MAX_ITEMS`` items; or when the file is over
+    ``STUDY_FILE_MAX_BYTES`` or nested too deeply to parse)."""
     path = Path(study_dir) / "study.json"
     if not path.is_file():
         raise NothingToReport(f"{study_dir} holds no study.json (run the study first)")
+    if path.stat().st_size > STUDY_FILE_MAX_BYTES:
+        raise StudyFileError(f"{path}: {path.stat().st_size} bytes, over the "
+                             f"{STUDY_FILE_MAX_BYTES} bytes a study.json may hold")
     try:
         doc = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise NothingToReport(f"{path} is not JSON: {exc}") from exc
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise StudyFileError(f"{path} is not readable JSON ({type(exc).__name__}: nested "
+                             "too deeply or not UTF-8)") from None
     if not isinstance(doc, dict) or "study" not in doc:
         raise NothingToReport(f"{path} names no study kind")
     if kind is not None and doc["study"] != kind:
         raise NothingToReport(f"{path} is a {doc['study']!r} study, not {kind!r}")
+    check_study_config(path, doc)
     return doc
+
+
+def check_study_config(path: Path, doc: Mapping[str, Any]) -> None:
+    """``StudyFileError`` naming ``path`` and the field unless ``doc["config"]`` is an
+    object whose size settings are within bounds (``read_study``)."""
+    if "config" not in doc:
+        raise StudyFileError(f"{path}: config is missing (the study's settings; rerun the "
+                             "study to rewrite it)")
+    config = doc["config"]
+    if not isinstance(config, dict):
+        raise StudyFileError(f"{path}: config must be an object, got "
+                             f"{type(config).__name__}")
+    for name, value in config.items():
+        if isinstance(value, list) and len(value) > STUDY_FILE_MAX_ITEMS:
+            raise StudyFileError(f"{path}: config.{name} has {len(value)} items, more than "
+                                 f"{STUDY_FILE_MAX_ITEMS}")
+        if name not in STUDY_FILE_MAXIMA or value is None:
+            continue
+        bound = STUDY_FILE_MAXIMA[name]
+        for v in value if isinstance(value, list) else [value]:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise StudyFileError(f"{path}: config.{name} must be an integer, got "
+                                     f"{json.dumps(v)[:40]}")
+            if not 0 <= v <= bound:
+                raise StudyFileError(f"{path}: config.{name} must be in [0, {bound}], "
+                                     f"got {v}")
 
 
 def open_study(study_dir: str | Path, out_dir: str | Path | None, kind: str

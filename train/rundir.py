@@ -22,10 +22,35 @@ weights' ``policy_version`` and records, under ``"files"``, the sha256 of every 
   digest (truncated, edited, flipped or replaced files fail here), and every name in
   ``require`` must be among the listed files. ``CheckpointError`` names the file.
 
-``save_state(state, json_file, tensor_file)`` / ``load_state``
+``save_state(state, json_file, tensor_file, bind)`` / ``load_state``
   nested plain state (dicts, lists, tuples, numbers, strings, tensors, numeric arrays:
   an optimizer's ``state_dict``, RNG states) as JSON plus one safetensors file, in place
   of a pickle; ``load_state`` refuses anything ``save_state`` would not have written.
+
+``StateBinding``: the trainer state bound to what it describes (issue 50 item 7)
+  A digest in ``META_FILE`` is no binding by itself: whoever edits ``trainer_state.json``
+  can rewrite it. So ``save_state(..., bind)`` also records, under ``"binding"``, the run
+  id, the step, the run token and the sha256 of every weights file (``*.safetensors``
+  beside the state), and commits to the store's ``metrics`` a record of the state: one
+  row per top-level field (``iteration``, ``rng``, ``optimizer``, ``scheduler``,
+  ``store_version``, ``sampler_state``, ... and ``binding``), step ``STATE_RECORD_STEP``
+  (a bookkeeping row, hidden from training metrics), name
+  ``checkpoint_state/STEP/FIELD``, value the first 52 bits of the field's sha256 (exact
+  in a float64). ``load_state(..., bind)`` refuses, naming the file and the field:
+
+  * a binding of another step or run id, or an ``iteration`` that is not the step;
+  * a run token other than ``config.json``'s and the store's ``run_token`` row;
+  * a weights file whose sha256 is not the recorded one (``the weights digest does not
+    match model.safetensors``), or weights files added or removed;
+  * a ``store_version`` that is not a table -> version map, is newer than the store, or
+    older than the commits of the iteration before the checkpoint (its trees and metrics,
+    keyed ``RUN:trees:K-1`` / ``RUN:metrics:K-1``);
+  * any field whose digest is not the one the store recorded for the step (``rng``,
+    ``optimizer``, ... edited since it was written), or a step the store recorded no
+    state for.
+
+  The store is the anchor: the checkpoint directory and ``config.json`` can be rewritten
+  together, but the store's commits are append-only records the forger must also forge.
 
 Nothing here unpickles or imports anything from a checkpoint: JSON, safetensors and raw
 bytes only.
@@ -33,16 +58,30 @@ bytes only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from rollout_store.store import Store
 
 META_FILE = "rtrees_policy.json"
 DIGESTS_KEY = "files"  # META_FILE key: {relative file name: sha256 hex}
+BINDING_KEY = "binding"  # trainer-state JSON key beside "state" (StateBinding)
+STATE_RECORD_STEP = -4
+"""``metrics`` step of the state records (``StateBinding``): a bookkeeping row, below
+``rollout_store.attempts.FIRST_METRIC_STEP`` like the run token (-2) and attempts (-3)."""
+STATE_RECORD_METRIC = "checkpoint_state"
+# The trainer's row naming the run directory that owns a run id (train.trainer.OWNER_METRIC
+# and OWNER_STEP; repeated here because the trainer imports this module).
+RUN_TOKEN_METRIC = "run_token"
+RUN_TOKEN_STEP = -2
 
 
 class CheckpointError(ValueError):
@@ -186,10 +225,27 @@ STATE_FORMAT = 1
 _TAGS = ("$tensor", "$ndarray", "$tuple", "$dict")
 
 
-def save_state(state: Any, json_file: Path, tensor_file: Path) -> None:
+@dataclass(frozen=True)
+class StateBinding:
+    """What a checkpoint's trainer state is bound to (module docstring): the run id, the
+    checkpoint's step, the run token (``config.json``'s) and the store the run commits to
+    (None: the store's records are neither written nor checked)."""
+
+    run_id: str
+    step: int
+    run_token: int | None
+    store: Store | None
+
+
+def save_state(state: Any, json_file: Path, tensor_file: Path,
+               bind: StateBinding | None = None) -> dict[str, str]:
     """Write nested plain state without pickle: structure and scalars as JSON
     (``json_file``), every ``torch.Tensor`` and ``numpy.ndarray`` into one safetensors
-    file (``tensor_file``), referenced from the JSON by key.
+    file (``tensor_file``), referenced from the JSON by key. With ``bind``: the binding
+    (run id, step, run token, sha256 of the ``*.safetensors`` weights beside
+    ``json_file``, which must be written first) goes into the JSON, and the store's
+    record of the state is committed (module docstring). Returns the sha256 of each
+    top-level field (``state_digests``).
 
     Encodings: a tensor is ``{"$tensor": KEY}``; an array ``{"$ndarray": KEY, "dtype",
     "shape"}`` (its bytes as a uint8 tensor); a tuple ``{"$tuple": [...]}``; a dict with
@@ -225,14 +281,95 @@ def save_state(state: Any, json_file: Path, tensor_file: Path) -> None:
             return x
         raise TypeError(f"cannot store a {type(x).__name__} in trainer state")
 
-    doc = {"format": STATE_FORMAT, "state": enc(state)}
+    doc: dict[str, Any] = {"format": STATE_FORMAT, "state": enc(state)}
+    if bind is not None:
+        doc[BINDING_KEY] = {"run_id": bind.run_id, "step": bind.step,
+                            "run_token": bind.run_token,
+                            "weights": weight_digests(json_file.parent)}
     json_file.write_text(json.dumps(doc) + "\n")
     save_file(tensors, str(tensor_file))
+    digests = state_digests(doc, tensors)
+    if bind is not None and bind.store is not None:
+        record_state(bind.store, bind.run_id, bind.step, digests)
+    return digests
 
 
-def load_state(json_file: Path, tensor_file: Path) -> Any:
+def weight_digests(directory: Path) -> dict[str, str]:
+    """``{name: sha256}`` of the weights files (``*.safetensors``) directly in
+    ``directory``: the HF export a checkpoint loads (FSDP's ``dcp/`` shards are covered
+    by ``META_FILE``'s digests only)."""
+    return {p.name: sha256_file(p) for p in sorted(directory.glob("*.safetensors"))
+            if p.is_file()}
+
+
+def _tensor_keys(x: Any) -> Iterator[str]:
+    """The tensor keys an encoded value references, in order (iterative: any depth)."""
+    stack = [x]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for tag in ("$tensor", "$ndarray"):
+                if isinstance(item.get(tag), str):
+                    yield item[tag]
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+
+
+def state_digests(doc: Mapping[str, Any], tensors: Mapping[str, Any]) -> dict[str, str]:
+    """sha256 of each top-level field of an encoded state document (``save_state``'s
+    ``doc``; a non-dict state is one field, ``state``), over its canonical JSON and the
+    bytes, dtype and shape of every tensor it references, plus ``binding``'s."""
+    import torch
+
+    state = doc.get("state")
+    fields: dict[str, Any] = dict(state) if isinstance(state, dict) and not any(
+        k.startswith("$") for k in state) else {"state": state}
+    if BINDING_KEY in doc:
+        fields[BINDING_KEY] = doc[BINDING_KEY]
+    out = {}
+    for name, value in fields.items():
+        h = hashlib.sha256(json.dumps(value, sort_keys=True).encode())
+        for key in _tensor_keys(value):
+            t = tensors.get(key)
+            if t is None:
+                h.update(f"missing:{key}".encode())
+                continue
+            h.update(f"{key}:{t.dtype}:{list(t.shape)}".encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                     .tobytes())
+        out[name] = h.hexdigest()
+    return out
+
+
+def _record_value(digest: str) -> float:
+    """The first 52 bits of a hex digest, as the float64 a metrics row holds exactly."""
+    return float(int(digest[:13], 16))
+
+
+def _record_name(step: int, field: str) -> str:
+    return f"{STATE_RECORD_METRIC}/{step:06d}/{field}"
+
+
+def record_state(store: Store, run_id: str, step: int, digests: Mapping[str, str]) -> None:
+    """Commit the store's record of the trainer state of checkpoint ``step`` (module
+    docstring), keyed by its digests: a rewrite of the same state lands once."""
+    from rollout_store.schema import metrics_table
+    from rollout_store.store import CommitKeyConflictError, now_utc
+
+    whole = hashlib.sha256(json.dumps(dict(digests), sort_keys=True).encode()).hexdigest()
+    rows = {_record_name(step, k): _record_value(v) for k, v in sorted(digests.items())}
+    # the same digests under the same key are recorded already (only the time differs)
+    with contextlib.suppress(CommitKeyConflictError):
+        store.append_metrics(metrics_table(run_id, STATE_RECORD_STEP, rows, now_utc()),
+                             key=f"{run_id}:{STATE_RECORD_METRIC}:{step}:{whole[:32]}")
+
+
+def load_state(json_file: Path, tensor_file: Path, bind: StateBinding | None = None) -> Any:
     """The state ``save_state`` wrote; ``CheckpointError`` naming the file for anything
-    it would not have written. Reads JSON and safetensors only: nothing can run code."""
+    it would not have written. Reads JSON and safetensors only: nothing can run code.
+    With ``bind``: also every check of the state's binding (module docstring,
+    ``check_binding``)."""
     import numpy as np
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -299,11 +436,121 @@ def load_state(json_file: Path, tensor_file: Path) -> Any:
         return x
 
     try:
-        return dec(doc["state"])
+        state = dec(doc["state"])
     except RecursionError:
         raise bad("nested too deeply") from None
+    if bind is not None:
+        check_binding(json_file, doc, tensors, state, bind)
+    return state
 
 
-__all__ = ["DIGESTS_KEY", "META_FILE", "STATE_FORMAT", "CheckpointError", "begin_checkpoint",
-           "file_digests", "load_state", "publish_checkpoint", "read_meta", "save_state",
-           "sha256_file", "staging_dir", "verify_checkpoint", "write_checkpoint"]
+def check_binding(json_file: Path, doc: Mapping[str, Any], tensors: Mapping[str, Any],
+                  state: Any, bind: StateBinding) -> None:
+    """``CheckpointError`` naming ``json_file`` and the field unless the state document
+    ``doc`` (with its ``tensors``; ``state`` decoded) is bound to ``bind``: the checks of
+    the module docstring, in its order."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{json_file}: {what}")
+
+    binding = doc.get(BINDING_KEY)
+    if not isinstance(binding, dict):
+        raise bad("records no binding to its weights, run and store (written before "
+                  "trainer states were bound, or edited)")
+    step = binding.get("step")
+    if step != bind.step or not isinstance(state, dict) or state.get("iteration") != bind.step:
+        got = state.get("iteration") if isinstance(state, dict) else None
+        raise bad(f"step {step!r} (iteration {got!r}) is not this checkpoint's step "
+                  f"{bind.step}")
+    if binding.get("run_id") != bind.run_id:
+        raise bad(f"run id {binding.get('run_id')!r} is not this run's {bind.run_id!r}")
+    token = binding.get("run_token")
+    if token != bind.run_token:
+        raise bad(f"run token {token!r} does not match the run directory's config.json "
+                  f"({bind.run_token!r})")
+    weights = binding.get("weights")
+    here = weight_digests(json_file.parent)
+    if not isinstance(weights, dict) or sorted(weights) != sorted(here):
+        names = sorted(weights) if isinstance(weights, dict) else weights
+        raise bad(f"records weights files {names!r}, but the checkpoint holds {sorted(here)}")
+    for name, digest in sorted(here.items()):
+        if weights[name] != digest:
+            raise bad(f"the weights digest does not match {name}")
+    if bind.store is None:
+        return
+    from rollout_store.reader import connect
+
+    con = connect(bind.store)
+    owners = [int(v) for (v,) in con.execute(
+        "SELECT value FROM metrics WHERE run_id = $r AND name = $n AND step = $s "
+        "ORDER BY created_at", {"r": bind.run_id, "n": RUN_TOKEN_METRIC,
+                                "s": RUN_TOKEN_STEP}).fetchall()]
+    if not owners or owners[0] != token:
+        raise bad(f"run token {token!r} does not match the store's run_token row of run "
+                  f"{bind.run_id!r} ({owners[0] if owners else 'none'})")
+    _check_store_version(state.get("store_version"), bind, bad)
+    _check_record(con, doc, tensors, bind, bad)
+
+
+def _check_store_version(version: Any, bind: StateBinding, bad: Callable[[str], CheckpointError]
+                         ) -> None:
+    """``store_version``: a table -> version map of the store's tables, no newer than the
+    store, no older than the commits of the iteration before the checkpoint."""
+    assert bind.store is not None
+    current = dict(bind.store.version())
+    if not isinstance(version, dict) or not version or not all(
+            k in current and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for k, v in version.items()):
+        raise bad(f"store_version {version!r} is not a version of the store's tables "
+                  f"({', '.join(sorted(current))})")
+    for table, v in sorted(version.items()):
+        if v > current[table]:
+            raise bad(f"store_version {table}={v} is newer than the store ({table} is at "
+                      f"version {current[table]})")
+    if bind.step == 0:
+        return
+    tables: tuple[Literal["trees"], Literal["metrics"]] = ("trees", "metrics")
+    for table in tables:
+        if table not in version:
+            continue
+        key = f"{bind.run_id}:{table}:{bind.step - 1}"  # the trainer's commit keys
+        if bind.store.delta_table(table).transaction_version(key) is None:
+            continue  # committed under a retry key (another attempt), or never
+        if bind.store.delta_table(table, version[table]).transaction_version(key) is None:
+            raise bad(f"store_version {table}={version[table]} predates the commit of "
+                      f"iteration {bind.step - 1}'s {table}, which the checkpoint comes after")
+
+
+def _check_record(con: Any, doc: Mapping[str, Any], tensors: Mapping[str, Any],
+                  bind: StateBinding, bad: Callable[[str], CheckpointError]) -> None:
+    """Each field's digest must be the store's record of this step's state (one of them:
+    a rerun iteration records its rewrite too)."""
+    prefix = _record_name(bind.step, "")
+    rows = con.execute(
+        "SELECT created_at, name, value FROM metrics WHERE run_id = $r AND step = $s AND "
+        "starts_with(name, $p) ORDER BY created_at",
+        {"r": bind.run_id, "s": STATE_RECORD_STEP, "p": prefix}).fetchall()
+    records: dict[Any, dict[str, float]] = {}
+    for created, name, value in rows:
+        records.setdefault(created, {})[str(name)[len(prefix):]] = float(value)
+    if not records:
+        raise bad(f"the store records no trainer state for step {bind.step} of run "
+                  f"{bind.run_id!r} (written before trainer states were bound, or not "
+                  "this store's run)")
+    mine = {k: _record_value(v) for k, v in state_digests(doc, tensors).items()}
+    best: list[str] | None = None
+    for record in records.values():
+        differ = sorted(k for k in set(record) | set(mine) if record.get(k) != mine.get(k))
+        if not differ:
+            return
+        if best is None or len(differ) < len(best):
+            best = differ
+    raise bad(f"{', '.join(best or [])} differ{'s' if len(best or []) == 1 else ''} from "
+              f"the trainer state the store recorded for step {bind.step} (edited since it "
+              "was written)")
+
+
+__all__ = ["BINDING_KEY", "DIGESTS_KEY", "META_FILE", "STATE_FORMAT", "STATE_RECORD_METRIC",
+           "STATE_RECORD_STEP", "CheckpointError", "StateBinding", "begin_checkpoint",
+           "check_binding", "file_digests", "load_state", "publish_checkpoint", "read_meta",
+           "record_state", "save_state", "sha256_file", "staging_dir", "state_digests",
+           "verify_checkpoint", "weight_digests", "write_checkpoint"]

@@ -385,7 +385,8 @@ def load_checkpoint(path: Path, config: TrainConfig) -> Resumed:
     flipped or edited files), the run id, env, step and run configuration (``run_fields``) it
     records (a checkpoint of another run), finite weights whose recomputed version
     ``RUN-state_dict_version`` is the recorded one, and trainer state in the current
-    format (JSON and safetensors: nothing is unpickled)."""
+    format (JSON and safetensors: nothing is unpickled) bound to its weights, run token and
+    the store's records (``train.rundir.StateBinding``: a forged field is named)."""
     meta = verify_checkpoint(path, require=("config.json", STATE_FILE, STATE_TENSORS) + (
         (f"{fsdp.DCP_DIR}/.metadata",) if config.sharded else ()))
     step = int(path.name[5:])
