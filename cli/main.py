@@ -176,23 +176,34 @@ def sql(
         help="Let a query larger than --memory spill up to this much (e.g. 4GB) into a "
              "private temporary directory, removed afterwards; 0: never spill (nothing "
              "is written to disk).")] = "0",
+    rss_growth: Annotated[str, typer.Option(
+        help="How much this process's memory may grow while the query runs (e.g. 1GB): "
+             "--memory bounds DuckDB's buffers, not the strings a query builds; past it "
+             "the query is stopped (error: query exceeded the process memory "
+             "limit).")] = "4GB",
 ) -> None:
     """Run read-only SQL (SELECT, EXPLAIN) over the store's DuckDB views: it reads the
-    store's committed files and nothing else, within --timeout, --memory and --temp-disk."""
+    store's committed files and nothing else, within --timeout, --memory, --temp-disk and
+    --rss-growth. Stored text is printed with control characters escaped (\\n, \\x1b,
+    \\x00; ``rollout_store.textsafe.printable``) in every format: JSON through its own
+    escapes, CSV and the table as printable text (exact values: --format json)."""
     import tempfile
 
     import duckdb
+    from rich.text import Text
 
     from rollout_store import StoreError, connect
     from rollout_store.reader import run_query
     from rollout_store.sqlguard import QueryLimits
+    from rollout_store.textsafe import printable, printable_json, printable_table
 
     require(timeout > 0, f"--timeout must be a positive number of seconds, got {timeout}")
     spill = temp_disk.strip() not in ("", "0", "0B", "0b")
     try:
         with tempfile.TemporaryDirectory(prefix="rtrees-sql-") as tmp:
             limits = QueryLimits(timeout_s=timeout, memory=memory,
-                                 temp_directory=tmp if spill else None, temp_disk=temp_disk)
+                                 temp_directory=tmp if spill else None, temp_disk=temp_disk,
+                                 rss_growth=rss_growth)
             con = connect(_open(store), version, verify_checksums=verify, restricted=True,
                           limits=limits)
             try:
@@ -200,19 +211,20 @@ def sql(
             finally:
                 con.close()  # before the temporary directory goes
     except (duckdb.Error, StoreError, ValueError) as exc:
-        fail(str(exc))
+        fail(printable(str(exc), newlines=True))  # DuckDB quotes stored values in errors
     if fmt is SqlFormat.json:
-        print(json.dumps(data.to_pylist(), default=str))
+        print(printable_json(data.to_pylist()))
     elif fmt is SqlFormat.csv:
         import pyarrow.csv as pacsv
 
-        pacsv.write_csv(csv_ready(data), sys.stdout.buffer)
+        pacsv.write_csv(printable_table(csv_ready(data)), sys.stdout.buffer)
     else:
+        shown = printable_table(data)
         table = Table()
-        for name in data.column_names:
-            table.add_column(name)
-        for row in data.to_pylist():
-            table.add_row(*("NULL" if v is None else str(v) for v in row.values()))
+        for name in shown.column_names:
+            table.add_column(Text(name))
+        for row in shown.to_pylist():  # Text: a stored "[red]" is text, not rich markup
+            table.add_row(*(Text("NULL" if v is None else str(v)) for v in row.values()))
         console.print(table)
 
 
@@ -245,19 +257,25 @@ def import_dumps(
         help="TRL: comma-separated reward columns (default: every numeric column that is "
              "not step or advantage).")] = None,
     run_id: Annotated[str | None, typer.Option(help="Run id for the imported trees.")] = None,
+    max_mib: Annotated[float, typer.Option(
+        "--max-mib", help="Largest file read, in MiB (a bigger one is refused).")] = 256.0,
 ) -> None:
     """Ingest verl rollout_data_dir JSONL or TRL completions Parquet as one-level trees, or
     ATIF trajectories (files or folders, e.g. `rtrees export --format atif`) as one tree
-    each: the prompt, then one node per agent step."""
-    from rollout_store.importers import DumpImportError, import_files
+    each: the prompt, then one node per agent step. Only regular files of at most
+    --max-mib are read; a malformed field is one error line naming it, nothing stored."""
+    import math
 
+    from rollout_store.importers import DumpImportError, import_atif_files, import_files
+
+    if not (max_mib > 0 and math.isfinite(max_mib)):
+        fail(f"--max-mib must be a positive number, got {max_mib}")
+    max_bytes = int(max_mib * 2**20)
     s = _open(store, create=True)
     if fmt is ImportFormat.atif:
-        from rollout_store.exporters import import_atif
-
         try:
-            done = import_atif(s, [str(p) for p in paths], run_id)
-        except (ValueError, OSError) as exc:  # TreeValidationError is a ValueError
+            done = import_atif_files(s, [str(p) for p in paths], run_id, max_bytes=max_bytes)
+        except (DumpImportError, OSError) as exc:
             fail(str(exc))
         console.print(f"atif: {done.rows.get('trees', 0)} trees imported"
                       + (" (already stored)" if done.already_committed else ""), markup=False)
@@ -265,7 +283,8 @@ def import_dumps(
     try:
         reports = import_files(s, [str(p) for p in paths], fmt.value, run_id=run_id,
                                reward_columns=None if reward_columns is None
-                               else [c.strip() for c in reward_columns.split(",") if c.strip()])
+                               else [c.strip() for c in reward_columns.split(",") if c.strip()],
+                               max_bytes=max_bytes)
     except DumpImportError as exc:
         fail(str(exc))
     for r in reports:

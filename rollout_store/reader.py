@@ -384,8 +384,9 @@ def _connect(s: Store, version: StoreVersion | int | None, success_threshold: fl
 def run_query(con: duckdb.DuckDBPyConnection, query: str,
               limits: QueryLimits | None = None) -> pa.Table:
     """Run one read-only statement (SELECT or EXPLAIN) and return its rows, within
-    ``limits.timeout_s`` seconds (``QueryLimitError`` past it, or past the connection's
-    memory or temporary-disk limit; ``rollout_store.sqlguard``).
+    ``limits.timeout_s`` seconds and ``limits.rss_growth`` of process memory growth
+    (``QueryLimitError`` past either, or past the connection's memory or temporary-disk
+    limit; ``rollout_store.sqlguard.run_limited``).
 
     Anything else (COPY, ATTACH, SET, CREATE, INSERT, PRAGMA, several statements) is
     refused with ``UnsafeSQLError`` (a ``ValueError``) before it runs."""
@@ -407,7 +408,7 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str,
         rel = con.sql(query)
         return pa.table({}) if rel is None else rel.to_arrow_table()
 
-    return run_limited(con, fetch, limits.timeout_s, limits.memory)
+    return run_limited(con, fetch, limits)
 
 
 def _stream_file(loc: Location, f: DataFile, columns: list[str] | None,

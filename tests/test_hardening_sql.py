@@ -157,7 +157,23 @@ def filter_attacks(box: dict[str, Path]) -> list[str]:
         "PRAGMA version",
         "INSTALL httpfs",
         "nodes.reward > 0",
+        # issue 50: string bombs (OOM-killed every process that ran them)
+        _nested_replace(7, "a" * 20) + " = ''",
+        _nested_replace(3, "aa") + " = ''",
+        "replace(task_id, 'a', meta) = ''",
+        "lpad(task_id, 2000000000, 'x') = ''",
+        "rpad(task_id, 2000000000, 'x') = ''",
+        "string_agg(task_id, ',') = ''",
+        "NOT " * 400 + "seed = 1",
     ]
+
+
+def _nested_replace(depth: int, to: str) -> str:
+    """``replace(replace(... task_id, 'a', to) ...)``, ``depth`` calls."""
+    text = "task_id"
+    for _ in range(depth):
+        text = f"replace({text}, 'a', '{to}')"
+    return text
 
 
 # ----------------------------------------------------------------- the filter checker

@@ -71,12 +71,12 @@ def reuse_filter(reuse_from: str, run_id: str) -> tuple[str, list[Any]]:
 def _filtered(store: Store, query: str, params: list[Any]) -> list[tuple[Any, ...]]:
     """Rows of ``query`` (a filter over ``trees`` built by ``reuse_filter``) on the
     locked-down connection of ``rtrees sql`` (``connect(restricted=True)``: external
-    access off, memory and time bounded)."""
+    access off, memory and time bounded, the process's memory growth too:
+    ``sqlguard.run_limited``)."""
     con = connect(store, restricted=True)
     limits = QueryLimits()
     try:
-        return run_limited(con, lambda: con.execute(query, params).fetchall(),
-                           limits.timeout_s, limits.memory)
+        return run_limited(con, lambda: con.execute(query, params).fetchall(), limits)
     finally:
         con.close()
 
