@@ -224,11 +224,18 @@ class ViewerData:
             self.con.execute(_TREE_ROWS_SQL)
 
     def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        with self._lock:
+        """The rows of one query, run within ``QueryLimits()`` (time, and the process's
+        memory growth: a filter the checker passed still cannot take the server down;
+        ``QueryLimitError``, a ``StoreError``, past a limit)."""
+        from rollout_store.sqlguard import run_limited
+
+        def run() -> tuple[list[str], list[tuple[Any, ...]]]:
             cur = self.con.execute(sql, list(params))
-            names = [d[0] for d in cur.description or []]
-            return [{k: _clean(v) for k, v in zip(names, r, strict=True)}
-                    for r in cur.fetchall()]
+            return [d[0] for d in cur.description or []], cur.fetchall()
+
+        with self._lock:
+            names, rows = run_limited(self.con, run)
+        return [{k: _clean(v) for k, v in zip(names, r, strict=True)} for r in rows]
 
     def summary(self) -> dict[str, Any]:
         """The store's path, pinned version and table row counts."""
