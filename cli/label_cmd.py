@@ -23,16 +23,23 @@ def label_command(
         help="Author recorded (default: $RTREES_AUTHOR or the login name).")] = None,
 ) -> None:
     """Label a tree or one of its nodes (append-only: `rtrees sql` reads the history in
-    labels and the current labels in labels_latest; the viewer shows them)."""
+    labels and the current labels in labels_latest; the viewer shows them). A key is 1 to
+    100 characters, a value at most 10,000, an author 1 to 100; none may hold control,
+    line-separator or bidi characters (newline, NUL, ESC, U+202E...): refused in one line,
+    nothing written."""
     from rollout_store import SchemaMismatchError, Store, StoreError
     from rollout_store.labels import write_labels
+    from rollout_store.schema import MAX_NODE_ID
+    from rollout_store.textsafe import printable
 
+    if node is not None and not 0 <= node <= MAX_NODE_ID:
+        fail(f"--node {node}: a node id is an integer in 0..{MAX_NODE_ID}")
     try:
         values: dict[str, str | None] = dict(split_params(set_, "--set"))
     except ParamError as exc:
         fail(str(exc))
     for key in clear or []:
-        if key in values:
+        if key.strip() in values:
             fail(f"--clear {key!r}: also given to --set")
         values[key] = None
     if not values:
@@ -41,7 +48,7 @@ def label_command(
         report = write_labels(Store(store), tree, node, values, author)
     except (StoreError, SchemaMismatchError, ValueError) as exc:
         fail(str(exc))
-    target = f"tree {tree}" + ("" if node is None else f" node {node}")
+    target = f"tree {printable(tree)}" + ("" if node is None else f" node {node}")
     console.print(f"{target}: {report.rows.get('labels', 0)} label rows written", markup=False)
 
 

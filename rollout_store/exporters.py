@@ -333,14 +333,38 @@ def _hf_features(schema: pa.Schema) -> dict[str, Any]:
     return {f.name: feature(f.type) for f in schema}
 
 
+# What an export writes directly under --out (module docstring).
+_WRITTEN = ("metadata.json", "dataset_info.json", "data", "trajectories", "adp.jsonl")
+
+
+def refuse_out_in_store(store: Store, out: Path) -> None:
+    """``ValueError`` when ``out``, or a file or folder an export writes there (``_WRITTEN``:
+    one may be a link), is the local ``store``'s directory or inside it: an export must
+    never write into a store (a stray file in a table's ``_delta_log`` breaks it). Both
+    paths are resolved (links followed, ``..`` removed) first."""
+    if store.loc.remote:
+        return  # --out is a local directory: never inside an object store
+    root = Path(str(store.path)).resolve()
+    for path in (out, *(out / name for name in _WRITTEN)):
+        try:
+            real = path.resolve()
+        except (OSError, RuntimeError) as exc:  # a loop of links
+            raise ValueError(f"--out {out}: cannot resolve {path}: {exc}") from None
+        if real == root or root in real.parents:
+            raise ValueError(f"--out {out}: the export would write {real}, in the store "
+                             f"{root}; export to a directory outside the store")
+
+
 def export_paths(store: Store, fmt: str, out: str | Path, *, run_id: str | None = None,
                  tree_ids: Sequence[str] | None = None) -> ExportReport:
     """Write every root-to-leaf path of the selected trees to ``out`` as ``fmt`` (module
-    docstring). ``ValueError``: an unknown format, nothing selected, an unknown tree, or
-    an ``out`` that already holds an export."""
+    docstring). ``ValueError``: an unknown format, nothing selected, an unknown tree, an
+    ``out`` that already holds an export, or an ``out`` inside a local store
+    (``refuse_out_in_store``); each is raised before anything is written."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r} (one of {', '.join(EXPORT_FORMATS)})")
     out = Path(out)
+    refuse_out_in_store(store, out)
     if (out / "metadata.json").exists():
         raise ValueError(f"{out} already holds an export (metadata.json); choose a new --out")
     version = store.version()

@@ -24,22 +24,57 @@ vectorised comparison); a candidate whose match fits inside its segment is verif
 ``len(ids) - 1`` vectorised gathers; only the few candidates whose prefix matches up to
 their segment's end are followed into the next segments (the node's observation, then
 each child's action) in Python.
+
+Limits (issue 50): a regex is at most ``MAX_PATTERN`` (1,000) characters and a token run
+at most ``MAX_TOKEN_IDS`` (1,000) ids (``ValueError`` past either). Length alone does not
+bound a regex's time: RE2 runs a large pattern on its slower NFA, and ``.{1000}`` (7
+characters) costs about as much per byte of text as a 1,000-character one (25 us a byte
+here: 4 MB of text took minutes). So ``search_regex`` runs the query in a child process
+and kills it at a deadline (``timeout_s``, default ``REGEX_TIMEOUT_S`` = 30 s, child start
+included): ``QueryLimitError``, one line. (DuckDB's own interrupt is looked at only
+between vectors of 2,048 rows, and one vector of long texts can take minutes.)
+
+The index is the store's own: ``<store>/.search-index`` and the ``trees*-nodes*`` folders
+in it are used only as plain directories of this store. A symbolic link (or anything not a
+directory) in their place is refused with ``StoreError`` before anything is deleted, and
+every removal, write and read goes through a directory descriptor opened without
+following links (``O_NOFOLLOW``), so nothing outside the store is touched even when the
+folder is swapped mid-search. A store this process may not write (a read-only file
+system, no write access, or a directory without any write permission bit: ``chmod 555``
+holds even for root) is searched without writing: the index is built in memory, and an
+index already there is only read.
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import mmap
+import os
+import re
 import shutil
+import subprocess
+import sys
+import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rollout_store.errors import StoreError
 from rollout_store.reader import StoreLike, as_store, connect, read_arrow
-from rollout_store.store import StoreVersion
+from rollout_store.sqlguard import QueryLimitError
+from rollout_store.store import Store, StoreVersion
+
+MAX_PATTERN = 1_000  # characters of a --regex pattern (issue 50: 30k took 15 s on 4 MB)
+MAX_TOKEN_IDS = 1_000  # ids of a --tokens run: the scan makes one gather per id
+REGEX_TIMEOUT_S = 30.0  # default deadline of search_regex, seconds (module docstring)
 
 TOKEN_HITS = pa.schema([pa.field("tree_id", pa.string()), pa.field("node_id", pa.int64()),
                         pa.field("offset", pa.int64()), pa.field("end_node_id", pa.int64())])
@@ -60,12 +95,37 @@ class SearchResult:
 
 
 def search_regex(store: StoreLike, pattern: str, limit: int = 100,
-                 version: StoreVersion | int | None = None) -> SearchResult:
+                 version: StoreVersion | int | None = None,
+                 timeout_s: float | None = REGEX_TIMEOUT_S) -> SearchResult:
     """Nodes whose action or observation text matches ``pattern`` (module docstring);
-    one hit per (node, field). A bad pattern is DuckDB's ``InvalidInputException``."""
+    one hit per (node, field).
+
+    ``pattern`` is at most ``MAX_PATTERN`` (1,000) characters (``ValueError``); a bad
+    pattern is DuckDB's ``InvalidInputException``, raised before the search starts. The
+    search runs in a child process killed after ``timeout_s`` seconds (``QueryLimitError``;
+    the module docstring says why); ``timeout_s=None`` runs it in this process, unbounded,
+    for patterns you trust (benchmarks)."""
+    import duckdb
+
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
-    con = connect(as_store(store), version, restricted=True)
+    if len(pattern) > MAX_PATTERN:
+        raise ValueError(f"regex of {len(pattern):,} characters: at most {MAX_PATTERN:,}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"search timeout must be > 0 seconds, got {timeout_s}")
+    with duckdb.connect() as check:  # compiles the pattern only: a bad one fails here
+        check.execute("SELECT regexp_matches('', $p)", {"p": pattern})
+    s = as_store(store)
+    pinned = s.resolve(version)
+    if timeout_s is None:
+        return _regex_hits(s, pattern, limit, pinned)
+    return _regex_in_child(s, pattern, limit, pinned, timeout_s)
+
+
+def _regex_hits(store: Store, pattern: str, limit: int, version: StoreVersion
+                ) -> SearchResult:
+    """The regex search proper, in this process."""
+    con = connect(store, version, restricted=True)
     sql = """
         WITH hits AS (
             SELECT tree_id, node_id, 'action' AS field,
@@ -81,6 +141,58 @@ def search_regex(store: StoreLike, pattern: str, limit: int = 100,
     total = int(table.column("total")[0].as_py()) if table.num_rows else 0
     hits = table.drop_columns(["total"]).cast(TEXT_HITS)
     return SearchResult(hits, total)
+
+
+def _regex_in_child(store: Store, pattern: str, limit: int, version: StoreVersion,
+                    timeout_s: float) -> SearchResult:
+    """``_regex_hits`` in a fresh interpreter (``_regex_child``), killed at ``timeout_s``.
+
+    The request goes in as JSON on stdin, the hits come back as an Arrow IPC stream on
+    stdout (``total`` in its metadata), an error as one line on stderr. A fresh
+    interpreter rather than ``multiprocessing``: a fork would copy DuckDB's and
+    deltalake's threads, and spawn re-imports the caller's ``__main__``."""
+    request = json.dumps({"store": str(store.path), "pattern": pattern, "limit": int(limit),
+                          "version": dict(version)})
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[1])  # the checkout holding rollout_store
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    start = time.monotonic()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from rollout_store.search import _regex_child; _regex_child()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        out, err = child.communicate(request.encode(), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        raise QueryLimitError(f"regex search exceeded {timeout_s:g} s (the time limit; "
+                              "see --timeout)") from None
+    except BaseException:  # Ctrl-C: never leave the child running
+        child.kill()
+        child.wait()
+        raise
+    if child.returncode != 0:
+        lines = [ln for ln in err.decode(errors="replace").splitlines() if ln.strip()]
+        raise StoreError(f"regex search failed after {time.monotonic() - start:.1f} s: "
+                         f"{lines[-1] if lines else f'exit status {child.returncode}'}")
+    table = pa.ipc.open_stream(out).read_all()
+    total = int((table.schema.metadata or {}).get(b"total", b"0"))
+    return SearchResult(table.replace_schema_metadata(None).cast(TEXT_HITS), total)
+
+
+def _regex_child() -> None:
+    """The child side of ``_regex_in_child`` (run as ``python -c``)."""
+    req = json.loads(sys.stdin.read())
+    try:
+        res = _regex_hits(as_store(req["store"]), req["pattern"], req["limit"],
+                          StoreVersion({k: int(v) for k, v in req["version"].items()}))
+    except Exception as exc:  # one line for the parent; it re-raises with the store's name
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
+        sys.stderr.write(f"{type(exc).__name__}: {first}\n")
+        sys.exit(1)
+    table = res.hits.replace_schema_metadata({"total": str(res.total)})
+    with pa.ipc.new_stream(sys.stdout.buffer, table.schema) as writer:
+        writer.write_table(table)
 
 
 def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
@@ -135,35 +247,127 @@ class TokenIndex:
 
     def save(self, folder: Path) -> None:
         """Write the arrays (``.npy``) and tree ids (Arrow IPC) into ``folder`` atomically
-        (a temporary sibling renamed into place)."""
-        tmp = folder.with_name(f"{folder.name}.tmp-{uuid.uuid4().hex[:8]}")
-        tmp.mkdir(parents=True)
-        for name in _ARRAYS:
-            np.save(tmp / f"{name}.npy", np.ascontiguousarray(getattr(self, name)))
-        with pa.OSFile(str(tmp / "tree_ids.arrow"), "wb") as sink, \
-                pa.ipc.new_file(sink, pa.schema([("tree_id", pa.string())])) as w:
-            w.write_table(pa.table({"tree_id": self.tree_ids}))
+        (a temporary sibling renamed into place), following no symbolic link: the parent
+        must be a plain directory and ``folder`` must not exist as a link."""
+        with _open_dir(folder.parent) as parent:
+            self._save_at(parent, folder.name)
+
+    def _save_at(self, parent: int, name: str) -> None:
+        """``save`` into ``parent`` (a directory descriptor) as ``name``."""
+        tmp = f"{name}.tmp-{uuid.uuid4().hex[:8]}"
+        os.mkdir(tmp, 0o755, dir_fd=parent)
         try:
-            tmp.rename(folder)
-        except OSError:  # another search built the same index meanwhile
-            shutil.rmtree(tmp, ignore_errors=True)
+            with _open_dir(tmp, parent) as folder:
+                for array in _ARRAYS:
+                    with _create(folder, f"{array}.npy") as f:
+                        np.save(f, np.ascontiguousarray(getattr(self, array)))
+                with _create(folder, "tree_ids.arrow") as f, \
+                        pa.ipc.new_file(f, pa.schema([("tree_id", pa.string())])) as w:
+                    w.write_table(pa.table({"tree_id": self.tree_ids}))
+            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except OSError:
+            shutil.rmtree(tmp, dir_fd=parent, ignore_errors=True)
+            if name not in os.listdir(parent):  # not another search's index built meanwhile
+                raise
 
     @staticmethod
     def load(folder: Path) -> TokenIndex:
+        """The index saved in ``folder`` (memory-mapped), following no symbolic link."""
+        with _open_dir(folder.parent) as parent:
+            return TokenIndex._load_at(parent, folder.name)
+
+    @staticmethod
+    def _load_at(parent: int, name: str) -> TokenIndex:
         # np.asarray: plain ndarray views of the maps (no copy); indexing an np.memmap runs
         # its Python __getitem__, 0.5 s of a 1.9 s search that followed 150k candidates
-        arrays = {name: np.asarray(np.load(folder / f"{name}.npy", mmap_mode="r"))
-                  for name in _ARRAYS}
-        tree_ids = pa.ipc.open_file(pa.memory_map(str(folder / "tree_ids.arrow"))
-                                    ).read_all().column("tree_id").combine_chunks()
+        with _open_dir(name, parent) as folder:
+            arrays = {array: np.asarray(_map_npy(folder, f"{array}.npy"))
+                      for array in _ARRAYS}
+            fd = os.open("tree_ids.arrow", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
+            try:
+                data = pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+            finally:
+                os.close(fd)
+        tree_ids = pa.ipc.open_file(pa.BufferReader(data)).read_all().column(
+            "tree_id").combine_chunks()
         return TokenIndex(tree_ids=tree_ids, **arrays)
+
+
+_ENTRY = re.compile(r"trees\d+-nodes\d+(\.tmp-[0-9a-f]{8})?")  # what the index holds
+
+
+@contextmanager
+def _open_dir(path: str | Path, parent: int | None = None) -> Iterator[int]:
+    """A descriptor of the directory ``path`` (relative to the descriptor ``parent`` if
+    given), opened without following a symbolic link in its last component (``ELOOP``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _create(folder: int, name: str) -> BinaryIO:
+    """A new file ``name`` in ``folder`` for writing; never through a link."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644,
+                 dir_fd=folder)
+    return os.fdopen(fd, "wb")
+
+
+def _map_npy(folder: int, name: str) -> np.ndarray:
+    """``np.load(name, mmap_mode="r")`` through a descriptor opened without following a
+    link (``np.load`` maps only a path)."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
+    with os.fdopen(fd, "rb") as f:
+        major, minor = np.lib.format.read_magic(f)
+        if (major, minor) == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        if dtype.hasobject:
+            raise ValueError(f"{name}: an object array, not an index")
+        if not int(np.prod(shape)):
+            return np.zeros(shape, dtype)  # mmap cannot map zero bytes
+        return np.memmap(f, dtype=dtype, mode="r", offset=f.tell(), shape=shape,
+                         order="F" if fortran else "C")
+
+
+def _may_write(path: Path) -> bool:
+    """Whether the search may write its index into the local store ``path``: not on a
+    read-only file system, writable by this process (``os.access``), and with a write
+    permission bit set (root passes ``os.access`` on a ``chmod 555`` directory, and a
+    store made read-only that way is read-only for the search too)."""
+    try:
+        mode, flags = os.stat(path).st_mode, os.statvfs(path).f_flag
+    except OSError:
+        return False
+    return not flags & os.ST_RDONLY and bool(mode & 0o222) and os.access(path, os.W_OK)
+
+
+def _refuse_links(root: Path, parent: int | None = None) -> None:
+    """``StoreError`` unless ``root`` (in ``parent``) is a plain directory whose index
+    entries are plain directories: a link there is someone else's, never ours to follow
+    or delete."""
+    why = "a symbolic link" if os.path.islink(root) else "not a directory"
+    if parent is None:
+        raise StoreError(f"{root}: the search index is {why}; refusing to use it (remove it "
+                         "and search again)")
+    for entry in os.scandir(parent):
+        if _ENTRY.fullmatch(entry.name) and (entry.is_symlink()
+                                             or not entry.is_dir(follow_symlinks=False)):
+            kind = "a symbolic link" if entry.is_symlink() else "not a directory"
+            raise StoreError(f"{root / entry.name}: an entry of the search index is {kind}; "
+                             "refusing to use the index (remove it and search again)")
 
 
 def load_index(store: StoreLike, version: StoreVersion | int | None = None,
                cache: bool = True) -> TokenIndex:
     """The ``TokenIndex`` of ``store`` at ``version`` (latest if None): memory-mapped
     from ``<store>/.search-index/`` when built before, else built from the ``nodes``
-    table (and, with ``cache`` on a local store, saved there)."""
+    table (and, with ``cache`` on a local store this process may write, saved there,
+    the older indexes removed). ``StoreError`` when the index folder or one of its
+    entries is a symbolic link or not a directory (module docstring): nothing is read
+    through it or deleted."""
     s = as_store(store)
     if not cache or s.loc.remote:
         return TokenIndex.from_nodes(read_arrow(s, "nodes", version, list(TOKEN_COLUMNS)))
@@ -171,22 +375,55 @@ def load_index(store: StoreLike, version: StoreVersion | int | None = None,
         key = {name: s.delta_table(name).version() for name in ("trees", "nodes")}
     else:
         key = dict(s.resolve(version))
-    root = Path(str(s.path)) / INDEX_DIR
-    folder = root / f"trees{key['trees']}-nodes{key['nodes']}"
-    if (folder / "tree_ids.arrow").is_file():
+    path = Path(str(s.path))
+    root = path / INDEX_DIR
+    writable = _may_write(path)
+    if writable and not os.path.lexists(root):
         try:
-            return TokenIndex.load(folder)
+            os.mkdir(root, 0o755)  # never follows a link: an existing one is EEXIST
+        except FileExistsError:  # another search made it meanwhile
+            pass
+        except OSError:
+            writable = False
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:  # no index and a store we may not write: build in memory
+        return _index_in(s, None, key, version, False)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a link (O_NOFOLLOW), or a file
+            _refuse_links(root)
+        raise
+    try:
+        _refuse_links(root, fd)
+        return _index_in(s, fd, key, version, writable)
+    finally:
+        os.close(fd)
+
+
+def _index_in(s: Store, root: int | None, key: dict[str, int],
+              version: StoreVersion | int | None, writable: bool) -> TokenIndex:
+    """``load_index`` in the index directory ``root`` (a descriptor; None: there is none):
+    read the index of ``key`` if there, else build it and, if ``writable``, save it and
+    remove the older ones."""
+    name = f"trees{key['trees']}-nodes{key['nodes']}"
+    if root is not None and name in os.listdir(root):
+        try:
+            return TokenIndex._load_at(root, name)
         except (OSError, ValueError, pa.ArrowException):
-            shutil.rmtree(folder, ignore_errors=True)  # damaged: rebuild below
+            if writable:  # damaged: rebuild below
+                shutil.rmtree(name, dir_fd=root, ignore_errors=True)
     pinned = s.resolve(version) if version is not None else s.version()
     if {n: pinned[n] for n in key} != key:  # a commit landed meanwhile: index what we read
-        folder = root / f"trees{pinned['trees']}-nodes{pinned['nodes']}"
+        name = f"trees{pinned['trees']}-nodes{pinned['nodes']}"
     index = TokenIndex.from_nodes(read_arrow(s, "nodes", pinned, list(TOKEN_COLUMNS)))
+    if root is None or not writable:
+        return index  # a read-only store: search without the cache
     try:
-        for old in root.glob("trees*-nodes*"):
-            shutil.rmtree(old, ignore_errors=True)
-        index.save(folder)
-    except OSError:  # a read-only store: search without the cache
+        for old in os.listdir(root):
+            if _ENTRY.fullmatch(old):  # plain directories (_refuse_links), removed by fd
+                shutil.rmtree(old, dir_fd=root, ignore_errors=True)
+        index._save_at(root, name)
+    except OSError:  # the store turned read-only, or a full disk: search without the cache
         pass
     return index
 
@@ -194,9 +431,10 @@ def load_index(store: StoreLike, version: StoreVersion | int | None = None,
 def search_tokens(store: StoreLike, ids: Sequence[int], limit: int = 100,
                   version: StoreVersion | int | None = None, cache: bool = True
                   ) -> SearchResult:
-    """Where ``ids`` occur contiguously along a root-to-leaf path (module docstring), over
-    the store's ``TokenIndex`` (built on first use, then reused; ``cache=False`` reads
-    the ``nodes`` table every time)."""
+    """Where ``ids`` (1 to ``MAX_TOKEN_IDS`` = 1,000 of them) occur contiguously along a
+    root-to-leaf path (module docstring), over the store's ``TokenIndex`` (built on first
+    use, then reused; ``cache=False`` reads the ``nodes`` table every time and writes
+    nothing; a store this process may not write is never written either)."""
     q = _query(ids, limit)
     return _runs(load_index(store, version, cache), q, limit)
 
@@ -210,9 +448,15 @@ def find_token_runs(nodes: pa.Table, ids: Sequence[int] | np.ndarray, limit: int
 
 
 def _query(ids: Sequence[int] | np.ndarray, limit: int) -> np.ndarray:
-    q = np.asarray([int(i) for i in ids], dtype=np.int64)
-    if q.size == 0:
+    """``ids`` as int64 (1 to ``MAX_TOKEN_IDS`` of them, else ``ValueError``); an id past
+    int64 is clipped to it: like any id outside int32 it matches no token (``_runs``)."""
+    ints = [int(i) for i in ids]
+    if not ints:
         raise ValueError("give at least one token id")
+    if len(ints) > MAX_TOKEN_IDS:
+        raise ValueError(f"{len(ints):,} token ids: at most {MAX_TOKEN_IDS:,}")
+    big = np.iinfo(np.int64)
+    q = np.asarray([min(max(i, int(big.min)), int(big.max)) for i in ints], dtype=np.int64)
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     return q

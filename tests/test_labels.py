@@ -109,6 +109,8 @@ def test_labels_in_the_viewer(store: Store) -> None:
             req = urllib.request.Request(server.url + "api/label", method="POST",
                                          data=json.dumps(body).encode(),
                                          headers={TOKEN_HEADER: token,
+                                                  "Cookie": f"{server.cookie_name}="
+                                                            f"{server.access_token}",
                                                   "Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=10) as r:
