@@ -14,13 +14,17 @@ from cli._common import console, fail, parse_params, require
 def default_run_id(env: str, sampler: str, policy: str, n_total: int) -> str:
     """The run id when none is given: the same options give the same id, so a rerun
     resumes (skips the trees already stored) instead of starting over."""
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", policy).strip("-") or "policy"
-    return f"{env}-{sampler}-{slug}-n{n_total}"
+    def slug(text: str, default: str) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or default
+
+    return f"{slug(env, 'env')}-{sampler}-{slug(policy, 'policy')}-n{n_total}"
 
 
 def collect_command(
     store: Annotated[Path, typer.Option("--store", help="Store directory (created if missing).")],
-    env: Annotated[str, typer.Option(help="Environment: calc, python, workflow, sgls.")],
+    env: Annotated[str, typer.Option(
+        help="Environment: calc, python, workflow, sgls, a name an installed package "
+             "registers (entry points 'rollout_trees.envs'), or module:Class.")],
     policy: Annotated[str, typer.Option(help="Policy spec for train.policies.load_policy "
                                              "(tiny, hf:PATH, vllm:PATH, tabular).")],
     sampler: Annotated[str, typer.Option(help="group, random, entropy, bel or caliper.")],
@@ -42,7 +46,7 @@ def collect_command(
 ) -> None:
     """Sample one rollout tree per task with a sampler and a policy, commit them to a store."""
     from rollout_store import SchemaMismatchError, Store, StoreError
-    from train.envs import ENVIRONMENTS, env_class
+    from train.envs import env_class
     from train.policies import PolicyUnavailableError
     from train.sampling.collect import collect
 
@@ -50,10 +54,12 @@ def collect_command(
     for option, value in (("--tasks", tasks), ("--n-total", n_total), ("--workers", workers),
                           ("--commit-trees", commit_trees)):
         require(value >= 1, f"{option} must be at least 1, got {value}")
-    require(env in ENVIRONMENTS, f"--env {env!r}: unknown environment; choose from "
-                                 f"{', '.join(sorted(ENVIRONMENTS))}")
     try:
-        generated = env_class(env).generate_tasks(tasks, seed)
+        env_cls = env_class(env)
+    except ValueError as exc:  # EnvSpecError: unknown name, module that does not import
+        fail(f"--env: {exc}")
+    try:
+        generated = env_cls.generate_tasks(tasks, seed)
         s = Store(store, create=True)
         report = collect(s, env, policy, sampler, generated, n_total, seed,
                          run_id or default_run_id(env, sampler, policy, n_total),
@@ -63,6 +69,10 @@ def collect_command(
             PolicyUnavailableError) as exc:
         fail(str(exc))
     console.print(report.summary(), highlight=False, markup=False)
+    if report.failed:
+        tree_id, why = next(iter(sorted(report.failed.items())))
+        fail(f"{len(report.failed)} of {len(generated)} trees failed and were not committed "
+             f"(a rerun retries them); first: {tree_id}: {why}")
 
 
 def register(app: typer.Typer) -> None:

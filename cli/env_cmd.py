@@ -28,7 +28,7 @@ from typing import Annotated, Any
 import typer
 
 from cli._common import ParamError, fail, parse_json_params
-from train.envs import ENVIRONMENTS, Environment, make_env
+from train.envs import ENVIRONMENTS, Environment, env_class, make_env
 
 env_app = typer.Typer(help="Try tool environments by hand.", no_args_is_help=True)
 
@@ -56,9 +56,10 @@ class Episode:
 
 def load_env(name: str) -> Environment:
     """``make_env(name)``, with unknown or unavailable environments as ``EnvCommandError``."""
-    if name not in ENVIRONMENTS:
-        raise EnvCommandError(f"unknown environment {name!r}; choose from "
-                              f"{', '.join(sorted(ENVIRONMENTS))}")
+    try:
+        env_class(name)
+    except ValueError as exc:  # EnvSpecError
+        raise EnvCommandError(str(exc)) from None
     try:
         return make_env(name)
     except Exception as exc:  # a missing module or a failing constructor alike
@@ -182,7 +183,8 @@ def _error(message: str, code: int) -> typer.Exit:
 
 @env_app.command("play")
 def play(
-    env: Annotated[str, typer.Option("--env", help=f"Environment: {', '.join(ENVIRONMENTS)}.")],
+    env: Annotated[str, typer.Option("--env", help=f"Environment: {', '.join(ENVIRONMENTS)}, "
+                                                   "an installed name or module:Class.")],
     seed: Annotated[int, typer.Option(help="Task seed: the task is generate_tasks(1, seed)[0].")
                     ] = 0,
     action: Annotated[list[str] | None, typer.Option(

@@ -130,7 +130,7 @@ from train.config import (
 )
 from train.credit.scores import GOLD
 from train.credit.store_io import resolve_method, token_score_kinds
-from train.envs import ENVIRONMENTS, Task, env_class, make_env
+from train.envs import Task, env_class, make_env
 from train.loss import (
     aggregate,
     denominator,
@@ -200,8 +200,10 @@ def check_config(config: TrainConfig, world_size: int = 1) -> None:
     ``world_size``: the number of data-parallel ranks (``train.distributed``)."""
     if not config.store or not config.out:
         raise ConfigError("store and out are required")
-    if config.env not in ENVIRONMENTS:
-        raise ConfigError(f"unknown env {config.env!r}; choose from {sorted(ENVIRONMENTS)}")
+    try:
+        env_class(config.env)
+    except ValueError as exc:  # EnvSpecError, in one line
+        raise ConfigError(f"env: {exc}") from None
     if config.sampler not in SAMPLERS:
         raise ConfigError(f"unknown sampler {config.sampler!r}; choose from {list(SAMPLERS)}")
     from train.credit import ESTIMATORS

@@ -1,36 +1,50 @@
 """Tool environments with exact snapshot and restore.
 
-``make_env(name, **config)`` builds one by name; classes load lazily so that a
-sandbox-less machine can still use the pure-Python worlds.
+``make_env(spec, **config)`` builds one from a spec: a built-in name (``calc``,
+``python``, ``workflow``, ``sgls``), a name another package installs (entry-point group
+``rollout_trees.envs``), a name given to ``register_env`` in this process, or a
+``module:Class`` path (``train.envs.registry``: the one resolver). Classes load lazily so
+that a sandbox-less machine can still use the pure-Python worlds. An environment whose
+``snapshot_strategy`` is not ``native`` is wrapped so that ``snapshot``/``restore`` work
+through replay or fork (``train.envs.strategies``).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from train.envs.base import Environment, ParsedAction, StepResult, Task, parse_action
+from train.envs.registry import (
+    BUILTIN,
+    EnvSpecError,
+    env_names,
+    register_env,
+    resolve_env,
+    spec_of,
+    unregister_env,
+)
 
-ENVIRONMENTS: dict[str, str] = {
-    "calc": "train.envs.calc:CalcEnv",
-    "python": "train.envs.python_env:PythonEnv",
-    "workflow": "train.envs.workflow:WorkflowEnv",
-    "sgls": "train.envs.sgls:SglsEnv",
-}
-
-
-def env_class(name: str) -> type[Environment]:
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; choose from {sorted(ENVIRONMENTS)}")
-    module, cls = ENVIRONMENTS[name].split(":")
-    found: type[Environment] = getattr(importlib.import_module(module), cls)
-    return found
+ENVIRONMENTS = BUILTIN
+"""The built-in environments, name -> ``module:Class`` (``env_names()`` lists every name
+that resolves, installed and registered ones included)."""
 
 
-def make_env(name: str, **config: Any) -> Environment:
-    """An environment instance by registry name (``calc``, ``python``, ``workflow``, ``sgls``)."""
-    return env_class(name)(**config)
+def env_class(spec: str) -> type[Environment]:
+    """The ``Environment`` class of ``spec`` (``EnvSpecError``, a ``ValueError``, in one line
+    when it does not resolve)."""
+    return resolve_env(spec)
 
 
-__all__ = ["ENVIRONMENTS", "Environment", "ParsedAction", "StepResult", "Task", "env_class",
-           "make_env", "parse_action"]
+def make_env(spec: str, **config: Any) -> Environment:
+    """An environment instance of ``spec``, remembering the spec (``spec_of``: what the
+    store records for its trees), with snapshots through its ``snapshot_strategy``."""
+    from train.envs.strategies import with_snapshots
+
+    env = resolve_env(spec)(**config)
+    env.spec = spec
+    return with_snapshots(env)
+
+
+__all__ = ["ENVIRONMENTS", "EnvSpecError", "Environment", "ParsedAction", "StepResult",
+           "Task", "env_class", "env_names", "make_env", "parse_action", "register_env",
+           "spec_of", "unregister_env"]

@@ -292,10 +292,67 @@ def load_snapshot(state: bytes, fmt: str) -> dict[str, Any]:
     return data
 
 
+SnapshotStrategy = Literal["native", "replay", "fork"]
+"""How an environment's states are saved and restored (``train.envs.strategies``)."""
+
+
 class Environment(ABC):
-    """A tool world with exact snapshot and restore (see the module docstring)."""
+    """A tool world that can be branched from any of its states.
+
+    Required: ``reset``, ``step`` and ``generate_tasks``. How a state is saved is the
+    class's ``snapshot_strategy``, recorded in every snapshot it produces:
+
+    * ``native``: the env implements ``snapshot() -> bytes`` (its whole state) and
+      ``restore(bytes)`` itself;
+    * ``replay``: ``reset`` and ``step`` (and ``reseed``, if it has one) are deterministic
+      given the task; ``make_env`` wraps it so that a snapshot is the task and the actions
+      (and reseed keys) so far, and ``restore`` is a reset plus a replay of them (O(depth)
+      steps; a replay that diverges is an error naming the step);
+    * ``fork``: the env lives in a worker process, built and stepped on that process's main
+      thread; a snapshot is a frozen forked copy of the process, with the replay record
+      as its fallback.
+
+    Optional: ``expert_action`` (a scripted expert: ``rtrees policy init``, ``env check``),
+    ``reseed(key)`` (a fresh random stream after ``restore``, so siblings branched from one
+    state do not share tool outcomes), ``tool_schemas()`` (the tools in the OpenAI function
+    format: every policy's chat template gets them), ``close()``.
+
+    Threads: the engine builds, steps, snapshots and closes each instance on its
+    tool-pool threads, one call at a time per instance but not always on the same thread.
+    A library that must run on a main thread (signal handlers) or on one thread only
+    declares ``snapshot_strategy = "fork"``.
+    """
 
     name: ClassVar[str]
+    snapshot_strategy: ClassVar[SnapshotStrategy] = "native"
+    exact_values: ClassVar[bool] = False
+    """Whether every task is a tabular model whose optimal and policy values are exact
+    (``train.envs.workflow_model``): studies then measure exact quantities (recovery
+    probabilities, the values of tree nodes) where they otherwise sample. Default False:
+    values are estimated by sampling, right for any environment without such a model."""
+    tabular_policy: ClassVar[bool] = False
+    """Whether the ``tabular`` policy backend (exact softmax policies over the workflow
+    action strings, ``train.policies.tabular``) can act here; default False."""
+    task_group_key: ClassVar[str | None] = None
+    """The ``Task.config`` key whose value groups tasks in success reports (``rtrees policy
+    init``'s per-group held-out success: calc's ``difficulty``); None (the default): one
+    group of all tasks."""
+    tiny_sft: ClassVar[dict[str, Any]] = {}
+    """``rtrees policy init``'s recipe for this env: ``SFTConfig`` fields
+    (``train.policies.tiny_train``) over their defaults, e.g. ``minutes``, ``p_error``,
+    ``noise`` (how the scripted expert is perturbed; default ``"none"``: its own actions
+    only, which needs nothing but ``expert_action``). Default {}: the generic recipe."""
+
+    @classmethod
+    def tiny_phrases(cls) -> tuple[str, ...]:
+        """Fixed text of this env (prompt blocks, tool-call prefixes, JSON keys) that the
+        tiny policy's tokenizer makes single tokens, after its shared vocabulary
+        (``train.policies.tiny.build_tokenizer``). Default (): the shared vocabulary, so a
+        checkpoint of another env with it loads here too."""
+        return ()
+
+    spec: str | None = None
+    """The spec ``make_env`` built this instance from (what the store records)."""
 
     @abstractmethod
     def reset(self, task: Task) -> str:
@@ -305,17 +362,27 @@ class Environment(ABC):
     def step(self, action_text: str) -> StepResult:
         """Apply one action; never raises for a malformed or hostile action."""
 
-    @abstractmethod
     def snapshot(self) -> bytes:
-        """The whole episode state, compact, enough to ``restore`` without replay by the caller."""
+        """The whole episode state, compact, enough to ``restore`` without replay by the
+        caller (``native`` environments; the others are wrapped by ``make_env``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no snapshot(): implement it, "
+                                  "or set snapshot_strategy = 'replay' or 'fork'")
 
-    @abstractmethod
     def restore(self, state: bytes) -> None:
         """Return to a state from ``snapshot`` (possibly taken by another instance)."""
+        raise NotImplementedError(f"{type(self).__name__} has no restore(): implement it, "
+                                  "or set snapshot_strategy = 'replay' or 'fork'")
 
-    @abstractmethod
     def expert_action(self) -> str:
-        """The scripted expert's next action text in the current state."""
+        """The scripted expert's next action text in the current state (optional)."""
+        raise NotImplementedError(f"{type(self).__name__} has no scripted expert")
+
+    @classmethod
+    def tool_schemas(cls) -> list[dict[str, Any]] | None:
+        """The tools, as ``[{"type": "function", "function": {"name", "description",
+        "parameters"}}]`` (the OpenAI function format chat templates take); None where
+        the env has none or they differ per task."""
+        return None
 
     @classmethod
     @abstractmethod
@@ -339,6 +406,11 @@ class OneToolEnv(Environment, Generic[EpisodeT]):
     """The JSON tool schema (``name``, ``parameters``)."""
     snapshot_format: ClassVar[str]
     _state: EpisodeT | None
+
+    @classmethod
+    def tool_schemas(cls) -> list[dict[str, Any]] | None:
+        """The one tool, in the OpenAI function format."""
+        return [{"type": "function", "function": cls.tool}]
 
     def _require(self) -> EpisodeT:
         return require_state(self._state, type(self).__name__)

@@ -153,6 +153,15 @@ def _parts(reward: float, malformed: bool) -> dict[str, float]:
     return {"reward": reward, "malformed": 1.0 if malformed else 0.0}
 
 
+TOOL_DESCRIPTIONS: dict[str, str] = {
+    "fast": "Run the current stage quickly; on failure the stage breaks (or the workflow "
+            "crashes).",
+    "careful": "Run the current stage carefully; on failure nothing changes.",
+    "repair": "Fix a broken stage.",
+    "skip": "Move on without running the current stage.",
+}
+
+
 class WorkflowEnv(Environment):
     """The ``workflow`` tool world (rules and formats in the module docstring).
 
@@ -160,6 +169,13 @@ class WorkflowEnv(Environment):
     """
 
     name = "workflow"
+
+    @classmethod
+    def tool_schemas(cls) -> list[dict[str, Any]] | None:
+        """The four tools, without arguments, in the OpenAI function format."""
+        return [{"type": "function", "function": {
+            "name": tool, "description": TOOL_DESCRIPTIONS[tool],
+            "parameters": {"type": "object", "properties": {}}}} for tool in TOOLS]
 
     def __init__(self, deterministic: bool | None = None, system_prompt_chars: int = 0) -> None:
         self.deterministic_override = deterministic

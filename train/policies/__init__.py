@@ -48,25 +48,13 @@ SPECS = ("tiny", "hf:PATH", "vllm:PATH", "tabular")
 
 def env_tools(env: str) -> list[dict[str, Any]] | None:
     """The environment's tools in the OpenAI function format that chat templates take
-    (None where tools differ per task)."""
-    if env == "calc":
-        from train.envs.calc import TOOL_SCHEMA
+    (``Environment.tool_schemas``, checked by ``train.envs.tools.check_tool_schemas``;
+    None where it has none or they differ per task)."""
+    from train.envs import env_class
+    from train.envs.tools import check_tool_schemas
 
-        return [{"type": "function", "function": TOOL_SCHEMA}]
-    if env == "workflow":
-        from train.envs.workflow_model import TOOLS
-
-        descriptions = {
-            "fast": "Run the current stage quickly; on failure the stage breaks (or the "
-                    "workflow crashes).",
-            "careful": "Run the current stage carefully; on failure nothing changes.",
-            "repair": "Fix a broken stage.",
-            "skip": "Move on without running the current stage.",
-        }
-        return [{"type": "function", "function": {
-            "name": tool, "description": descriptions[tool],
-            "parameters": {"type": "object", "properties": {}}}} for tool in TOOLS]
-    return None
+    schemas = env_class(env).tool_schemas()
+    return None if schemas is None else check_tool_schemas(schemas, env)
 
 
 def load_policy(spec: str, env: str, **kw: Any) -> Policy:
@@ -76,10 +64,9 @@ def load_policy(spec: str, env: str, **kw: Any) -> Policy:
     for a PATH that is not a checkpoint, and ``PolicyUnavailableError`` when vLLM is
     not installed or no tiny checkpoint exists yet (the message gives the command).
     """
-    from train.envs import ENVIRONMENTS
+    from train.envs import env_class
 
-    if env not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {env!r}; choose from {sorted(ENVIRONMENTS)}")
+    env_class(env)  # EnvSpecError (a ValueError) for a spec that does not resolve
     kind, sep, path = spec.partition(":")
     if kind in ("hf", "vllm") and (not sep or not path):
         raise ValueError(f"policy spec {spec!r} needs a checkpoint path: {kind}:PATH")

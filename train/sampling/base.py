@@ -71,6 +71,7 @@ import numpy as np
 from rollout_store.snapshots import decompress
 from rollout_store.tree import Node, Tree
 from train.envs.base import Environment, StepResult, Task, parse_action
+from train.envs.registry import spec_of
 from train.policies.base import Continuation, Policy, Rows, SampleConfig, Turn
 from train.sampling.engine import Decode, Engine, EnvSource, Request, TreeJob, Work
 from train.sampling.segments import action_segments, head_entropy, token_char_starts
@@ -397,7 +398,7 @@ class TreeBuilder:
         stored_root = tree.root()
         if stored_root.snapshot_id is None or stored_root.snapshot_id not in tree.snapshots:
             raise ContinuationError(f"tree {tree.tree_id!r}: the root has no snapshot")
-        task = Task(task_id=tree.task_id or tree.tree_id, env=tree.env or env.name,
+        task = Task(task_id=tree.task_id or tree.tree_id, env=tree.env or spec_of(env),
                     prompt=stored_root.observation_text or "", max_steps=limit,
                     config=dict(cfg.get("task") or {}))
         builder = cls(env, policy, task, n_total, sampler=sampler, config=config, seed=seed,
@@ -565,7 +566,7 @@ class TreeBuilder:
         policy_ref = getattr(self.policy, "policy_ref", None)
         return Tree(
             tree_id=self.tree_id, nodes=self.nodes, run_id=self.run_id,
-            task_id=self.task.task_id, env=self.env.name, sampler=self.sampler,
+            task_id=self.task.task_id, env=spec_of(self.env), sampler=self.sampler,
             env_config={"task": self.task.config, "max_steps": self.task.max_steps},
             policy_version=str(self.policy.policy_version),
             policy_ref=None if policy_ref is None else str(policy_ref),

@@ -97,10 +97,13 @@ def env_source(env: EnvSpec) -> Environment | Callable[[], Environment]:
 
 def sample_trees(env: EnvSpec, policy: Policy, sampler: Sampler, tasks: Sequence[Task],
                  n_total: int, seed: int, run_id: str,
-                 on_tree: Callable[[int, Tree], None] | None = None) -> list[Tree]:
+                 on_tree: Callable[[int, Tree], None] | None = None,
+                 on_failure: Callable[[int, Exception], None] | None = None) -> list[Tree]:
     """The trees of ``tasks`` (ids ``tree_id_for``, seeds ``tree_seed``), all advanced
-    together by one ``Engine.sample_trees`` call; ``on_tree(i, tree)`` as each ends. An
-    ``Environment`` object (not a name) is shared, so its trees run one at a time."""
+    together by one ``Engine.sample_trees`` call; ``on_tree(i, tree)`` as each ends
+    (``on_failure(i, exc)``: a tree whose environment failed, left out; without it the
+    failure is raised). An ``Environment`` object (not a name) is shared, so its trees
+    run one at a time."""
     source = env_source(env)
     engine = Engine(policy, max_programs=1 if isinstance(source, Environment)
                     else DEFAULT_MAX_PROGRAMS)
@@ -109,11 +112,20 @@ def sample_trees(env: EnvSpec, policy: Policy, sampler: Sampler, tasks: Sequence
     if isinstance(source, Environment):  # one shared object: one tree at a time
         trees = []
         for i, job in enumerate(jobs):
-            trees.append(engine.sample_trees([job])[0])
-            if on_tree is not None:
-                on_tree(i, trees[-1])
+            alone: Callable[[int, Exception], None] | None = None
+            if on_failure is not None:
+                alone = partial(_reindexed, on_failure, i)
+            one = engine.sample_trees([job], on_failure=alone)
+            trees.extend(one)
+            if one and on_tree is not None:
+                on_tree(i, one[0])
         return trees
-    return engine.sample_trees(jobs, on_tree)
+    return engine.sample_trees(jobs, on_tree, on_failure)
+
+
+def _reindexed(on_failure: Callable[[int, Exception], None], i: int, _: int,
+               exc: Exception) -> None:
+    on_failure(i, exc)
 
 
 def _sample_chunk(env: EnvSpec, policy: Policy, sampler: Sampler, tasks: Sequence[Task],

@@ -47,7 +47,7 @@ from typing import Any
 
 from rollout_store import Store
 from rollout_store.tree import Tree
-from train.envs import Task, make_env
+from train.envs import Task, make_env, spec_of
 from train.sampling import Sampler, make_sampler
 from train.sampling.chunks import (
     ChunkResult,
@@ -82,6 +82,9 @@ class CollectReport:
     seconds: float = 0.0
     by_phase: dict[str, int] = field(default_factory=dict)
     retries: int = 0  # chunks rerun after their Ray actor died
+    failed: dict[str, str] = field(default_factory=dict)
+    """Trees not committed because their environment failed: tree id -> one line (a
+    rerun retries them; the other trees of their chunk are committed)."""
 
     def add(self, chunk: ChunkResult) -> None:
         """Count one committed chunk."""
@@ -104,7 +107,16 @@ class CollectReport:
                 f"stored); {self.nodes} nodes, {self.rollouts} rollouts ({phases}); "
                 f"{self.seconds:.1f} s, {self.trees_per_minute:.1f} trees/min"
                 + (f"; {self.retries} chunks retried after a worker died" if self.retries
-                   else ""))
+                   else "")
+                + (f"; {len(self.failed)} trees FAILED (not committed): "
+                   + "; ".join(f"{t}: {e}" for t, e in sorted(self.failed.items())[:3])
+                   + (" ..." if len(self.failed) > 3 else "") if self.failed else ""))
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception (a failed tree's reason)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def resolve_sampler(sampler: str | Sampler, params: dict[str, Any] | None = None) -> Sampler:
@@ -143,9 +155,17 @@ def _init_worker(env: str, policy: str | PolicyFactory, sampler: Sampler, thread
         torch.set_num_threads(max(1, min(threads, torch.get_num_threads())))
 
 
-def _worker_chunk(tasks: list[Task], n_total: int, seed: int, run_id: str) -> list[Tree]:
-    return sample_trees(_WORKER["env"], _WORKER["policy"], _WORKER["sampler"], tasks,
-                         n_total, seed, run_id)
+def _worker_chunk(tasks: list[Task], n_total: int, seed: int, run_id: str
+                  ) -> tuple[list[Tree], dict[str, str]]:
+    """The chunk's trees, and the trees that failed (tree id -> one line)."""
+    failed: dict[str, str] = {}
+
+    def on_failure(i: int, exc: Exception) -> None:
+        failed[tree_id_for(run_id, seed, tasks[i].task_id)] = one_line(exc)
+
+    trees = sample_trees(_WORKER["env"], _WORKER["policy"], _WORKER["sampler"], tasks,
+                         n_total, seed, run_id, on_failure=on_failure)
+    return trees, failed
 
 
 @contextmanager
@@ -223,7 +243,7 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
 
     with progress_bar(progress, len(todo), f"collect {samp.name}") as advance:
         if workers == 1 or len(chunks) <= 1:
-            env_name = env if isinstance(env, str) else env.name
+            env_name = env if isinstance(env, str) else spec_of(env)
             pol = resolve_policy(policy, env_name)
             # waves of whole chunks, about ``wave`` trees each: the engine keeps them in
             # flight and each chunk is committed as soon as its trees are done (caliper's
@@ -233,18 +253,25 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
                 group = chunks[w0:w0 + per_wave]
                 flat = [task for chunk in group for task in chunk]
                 owner = [c for c, chunk in enumerate(group) for _ in chunk]
-                got: list[dict[int, Tree]] = [{} for _ in group]
+                got: list[dict[int, Tree | None]] = [{} for _ in group]
 
-                def on_tree(i: int, tree: Tree, group: list[list[Task]] = group,
-                            owner: list[int] = owner, got: list[dict[int, Tree]] = got
-                            ) -> None:
+                def on_tree(i: int, tree: Tree | None, group: list[list[Task]] = group,
+                            owner: list[int] = owner,
+                            got: list[dict[int, Tree | None]] = got) -> None:
                     c = owner[i]
-                    got[c][i] = tree
+                    got[c][i] = tree  # None: the tree failed
                     advance(1)
                     if len(got[c]) == len(group[c]):
-                        commit([got[c][j] for j in sorted(got[c])])
+                        done = [t for _, t in sorted(got[c].items()) if t is not None]
+                        if done:
+                            commit(done)
 
-                sample_trees(env, pol, samp, flat, n_total, seed, run_id, on_tree)
+                def on_failure(i: int, exc: Exception, flat: list[Task] = flat) -> None:
+                    report.failed[tree_id_for(run_id, seed, flat[i].task_id)] = one_line(exc)
+                    on_tree(i, None)
+
+                sample_trees(env, pol, samp, flat, n_total, seed, run_id, on_tree,
+                             on_failure)
         else:
             env_name, pol_spec = worker_specs(env, policy, "workers > 1")
             ctx = multiprocessing.get_context("spawn")
@@ -256,9 +283,11 @@ def collect(store: Store, env: EnvSpec, policy: PolicySpec, sampler: str | Sampl
                            for chunk in chunks]
                 try:
                     for fut in cf.as_completed(futures):
-                        trees = fut.result()
-                        commit(trees)
-                        advance(len(trees))
+                        trees, failed = fut.result()
+                        if trees:
+                            commit(trees)
+                        report.failed.update(failed)
+                        advance(len(trees) + len(failed))
                 except BaseException:
                     for fut in futures:
                         fut.cancel()

@@ -185,10 +185,15 @@ class Engine:
     # ----- the core -------------------------------------------------------------------
 
     def run(self, programs: Iterable[Callable[[], Program]],
-            on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
+            on_done: Callable[[int, Any], None] | None = None,
+            on_failure: Callable[[int, Exception], None] | None = None) -> list[Any]:
         """Run every program (given as factories, created when admitted) to its end;
         returns their return values in order. ``on_done(i, value)`` is called as each
-        one ends. An exception in a program closes the others and is raised."""
+        one ends. An exception in a program closes the others and is raised; with
+        ``on_failure``, an ``Exception`` escaping program ``i`` (its environment raised,
+        a replay diverged, its budget was not spent) is passed to ``on_failure(i, exc)``
+        instead, its result stays None and the others go on. A failure of the policy
+        (outside any program) is always raised."""
         factories = list(programs)
         results: list[Any] = [None] * len(factories)
         live: dict[int, Program] = {}
@@ -213,6 +218,12 @@ class Engine:
                             results[i] = stop.value
                             if on_done is not None:
                                 on_done(i, stop.value)
+                            continue
+                        except Exception as failed:  # the program's own failure
+                            if on_failure is None:
+                                raise
+                            del live[i]  # it ended (its finally closed its environment)
+                            on_failure(i, failed)
                             continue
                         if isinstance(req, Work):
                             self.stats.work += 1
@@ -333,8 +344,12 @@ class Engine:
     # ----- trees ----------------------------------------------------------------------
 
     def sample_trees(self, jobs: Sequence[TreeJob],
-                     on_tree: Callable[[int, Tree], None] | None = None) -> list[Tree]:
-        """One tree per job, all advanced together; ``on_tree(i, tree)`` as each ends."""
+                     on_tree: Callable[[int, Tree], None] | None = None,
+                     on_failure: Callable[[int, Exception], None] | None = None
+                     ) -> list[Tree]:
+        """One tree per job, all advanced together; ``on_tree(i, tree)`` as each ends.
+        With ``on_failure`` (``run``), a tree whose program failed is reported there and
+        left out of the returned list; without it, the failure is raised."""
         samplers = list({id(j.sampler): j.sampler for j in jobs}.values())
         shared = [j.env for j in jobs if isinstance(j.env, Environment)]
         if len({id(e) for e in shared}) < len(shared):
@@ -343,12 +358,13 @@ class Engine:
         for s in samplers:
             s.begin_wave()
         try:
-            trees: list[Tree] = self.run(
-                [partial(job.sampler.tree_program, job, self.policy) for job in jobs], on_tree)
+            trees: list[Tree | None] = self.run(
+                [partial(job.sampler.tree_program, job, self.policy) for job in jobs], on_tree,
+                on_failure)
         finally:
             for s in samplers:
                 s.end_wave()
-        return trees
+        return [t for t in trees if t is not None]
 
 
 def _answer(w: _Waiting, request: int, branch: int, cont: Continuation,
