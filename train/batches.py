@@ -799,6 +799,50 @@ def _forward(model: Any, mb: MicroBatch, with_entropy: bool, entropy_grad: bool,
     return logp, entropy
 
 
+def _probe_row(layout: Layout, branch: int) -> Row:
+    """A row of the layout probe: prompt tokens (1, 2) then one branch token per path
+    (3 or 4), each path predicting 5 after it. ``branch`` -1: the tree row of both."""
+    if layout == "tree":
+        ids, positions, token_node, tout = [1, 2, 3, 4], [0, 1, 2, 2], [0, 0, 1, 2], \
+            [4, 4, 3, 4]
+        cols, targets = [1, 1, 2, 3], [3, 4, 5, 5]
+    else:
+        ids, positions, token_node, tout = [1, 2, 3 + branch], [0, 1, 2], [0, 0, 1], []
+        cols, targets = [1, 2], [3 + branch, 5]
+    k = len(cols)
+    return Row(tree=0, ids=ids, positions=positions, token_node=token_node, cols=cols,
+               targets=targets, old_logp=[0.0] * k, advantage=[0.0] * k,
+               clip_low=[0.2] * k, clip_high=[0.2] * k, traj_count=[1.0] * k,
+               inv_len_sum=[1.0] * k, keys=[(0, 0, i) for i in range(k)], tout=tout,
+               behav_logp=[0.0] * k, action_len=[1.0] * k, stored=[False] * k,
+               staleness=[0.0] * k)
+
+
+def tree_layout_problem(model: Any) -> str | None:
+    """Why ``model`` cannot train in the tree layout, or None when it can: a two-branch
+    probe (4 tokens) through the tree attention hook must run and give the logprobs the
+    same tokens give as two plain paths (within 1e-4). A model whose attention code does
+    not take the hook's mask (GPT-2's, in transformers 5) either raises or ignores it;
+    the trainer then trains in the ``paths`` layout and says so."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            tree, _ = forward_logprobs(model, collate([_probe_row("tree", -1)], "tree"))
+            paths = [forward_logprobs(model, collate([_probe_row("paths", b)], "paths"))[0]
+                     for b in (0, 1)]
+    except Exception as exc:  # the model's attention code refusing the hook's mask
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"{type(exc).__name__}: {text}"
+    finally:
+        model.train(was_training)
+    want = torch.stack([paths[0][0], paths[1][0], paths[0][1], paths[1][1]])
+    worst = float((tree.double() - want.double()).abs().max())
+    if worst > 1e-4:
+        return f"its tree-layout logprobs differ from the paths' by {worst:.2g}"
+    return None
+
+
 def has_dropout(model: torch.nn.Module) -> bool:
     """Whether ``model`` in training mode is random: a ``Dropout`` module with p > 0, or a
     config ``*dropout*`` rate > 0 that its functional attention applies (HF attention

@@ -112,6 +112,7 @@ from train.batches import (
     make_rows,
     micro_batches,
     rows_credit,
+    tree_layout_problem,
     tree_token_ratio,
 )
 from train.coerce import literal_value
@@ -704,6 +705,13 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
     resumed = resume_checkpoint(out, config, warn=world.is_main) if resume else None
     start_ckpt = resumed.path if resumed is not None else None
     policy = resumed.policy if resumed is not None else load_start_policy(config)
+    if config.layout == "tree":
+        problem = tree_layout_problem(policy.model)
+        if problem is not None:  # the run's config.json still says tree: resumes agree
+            if world.is_main:
+                print(f"note: this model cannot train in the tree layout ({problem}); "
+                      "training in the paths layout", flush=True)
+            config = config.replace(layout="paths")
     model = policy.model  # the model trained (FSDP: a sharded copy; policy.model samples)
     if config.sharded:
         try:
