@@ -4,6 +4,10 @@
 runs one episode of the seeded task ``generate_tasks(1, seed)[0]`` and prints one JSON
 line per step. ``--snapshot-out`` / ``--snapshot-in`` save and continue an episode.
 
+``rtrees env check SPEC`` runs the conformance check (``train.envs.check.check_env``, issue
+44): one line per check, then what the env supports; exit 1 when a required check fails,
+2 when the spec does not resolve.
+
 The snapshot file is JSON: ``{"format": "rtrees-env-snapshot/1", "env", "task_id",
 "step", "done", "state"}`` with ``state`` the base64 of ``Environment.snapshot()``, so
 that ``--snapshot-in`` can check the environment and continue the step numbering. A
@@ -226,3 +230,38 @@ def play(
             snapshot_out.write_bytes(saved)
         except OSError as exc:
             raise _error(f"cannot write {snapshot_out}: {exc.strerror}", 1) from None
+
+
+@env_app.command("check")
+def check(
+    spec: Annotated[str, typer.Argument(help=f"Environment: {', '.join(ENVIRONMENTS)}, an "
+                                             "installed name or module:Class.")],
+    prefixes: Annotated[int, typer.Option(
+        min=1, help="Random prefixes per snapshot strategy (restore-then-step determinism).")
+                        ] = 20,
+    seed: Annotated[int, typer.Option(help="Seed of the tasks and of the random actions.")
+                    ] = 0,
+    tasks: Annotated[int, typer.Option(min=1, help="Tasks generated (generate_tasks).")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check that an environment works before collecting: tasks, tools, episodes, snapshot
+    strategies (restore-then-step determinism, cost), reseed, threads; then what it supports."""
+    from train.envs import EnvSpecError
+    from train.envs.check import CheckResult, check_env
+    from train.sampling import SAMPLERS
+
+    def show(result: CheckResult) -> None:
+        typer.echo(result.line())
+
+    try:
+        report = check_env(spec, prefixes=prefixes, seed=seed, tasks=tasks,
+                           samplers=list(SAMPLERS), on_result=None if as_json else show)
+    except EnvSpecError as exc:
+        raise _error(str(exc), 2) from None
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        for line in report.summary_lines():
+            typer.echo(line)
+    if not report.passed:
+        raise typer.Exit(1)

@@ -116,7 +116,8 @@ def _wrapper(env: str, state: bytes) -> bytes:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--env", "nope"], "unknown environment 'nope'"),
-    (["--env", "ghost"], "environment 'ghost' is not available: ModuleNotFoundError"),
+    (["--env", "ghost"], "module 'train.envs.ghost_does_not_exist' does not import "
+                           "(ModuleNotFoundError"),
     (["--env", "calc", "--difficulty", "9"], "difficulties must be"),
     (["--env", "calc", "--mix", "colour=3"], "unknown calc task option"),
     (["--env", "calc", "--mix", "novalue"], "--mix 'novalue': expected KEY=VALUE"),

@@ -40,7 +40,10 @@ def make_env(spec: str, **config: Any) -> Environment:
     store records for its trees), with snapshots through its ``snapshot_strategy``."""
     from train.envs.strategies import with_snapshots
 
-    env = resolve_env(spec)(**config)
+    cls = resolve_env(spec)
+    if cls.snapshot_strategy == "fork":
+        import train.envs.fork  # noqa: F401  # registers "fork" where the platform can fork
+    env = cls(**config)
     env.spec = spec
     return with_snapshots(env)
 

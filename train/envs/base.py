@@ -353,6 +353,11 @@ class Environment(ABC):
 
     spec: str | None = None
     """The spec ``make_env`` built this instance from (what the store records)."""
+    tool_lag: ClassVar[int] = 0
+    """For slow tools (a remote call, a sandbox start): decode steps of the other trees a
+    step of this env may overlap (``train.sampling.engine.Work.lag``). Its answer is
+    collected that many decode steps after the step started, whatever the thread timing,
+    so trees stay reproducible; 0 collects it after the next decode step."""
 
     @abstractmethod
     def reset(self, task: Task) -> str:

@@ -13,7 +13,8 @@ those do is the environment class's ``snapshot_strategy``, applied once by ``mak
   and reward parts must hash to the recorded ``digest``: a replay that parts from the
   record is ``ReplayDivergenceError`` naming the first diverging step, never a silently
   different branch. Its cost is O(depth) steps (``ReplayEnv.stats``).
-* ``fork``: registered by ``train.envs.fork`` where the platform can fork.
+* ``fork``: registered by ``train.envs.fork`` where the platform can fork (``make_env``
+  imports it for an environment that declares it).
 
 The strategy is recorded in every snapshot it makes (the ``strategy`` key; a native
 snapshot is the env's own bytes).
@@ -70,6 +71,10 @@ class ReplayEnv(Environment):
     @property  # the wrapped class's name, per instance
     def name(self) -> str:  # type: ignore[override]
         return self.inner.name
+
+    @property
+    def tool_lag(self) -> int:  # type: ignore[override]
+        return self.inner.tool_lag
 
     def tool_schemas(self) -> list[dict[str, Any]] | None:  # type: ignore[override]
         return self.inner.tool_schemas()
@@ -168,8 +173,6 @@ SNAPSHOT_STRATEGIES: dict[str, Callable[[Environment], Environment]] = {
 def with_snapshots(env: Environment, strategy: str | None = None) -> Environment:
     """``env`` with snapshots through ``strategy`` (default: its class's)."""
     name = strategy or type(env).snapshot_strategy
-    if name == "fork" and name not in SNAPSHOT_STRATEGIES:
-        import train.envs.fork  # noqa: F401  # registers "fork" where it is possible
     wrap = SNAPSHOT_STRATEGIES.get(name)
     if wrap is None:
         raise ValueError(f"{type(env).__name__}: unknown snapshot strategy {name!r}; "

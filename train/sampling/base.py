@@ -558,7 +558,7 @@ class TreeBuilder:
                             add(on_step(child))  # charged now: later hooks see the budget left
                 return live
 
-            active = yield Work(apply)
+            active = yield Work(apply, lag=self.env.tool_lag)
         return leaves
 
     def finish(self) -> Tree:

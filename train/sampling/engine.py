@@ -95,9 +95,17 @@ class Decode:
 @dataclass(frozen=True)
 class Work:
     """Run ``fn()`` in the tool pool (answer: its return value; an exception is thrown
-    into the program)."""
+    into the program).
+
+    ``lag`` (continuous mode): decode steps the work may take without holding up the
+    decoder. Its answer is collected ``lag`` decode steps after it was submitted (when
+    no row is decoding, at once), so slow tools overlap that many steps of the other
+    trees' decoding. Which step an answer arrives at is a function of the programs, never
+    of thread timing: 0 (the default) collects it after the next decode step. Lagged
+    work runs in its own larger pool (``LAGGED_TOOL_THREADS``: such tools mostly wait)."""
 
     fn: Callable[[], Any]
+    lag: int = 0
 
 
 Request = Decode | Work
@@ -105,6 +113,9 @@ Program = Generator[Request, Any, Any]
 
 DEFAULT_MAX_ROWS = 128
 DEFAULT_MAX_PROGRAMS = 64
+LAGGED_TOOL_THREADS = 64
+"""Threads of the pool for lagged work (``Work.lag`` > 0: tools that wait, e.g. on a
+remote call; one per program in flight)."""
 
 
 def default_tool_threads() -> int:
@@ -200,8 +211,11 @@ class Engine:
         ready: deque[tuple[int, Any, BaseException | None]] = deque()
         waiting: deque[_Waiting] = deque()
         futures: dict[cf.Future[Any], int] = {}
+        due: dict[cf.Future[Any], int] = {}  # continuous mode: the decode step it is due
         lane = _Lane(getattr(self.policy, "decoder")()) if self.continuous else None  # noqa: B009
         admitted = 0
+        clock = 0  # decode steps so far (continuous mode)
+        lagged: cf.ThreadPoolExecutor | None = None
         with cf.ThreadPoolExecutor(self.tool_threads, thread_name_prefix="rtrees-env") as pool:
             try:
                 while True:
@@ -227,7 +241,16 @@ class Engine:
                             continue
                         if isinstance(req, Work):
                             self.stats.work += 1
-                            futures[pool.submit(req.fn)] = i
+                            if req.lag > 0 and lane is not None:
+                                if lagged is None:
+                                    lagged = cf.ThreadPoolExecutor(
+                                        LAGGED_TOOL_THREADS, thread_name_prefix="rtrees-tool")
+                                fut = lagged.submit(req.fn)
+                            else:
+                                fut = pool.submit(req.fn)
+                            futures[fut] = i
+                            if lane is not None:
+                                due[fut] = clock + max(0, req.lag)
                         elif isinstance(req, Decode):
                             waiting.append(_new_waiting(i, req))
                         else:
@@ -240,8 +263,11 @@ class Engine:
                         busy = bool(lane.decoder.live)
                         if busy:
                             self._step(lane, ready)
-                        if futures:  # the work submitted before this step, in order
-                            _collect_all(futures, ready)
+                            clock += 1
+                        elif futures:  # nothing decodes: the next due work is due now
+                            clock = max(clock, min(due.values()))
+                        if futures:  # the work due by this step, in submission order
+                            _collect_due(futures, due, clock, ready)
                             continue
                         if busy:
                             continue
@@ -265,6 +291,9 @@ class Engine:
                 for prog in live.values():
                     prog.close()
                 raise
+            finally:
+                if lagged is not None:
+                    lagged.shutdown(wait=True)
         return results
 
     def _take(self, waiting: deque[_Waiting], config: SampleConfig | None, budget: int
@@ -391,16 +420,18 @@ def _collect(futures: dict[cf.Future[Any], int],
     return bool(done)
 
 
-def _collect_all(futures: dict[cf.Future[Any], int],
-                 ready: deque[tuple[int, Any, BaseException | None]]) -> None:
-    """Wait for every submitted work item and move them to ``ready`` in submission order
-    (continuous mode: which step a program's answer arrives at never depends on thread
-    timing)."""
-    cf.wait(list(futures))
-    for fut, i in futures.items():
+def _collect_due(futures: dict[cf.Future[Any], int], due: dict[cf.Future[Any], int],
+                 clock: int, ready: deque[tuple[int, Any, BaseException | None]]) -> None:
+    """Wait for every work item due by decode step ``clock`` (``Work.lag``) and move them
+    to ``ready`` in submission order (continuous mode: which step a program's answer
+    arrives at never depends on thread timing)."""
+    now = [fut for fut in futures if due[fut] <= clock]
+    cf.wait(now)
+    for fut in now:
+        i = futures.pop(fut)
+        del due[fut]
         err = fut.exception()
         ready.append((i, None if err else fut.result(), err))
-    futures.clear()
 
 
 def _new_waiting(program: int, decode: Decode) -> _Waiting:
