@@ -41,8 +41,10 @@ def make_env(spec: str, **config: Any) -> Environment:
     from train.envs.strategies import with_snapshots
 
     cls = resolve_env(spec)
-    if cls.snapshot_strategy == "fork":
-        import train.envs.fork  # noqa: F401  # registers "fork" where the platform can fork
+    if cls.snapshot_strategy == "fork":  # built in its worker process, never in this one
+        from train.envs.fork import make_fork_env
+
+        return make_fork_env(spec, cls, **config)
     env = cls(**config)
     env.spec = spec
     return with_snapshots(env)
