@@ -86,7 +86,9 @@ def _paired_means(vals: dict[str, np.ndarray], tasks: Any, n_boot: int, seed: in
 def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
                      ) -> dict[str, Any]:
     """Every number of the report for one environment's rows of ``recovery.parquet``
-    (DuckDB + the task bootstrap)."""
+    (DuckDB + the task bootstrap), and ``exact``: whether those rows carry exact recovery
+    values (``recovery_results`` takes the study's ``exact_envs`` record instead when it
+    has one)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -158,7 +160,11 @@ def recovery_summary(path: Path, n_boot: int, seed: int, env: str = "workflow"
                count(DISTINCT trajectory) FILTER (WHERE n_errors = 0)
         FROM src""").fetchall()[0]
     same = np.asarray(paired["same_step"], bool) if n_paired else np.zeros(0, bool)
-    return {"arms": arms, "paired": diffs, "n_paired": n_paired, "n_matched": n_matched,
+    # exact values exist where the rows carry them (workflow); calc's are all NULL
+    exact = con.sql("SELECT count(exact_recovery) > 0 OR count(*) = 0 FROM src"
+                    ).fetchall()[0][0]
+    return {"exact": bool(exact), "arms": arms, "paired": diffs, "n_paired": n_paired,
+            "n_matched": n_matched,
             "by_position": _by_position(con),
             # a file without horizons (calc-only or hand-written): no per-horizon table
             "by_horizon": _by_horizon(con) if "horizon" in rows.column_names else {},
@@ -212,12 +218,18 @@ RECOVERY_DELTA = 0.02
 Table 1 uses for success rates."""
 
 
+def recovery_kind(summary: dict[str, Any]) -> str:
+    """``exact`` for an environment whose recovery is exact (``summary["exact"]``:
+    workflow), else ``sampled`` (calc)."""
+    return "exact" if summary.get("exact", True) else "sampled"
+
+
 def recovery_verdicts(summary: dict[str, Any], env: str = "workflow"
                       ) -> list[dict[str, Any]]:
-    """The paper's ordering on the paired recovery differences: exact on workflow,
-    sampled where there is no exact value (calc)."""
+    """The paper's ordering on the paired recovery differences: exact where the env has
+    exact values (workflow), sampled where it has none (calc; ``recovery_kind``)."""
     out = []
-    kind = "exact" if env == "workflow" else "sampled"
+    kind = recovery_kind(summary)
     for key, (a, b, fixed) in (
             ("irr-err", ("first irrecoverable", "first error", "the first error step")),
             ("err-rnd", ("first error", "random error", "a random error step")),
@@ -276,7 +288,8 @@ def _env_lines(env: str, s: dict[str, Any], c: dict[str, Any]) -> list[str]:
                      f"{PAPER_FIG1[arm]:.1%}" if math.isfinite(PAPER_FIG1[arm])
                      else "(4.2%: other reading)" if arm == "random_step" else "-"])
     who = (f"failed trajectories of mu (up to {c['failures_per_task']} per task)"
-           if env == "workflow" else "BEL-localized failed trajectories (tau*, one per tree)")
+           if recovery_kind(s) == "exact"
+           else "BEL-localized failed trajectories (tau*, one per tree)")
     lines = [
         f"## {env}", "",
         f"{s['n_trajectories']} {who} on {s['n_tasks']} {env} tasks; {s['n_without_error']} "
@@ -329,6 +342,9 @@ def recovery_results(study_dir: str | Path, out_dir: str | Path | None = None
     data = study_path(src, study["recovery_path"], "recovery_path")
     n_boot, seed = study_int(config, "n_boot"), study_int(config, "seed")
     envs = {env: recovery_summary(data, n_boot, seed, env) for env in recovery_envs(data)}
+    if isinstance(study.get("exact_envs"), list):  # the study's record, else the rows
+        for env, summary in envs.items():
+            summary["exact"] = env in study["exact_envs"]
     plots, verdicts = [], []
     for env, summary in envs.items():
         arms = summary["arms"]
@@ -358,7 +374,7 @@ def build_recovery_report(study_dir: Path, out: Path) -> ReportOutput:
     res = recovery_results(study_dir, out)
     parts = []
     for env, summary in res["envs"].items():
-        key = "exact" if env == "workflow" else "sampled"
+        key = recovery_kind(summary)
         parts.append(f"{env} ({key}) " + " / ".join(fmt(summary["arms"][a][key])
                                                     for a in ARMS[:3]))
     return ReportOutput("elpo-fig1", out, "ELPO Fig. 1: recovery after fixing one step",
@@ -367,4 +383,5 @@ def build_recovery_report(study_dir: Path, out: Path) -> ReportOutput:
 
 
 __all__ = ["ARMS", "PAPER_FIG1", "POSITIONS", "build_recovery_report", "recovery_envs",
-           "recovery_report", "recovery_results", "recovery_summary", "recovery_verdicts"]
+           "recovery_kind", "recovery_report", "recovery_results", "recovery_summary",
+           "recovery_verdicts"]

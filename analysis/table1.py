@@ -370,14 +370,18 @@ def _entropy(d: Mapping[str, Any]) -> str:
 def table1_report(results: Mapping[str, Any]) -> str:
     """The markdown report of ``table1_results``' dict."""
     c = results["config"]
-    envs = {d["env"] for d in results["configs"].values()}
+    envs = dict.fromkeys(d["env"] for d in results["configs"].values())
     start = "the tiny policy of its env"
-    if "workflow" in envs and c.get("workflow_policy", "tiny") != "tiny":
-        start += f" (workflow: {c['workflow_policy']})"
-    if "workflow" in envs:
-        start += (f"; workflow tasks at horizons {list(c.get('workflow_horizons', []))}"
-                  + (", optional stages marked (mark_optional)"
-                     if c.get("workflow_mark_optional") else ""))
+    # the study's settings of one env's configs are its fields named ``<env>_...``
+    # (train.studies.table1.env_setting): workflow_policy, workflow_horizons, ...
+    for env in envs:
+        if c.get(f"{env}_policy", "tiny") != "tiny":
+            start += f" ({env}: {c[f'{env}_policy']})"
+    for env in envs:
+        if f"{env}_horizons" in c:
+            start += (f"; {env} tasks at horizons {list(c[f'{env}_horizons'])}"
+                      + (", optional stages marked (mark_optional)"
+                         if c.get(f"{env}_mark_optional") else ""))
     lines = ["# Table 1 in miniature: held-out success after training", "",
              f"Miniature of {results['paper_table']}.", "",
              f"Every run: {start}, {c['steps']} iterations x "

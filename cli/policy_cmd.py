@@ -1,11 +1,12 @@
 """``rtrees policy ...``: train the embedded tiny policy and inspect policies (issue 6).
 
-``rtrees policy init --env calc|workflow|sgls [--seed 0] [--out DIR] [--minutes M] [--force]``
+``rtrees policy init --env SPEC [--seed 0] [--out DIR] [--minutes M] [--force]``
 trains the tiny policy by SFT on the environment's noisy expert traces
-(``train.policies.tiny_train.init_policy``), prints the sampled success on held-out
-tasks per difficulty (calc), horizon (workflow) or task kind (sgls) and overall, and caches the
-checkpoint; a later ``init`` (without ``--force``) or ``load_policy("tiny", env)``
-reuses it.
+(``train.policies.tiny_train.init_policy``; any env spec whose class has a scripted expert,
+``expert_action``), prints the sampled success on held-out tasks per group (the env's
+``task_group_key``: difficulty on calc, horizon on workflow, task kind on sgls) and overall,
+and caches the checkpoint; a later ``init`` (without ``--force``) or
+``load_policy("tiny", SPEC)`` reuses it.
 
 ``rtrees policy info [--env calc] [--policy tiny|hf:PATH|vllm:PATH|tabular] [--json]``
 loads a policy and prints its version, checkpoint and size (and, for a tiny
@@ -32,14 +33,17 @@ TARGET_BAND = (0.2, 0.8)  # a policy that always or never succeeds gives no lear
 
 @policy_app.command("init")
 def init(
-    env: Annotated[str, typer.Option(help="Environment: calc, workflow or sgls.")],
+    env: Annotated[str, typer.Option(
+        help="Environment spec with a scripted expert: calc, workflow, sgls, an installed "
+             "name or module:Class.")],
     seed: Annotated[int, typer.Option(help="Seed of the model, data and batch order.")] = 0,
     out: Annotated[Path | None, typer.Option(
-        help="Checkpoint directory (default: ~/.cache/rollout-trees/policies/ENV-SEED).")
+        help="Checkpoint directory (default: ~/.cache/rollout-trees/policies/ENV-SEED, "
+             "ENV made safe for a path).")
     ] = None,
     minutes: Annotated[float | None, typer.Option(
         help="Wall-clock budget for training; it stops earlier once held-out success is "
-             "in band (default: the env's, train.policies.tiny_train.DEFAULT_MINUTES).")
+             "in band (default: the env's, train.policies.tiny_train.default_minutes).")
     ] = None,
     force: Annotated[bool, typer.Option(help="Retrain even if a checkpoint exists.")] = False,
     task_param: Annotated[list[str] | None, typer.Option(
@@ -49,11 +53,13 @@ def init(
     """Train the tiny policy by SFT on noisy expert traces; print held-out success."""
     from train.policies import PolicyUnavailableError
     from train.policies.tiny import default_cache_dir, find_checkpoint, read_meta
-    from train.policies.tiny_train import TINY_ENVS, init_policy
+    from train.policies.tiny_train import init_policy, require_expert
     from train.sampling.evaluation import success_report
 
-    if env not in TINY_ENVS:
-        fail(f"tiny policies exist for {', '.join(TINY_ENVS)}, not {env!r}", 2)
+    try:
+        require_expert(env)
+    except ValueError as exc:  # EnvSpecError included: one line naming what is missing
+        fail(str(exc), 2)
     require(minutes is None or minutes > 0, f"--minutes must be positive, got {minutes}")
     extra: dict[str, Any] = {}
     if task_param:

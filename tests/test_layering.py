@@ -362,3 +362,121 @@ def test_trainer_names_no_reuse_mode() -> None:
         isinstance(x, ast.Attribute) and x.attr in ("reuse", "dynamic_sampling")
         for x in (n.left, *n.comparators))]
     assert literals == [] and compares == [], (literals, compares)
+
+
+# ---- environments are named as data, never to decide behaviour (issue 44) -------------
+
+def _builtin_env_names() -> frozenset[str]:
+    from train.envs.registry import BUILTIN
+
+    return frozenset(BUILTIN)
+
+
+def _names_env(node: ast.AST, names: frozenset[str]) -> bool:
+    """``node`` is a string literal naming a built-in env, or a tuple / list / set literal
+    holding one, or a dict literal with one as a key."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value in names
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(_names_env(e, names) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return any(k is not None and _names_env(k, names) for k in node.keys)
+    return False
+
+
+def env_name_constants(source: str, names: frozenset[str] | None = None) -> set[str]:
+    """Module-level names bound to a literal collection of built-in env names
+    (``TINY_ENVS = ("calc", "workflow", "sgls")``): ``x in TINY_ENVS`` decides by name too."""
+    names = _builtin_env_names() if names is None else names
+    out = set()
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AnnAssign) and node.value else []
+        value = node.value if isinstance(node, ast.Assign | ast.AnnAssign) else None
+        if value is not None and not isinstance(value, ast.Constant) \
+                and _names_env(value, names):
+            out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _env_name_decisions(source: str, label: str, names: frozenset[str] | None = None,
+                        constants: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Where ``source`` decides by a built-in env's name: a comparison (``==``, ``!=``,
+    ``in``, ``not in``, any operator) with a literal naming one on either side (``env ==
+    "calc"``, ``"workflow" in envs``, ``env in ("calc", "sgls")``) or with one of
+    ``constants`` (``env in TINY_ENVS``: ``env_name_constants`` of every module); a dict
+    literal keyed by two or more of them (a per-env dispatch table), or one indexed on the
+    spot (``{"calc": ...}[env]``, ``{...}.get(env)``); a ``match`` case on one. A name as
+    plain data (an argument, a default, help text, a docstring) is none of these."""
+    names = _builtin_env_names() if names is None else names
+    found = []
+
+    def constant(x: ast.expr) -> bool:
+        return (isinstance(x, ast.Name) and x.id in constants) or (
+            isinstance(x, ast.Attribute) and x.attr in constants)
+
+    for node in ast.walk(ast.parse(source, filename=label)):
+        what = None
+        if isinstance(node, ast.Compare) and any(
+                _names_env(x, names) or constant(x) for x in (node.left, *node.comparators)):
+            what = "compares with an env name"
+        elif isinstance(node, ast.Dict) and sum(
+                isinstance(k, ast.Constant) and k.value in names for k in node.keys) >= 2:
+            what = "is a table keyed by env names"
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Dict) \
+                and _names_env(node.value, names):
+            what = "indexes a dict keyed by an env name"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "get" and isinstance(node.func.value, ast.Dict) \
+                and _names_env(node.func.value, names):
+            what = "looks up a dict keyed by an env name"
+        elif isinstance(node, ast.MatchValue) and _names_env(node.value, names):
+            what = "matches an env name"
+        if what is not None:
+            found.append(f"{label}:{getattr(node, 'lineno', '?')} {what}: "
+                         f"{ast.unparse(node)[:80]}")
+    return found
+
+
+def test_no_module_decides_by_an_env_name() -> None:
+    """No module of ``rollout_store``, ``analysis``, ``train`` (but ``train/envs/``) or
+    ``cli`` names a built-in environment to decide behaviour (issue 44): it asks the env's
+    class (``exact_values``, ``tabular_policy``, ``task_group_key``, ``tiny_sft``,
+    ``tiny_phrases``, ``expert_action``), so a user's environment gets the same treatment.
+    Studies about a built-in world pass its name as data (``make_env("calc")``)."""
+    sources = {path.relative_to(ROOT).as_posix(): path.read_text()
+               for package in ("rollout_store", "analysis", "train", "cli")
+               for path in _modules(package)}
+    sources = {rel: src for rel, src in sources.items() if not rel.startswith("train/envs/")}
+    constants = set().union(*(env_name_constants(src) for src in sources.values()))
+    found = [hit for rel, src in sources.items()
+             for hit in _env_name_decisions(src, rel, constants=constants)]
+    assert found == []
+
+
+@pytest.mark.parametrize("snippet,caught", [
+    ('if env == "workflow":\n    pass\n', True),
+    ('x = 1 if task.env != "sgls" else 2\n', True),
+    ('if "calc" in config.envs:\n    pass\n', True),
+    ('ok = env not in ("calc", "workflow", "sgls")\n', True),
+    ('n = {"calc": 1, "workflow": 2}\n', True),
+    ('n = {"sgls": 64}.get(env, 48)\n', True),
+    ('n = {"python": 1}[env]\n', True),
+    ('match env:\n    case "calc":\n        pass\n', True),
+    ('def f(env: str = "calc") -> None:\n    """Runs on calc."""\n', False),
+    ('make_env("workflow")\nCONFIGS = {"a": ("calc", "group", "grpo")}\n', False),
+    ('state = {"python": 1, "numpy": 2}\n', False),  # one env-named key, not indexed
+    ('if kind == "tiny":\n    pass\n', False),
+])
+def test_the_env_name_heuristic(snippet: str, caught: bool) -> None:
+    assert bool(_env_name_decisions(snippet, "probe.py")) == caught
+
+
+def test_the_env_name_constants() -> None:
+    """A module constant listing env names makes ``x in CONST`` a decision by name, in
+    that module and in one that imports it; other constants do not."""
+    src = ('TINY_ENVS: tuple[str, ...] = ("calc", "workflow")\nCHUNK = 8\n'
+           'CONFIGS = {"a": ("calc", "group")}\nNAME = "calc"\n')
+    assert env_name_constants(src) == {"TINY_ENVS"}
+    user = "if env not in tiny_train.TINY_ENVS:\n    pass\nok = name in CONFIGS\n"
+    assert len(_env_name_decisions(user, "probe.py", constants={"TINY_ENVS"})) == 1

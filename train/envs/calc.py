@@ -414,6 +414,9 @@ class CalcEnv(OneToolEnv[_State]):
     name: ClassVar[str] = "calc"
     tool: ClassVar[dict[str, Any]] = TOOL_SCHEMA
     snapshot_format: ClassVar[str] = SNAPSHOT_FORMAT
+    task_group_key: ClassVar[str | None] = "difficulty"
+    tiny_sft: ClassVar[dict[str, Any]] = {"noise": "noisy_expert"}
+    """``policy init``: SFTConfig's defaults, the noise from ``noisy_expert_action``."""
 
     def __init__(self, system_prompt_chars: int = 0) -> None:
         self._state: _State | None = None

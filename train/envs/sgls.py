@@ -106,6 +106,7 @@ from train.envs.base import (
     tool_response,
 )
 from train.envs.preamble import system_preamble
+from train.envs.sgls_phrases import SGLS_OTHER_KEYS, SGLS_STRING_KEYS, SGLS_TEXT_TOKENS
 from train.envs.sgls_reward import (
     Call,
     HierR,
@@ -155,6 +156,42 @@ class SglsEnv(Environment):
     """
 
     name: ClassVar[str] = "sgls"
+    task_group_key: ClassVar[str | None] = "kind"
+    # ``policy init``: episodes of ~305 tokens on average (at most ~830; the tool-schema
+    # block is one token), actions of at most ~42 tokens (a reply with ids and amounts).
+    # Detours (a harmless read-only or malformed call) as noise, the loss on the expert's
+    # own actions only, as for workflow. Success needs every id, price and count copied
+    # exactly from a tool response ~100-300 tokens back. From random weights 3,000 steps
+    # left the copied characters at chance (loss 0.644, 0/200 held-out); from the calc
+    # policy, which already copies digits from its context, the same steps reached 95.5%
+    # teacher-forced accuracy on those characters and 17% held-out success (price_check
+    # 82%, the kinds that compare prices 0-12%), rising. ~20 min for the 6,000 steps on
+    # one quiet core, hence the 40-minute budget.
+    tiny_sft: ClassVar[dict[str, Any]] = {
+        "init_from": "calc", "train_tasks": 12_000, "p_error": 0.15,
+        "train_on_mistakes": False, "max_steps": 6000, "eval_every": 500, "eval_tasks": 100,
+        "test_tasks": 200, "max_new_tokens": 64, "stop_band": (0.3, 0.7), "noise": "detour",
+        "minutes": 40.0}
+
+    @classmethod
+    def tiny_phrases(cls) -> tuple[str, ...]:
+        """Each world's tool-schema block and protocol (everything of the prompt after the
+        question), each tool's call prefix, the JSON keys (``"key": "`` for strings,
+        ``"key": `` otherwise, also after ``, ``, ``{`` and ``[{``), and the fixed text of
+        questions and replies (``train.envs.sgls_phrases``)."""
+        phrases: list[str] = [render_prompt(world, "") for world in WORLDS.values()]
+        for world in WORLDS.values():
+            for tool in world.tools.values():
+                prefix = f'<tool_call>{{"name": "{tool.name}", "arguments": {{'
+                phrases.append(prefix + "}}</tool_call>" if not tool.parameters["properties"]
+                               else prefix)
+        keys = [*(f'"{k}": "' for k in SGLS_STRING_KEYS),
+                *(f'"{k}": ' for k in SGLS_OTHER_KEYS)]
+        for key in keys:
+            phrases += [key, ", " + key, "{" + key, "[{" + key]
+        phrases += ["}}</tool_call>", "<tool_response>{", "}</tool_response>",
+                    "}]}</tool_response>", "}, {", ".0, ", ".0}", *SGLS_TEXT_TOKENS]
+        return tuple(dict.fromkeys(phrases))
 
     def __init__(self, judge: Judge | None = None, system_prompt_chars: int = 0) -> None:
         self.judge = judge

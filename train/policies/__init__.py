@@ -3,10 +3,12 @@
 ``load_policy(spec, env, **kw)`` builds one by spec:
 
 ============  ==============================================================
-``tiny``      the embedded ~0.8M-parameter Llama trained for ``env`` (calc,
-              workflow or sgls; a seed-0 checkpoint of each is committed) by
-              ``rtrees policy init``; kw ``seed`` (0),
-              ``checkpoint`` (a directory), ``random_init=True`` (fresh random
+``tiny``      the embedded ~0.8M-parameter Llama trained for ``env`` (any env
+              with a scripted expert; a seed-0 checkpoint of calc, workflow
+              and sgls is committed) by ``rtrees policy init --env SPEC``;
+              kw ``seed`` (0),
+              ``checkpoint`` (a directory: any tiny checkpoint acts in any
+              env), ``random_init=True`` (fresh random
               weights, nothing loaded: for tests and benchmarks)
 ``hf:PATH``   any local transformers checkpoint with a chat template
               (``train.policies.hf``); kw ``device``, ``dtype``,
@@ -16,7 +18,8 @@
               (``train.policies.vllm_backend``; needs ``pip install
               'rollout-trees[gpu]'``)
 ``tabular``   the exact softmax policy of the workflow environment
-              (``train.policies.tabular``); kw ``policies``
+              (``train.policies.tabular``; envs whose class declares
+              ``tabular_policy``); kw ``policies``
 ============  ==============================================================
 
 A stored ``trees.policy_ref`` is a spec too (``load_policy_ref``; ``load_policy``
@@ -87,9 +90,9 @@ def load_policy(spec: str, env: str, **kw: Any) -> Policy:
 
         return VLLMPolicy(Path(path), **kw)
     if spec == "tabular":
-        if env != "workflow":
-            raise ValueError(f"the tabular policy exists for the workflow environment only, "
-                             f"not {env!r}")
+        if not env_class(env).tabular_policy:
+            raise ValueError(f"the tabular policy exists for the workflow environment only "
+                             f"(an env class that declares tabular_policy), not {env!r}")
         from train.policies.tabular import TabularBackend
 
         return TabularBackend(**kw)

@@ -20,10 +20,11 @@ Tokenizer (``build_tokenizer``)
     (``WORKFLOW_PHRASE_TOKENS``). Boilerplate tokens cut sequences about 3x;
     the workflow phrases cut an episode of the default mix from about
     2,300 characters to about 205 tokens (11x), which makes SFT on it affordable on CPU.
-    ``build_tokenizer("sgls")`` appends ``SGLS_PHRASE_TOKENS`` (each world's tool-schema
-    block, every tool's call prefix, the JSON keys of arguments and responses, the fixed
-    text of questions and replies) after the shared vocabulary, so the calc and workflow
-    tokenizers (and their checkpoints) are unchanged; an sgls episode of the default mix
+    ``build_tokenizer(env)`` appends the env's own phrases (``Environment.tiny_phrases``)
+    after the shared vocabulary, so the calc and workflow tokenizers (and their
+    checkpoints) are unchanged: sgls declares ``SGLS_PHRASE_TOKENS`` (each world's
+    tool-schema block, every tool's call prefix, the JSON keys of arguments and responses,
+    the fixed text of questions and replies); an sgls episode of the default mix
     is then ~305 tokens (about 12x fewer than characters; the prompt's ~2,100-character
     schema block is one token).
     Text is split on these tokens first (leftmost-longest), then into characters, so
@@ -39,12 +40,13 @@ so ``tiny`` and ``hf:PATH`` on a tiny checkpoint render identically. Generation
 starts after ``<|assistant|>`` and stops at ``</tool_call>`` / ``</answer>``; the
 model needs no end-of-turn token.
 
-Checkpoints. ``rtrees policy init --env calc|workflow|sgls --seed S`` trains one by SFT
-(``train.policies.tiny_train``) into ``default_cache_dir(env, S)``
-(``$RTREES_CACHE_DIR`` or ``$XDG_CACHE_HOME/rollout-trees`` or
-``~/.cache/rollout-trees``, then ``policies/<env>-<seed>``). ``find_checkpoint``
-looks there first, then in the committed checkpoints ``COMMITTED_DIR/<env>``
-(seed 0 only), which were made by::
+Checkpoints. ``rtrees policy init --env SPEC --seed S`` trains one by SFT on the env's
+scripted expert (``train.policies.tiny_train``; any env with ``expert_action``) into
+``default_cache_dir(SPEC, S)`` (``$RTREES_CACHE_DIR`` or ``$XDG_CACHE_HOME/rollout-trees``
+or ``~/.cache/rollout-trees``, then ``policies/<name>-<seed>``, the name the spec made
+safe for a path: ``checkpoint_name``). ``find_checkpoint`` looks there first, then in the
+committed checkpoints ``COMMITTED_DIR/<name>`` (calc, workflow and sgls, seed 0 only),
+which were made by::
 
     rtrees policy init --env calc --seed 0 --out train/policies/checkpoints/calc --force
     rtrees policy init --env workflow --seed 0 --out train/policies/checkpoints/workflow --force
@@ -69,7 +71,9 @@ on time.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -81,8 +85,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from train import rundir
 from train.envs.calc import call_text
-from train.envs.sgls import render_prompt
-from train.envs.sgls_worlds import AIRPORTS, CABINS, CATEGORIES, PAY_METHODS, SHIPPING_CENTS, WORLDS
+from train.envs.sgls import SglsEnv
+from train.envs.sgls_phrases import SGLS_OTHER_KEYS as SGLS_OTHER_KEYS
+from train.envs.sgls_phrases import SGLS_STRING_KEYS as SGLS_STRING_KEYS
+from train.envs.sgls_phrases import SGLS_TEXT_TOKENS as SGLS_TEXT_TOKENS
 from train.envs.workflow import STAGE_NAMES
 from train.envs.workflow_model import ACTION_TEXTS, TOOLS
 from train.policies.base import Transcript
@@ -130,68 +136,27 @@ WORKFLOW_PHRASE_TOKENS: tuple[str, ...] = (
 PHRASE_TOKENS: tuple[str, ...] = (*TAG_TOKENS, *CALC_TOKENS, *WORKFLOW_ACTION_TOKENS,
                                   *WORKFLOW_PHRASE_TOKENS)
 
-# JSON keys of the sgls tool responses (the argument names come from the schemas), by the
-# kind of value they hold: strings get the opening quote in their token.
-SGLS_STRING_KEYS: tuple[str, ...] = (
-    "item_id", "name", "category", "order_id", "shipping", "status", "method", "flight_id",
-    "origin", "destination", "date", "depart", "booking_id", "passenger", "cabin", "query")
-SGLS_OTHER_KEYS: tuple[str, ...] = (
-    "items", "price", "stock", "cart", "quantity", "unit_price", "subtotal", "total",
-    "paid_with", "amount", "flights", "price_economy", "price_business", "seats_economy",
-    "seats_business", "bookings", "refund", "max_price", "arguments")
-# The fixed text of the sgls questions and reference replies (train.envs.sgls_worlds).
-SGLS_TEXT_TOKENS: tuple[str, ...] = (
-    "Buy ", " units of the cheapest item in the ", " unit of the cheapest item in the ",
-    " category that has at least ", " in stock, with ", " shipping, and pay by ",
-    ". Tell me the order id and the total charged.", "Compare items ",
-    " and order one unit of the cheaper one with standard shipping. Do not pay yet. "
-    "Tell me the order id and the total.", "How much does item ",
-    " cost, and how many units are in stock?", "Book the cheapest flight from ",
-    "Book the earliest flight from ", " that has a free ", " seat, in ",
-    ". Tell me the booking id, the flight number and the price.",
-    " wants to cancel their booking on flight ",
-    ". Cancel it and tell me the booking id and the refund.", " is booked from ",
-    " and wants to move to the cheapest economy flight with a free seat on ",
-    ". Cancel the old booking, book the new flight in economy, and tell me the new "
-    "booking id, the new flight number and the refund for the old booking.",
-    "I bought ", " (order ", " shipping) and paid by ", "; the total charged was $",
-    " is the cheaper one; I placed order ",
-    " for one unit with standard shipping, total $", " (not paid yet).", "Item ",
-    ") costs $", " and there are ", " units in stock.", "Booked ", " on flight ",
-    "), booking ", ", price $", "Cancelled booking ", "; the refund is $", "Cancelled ",
-    " (refund $", ") and booked ", " in economy, booking ", "SKU-", "ORD-", "BK-", "FL",
-    "2025-", "null", *CATEGORIES, *SHIPPING_CENTS, *PAY_METHODS, *CABINS, *AIRPORTS,
-    "active", "cancelled", "placed", "paid")
+# Only the sgls tokenizer has these (``SglsEnv.tiny_phrases``, appended after the shared
+# vocabulary, so the calc and workflow tokenizers and their checkpoints are unchanged).
+SGLS_PHRASE_TOKENS: tuple[str, ...] = tuple(
+    p for p in SglsEnv.tiny_phrases() if p not in PHRASE_TOKENS)
 
 
-def _sgls_phrase_tokens() -> tuple[str, ...]:
-    """Single tokens for the sgls boilerplate: each world's tool-schema block and protocol
-    (everything of the prompt after the question), each tool's call prefix, the JSON keys
-    (``"key": "`` for strings, ``"key": `` otherwise, also after ``, ``, ``{`` and
-    ``[{``), and the fixed text of questions and replies."""
-    phrases: list[str] = [render_prompt(world, "") for world in WORLDS.values()]
-    for world in WORLDS.values():
-        for tool in world.tools.values():
-            prefix = f'<tool_call>{{"name": "{tool.name}", "arguments": {{'
-            phrases.append(prefix + "}}</tool_call>" if not tool.parameters["properties"]
-                           else prefix)
-    keys = [*(f'"{k}": "' for k in SGLS_STRING_KEYS), *(f'"{k}": ' for k in SGLS_OTHER_KEYS)]
-    for key in keys:
-        phrases += [key, ", " + key, "{" + key, "[{" + key]
-    phrases += ["}}</tool_call>", "<tool_response>{", "}</tool_response>",
-                "}]}</tool_response>", "}, {", ".0, ", ".0}", *SGLS_TEXT_TOKENS]
-    return tuple(dict.fromkeys(p for p in phrases if p not in PHRASE_TOKENS))
+def env_phrase_tokens(env: str | None) -> tuple[str, ...]:
+    """The tokens the tiny tokenizer of ``env`` (a spec) adds after the shared vocabulary:
+    its class's ``tiny_phrases()`` not already in ``PHRASE_TOKENS``, in order (sgls:
+    ``SGLS_PHRASE_TOKENS``; most envs: none)."""
+    if env is None:
+        return ()
+    from train.envs import env_class
 
-
-# Only the sgls tokenizer has these (appended after the shared vocabulary, so the calc and
-# workflow tokenizers and their checkpoints are unchanged).
-SGLS_PHRASE_TOKENS: tuple[str, ...] = _sgls_phrase_tokens()
+    return tuple(dict.fromkeys(p for p in env_class(env).tiny_phrases()
+                               if p not in PHRASE_TOKENS))
 
 # Renders exactly like ``render_segments`` (checked by the tests).
 CHAT_TEMPLATE = ROLE_CONCAT_TEMPLATE  # each message's ids can be computed on its own
 
 COMMITTED_DIR = Path(__file__).resolve().parent / "checkpoints"
-ENVS: tuple[str, ...] = ("calc", "workflow", "sgls")
 
 
 @dataclass(frozen=True)
@@ -213,15 +178,16 @@ class TinyModelConfig:
 
 
 def build_tokenizer(env: str | None = None) -> PreTrainedTokenizerFast:
-    """The tiny tokenizer: characters plus single boilerplate tokens (module docstring);
-    ``env="sgls"`` adds ``SGLS_PHRASE_TOKENS`` after them (other envs: the shared one)."""
+    """The tiny tokenizer: characters plus single boilerplate tokens (module docstring),
+    then the env's own phrases (``env_phrase_tokens``: sgls's ``SGLS_PHRASE_TOKENS``; an
+    env that declares none gets the shared vocabulary)."""
     vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARS))}
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()  # concatenate, no spaces between tokens
     core.add_special_tokens([AddedToken(t, normalized=False, special=True)
                              for t in SPECIAL_TOKENS])
-    phrases = (*PHRASE_TOKENS, *SGLS_PHRASE_TOKENS) if env == "sgls" else PHRASE_TOKENS
+    phrases = (*PHRASE_TOKENS, *env_phrase_tokens(env))
     core.add_tokens([AddedToken(t, normalized=False, special=False) for t in phrases])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, pad_token=PAD, unk_token=UNK, eos_token=EOS,
@@ -324,9 +290,21 @@ def cache_root() -> Path:
     return Path(base) / "rollout-trees"
 
 
+def checkpoint_name(env: str) -> str:
+    """``env`` (a spec) as a directory name: itself when it is letters, digits, ``_`` and
+    ``-`` (the built-in names), else those characters with every other one as ``_`` and
+    8 hex digits of its sha256 (``mypkg.env:MyEnv`` -> ``mypkg_env_MyEnv-1a2b3c4d``), so
+    no ``:``, ``.`` or ``/`` reaches a path and two specs never share a directory."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", env)
+    if safe == env and env:
+        return env
+    return f"{safe[:64]}-{hashlib.sha256(env.encode()).hexdigest()[:8]}"
+
+
 def default_cache_dir(env: str, seed: int) -> Path:
-    """Where ``rtrees policy init --env ENV --seed SEED`` writes by default."""
-    return cache_root() / "policies" / f"{env}-{seed}"
+    """Where ``rtrees policy init --env ENV --seed SEED`` writes by default:
+    ``policies/<checkpoint_name(ENV)>-<SEED>`` under ``cache_root()``."""
+    return cache_root() / "policies" / f"{checkpoint_name(env)}-{seed}"
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -341,7 +319,7 @@ def read_meta(path: Path) -> dict[str, Any] | None:
 
 def committed_checkpoint(env: str, seed: int) -> Path | None:
     """The checkpoint committed to the repository for ``(env, seed)``, if any."""
-    path = COMMITTED_DIR / env
+    path = COMMITTED_DIR / checkpoint_name(env)
     meta = read_meta(path) if is_checkpoint(path) else None
     if meta is None or meta.get("env") != env or meta.get("seed") != seed:
         return None
@@ -390,19 +368,23 @@ def random_tiny_policy(seed: int = 0, **kw: Any) -> HFPolicy:
 
 def load_tiny_policy(env: str, seed: int = 0, checkpoint: str | Path | None = None,
                      **kw: Any) -> HFPolicy:
-    """The trained tiny policy of ``env``: ``checkpoint`` if given, else
-    ``find_checkpoint(env, seed)``; ``PolicyUnavailableError`` (with the command that
-    trains one) when there is none."""
+    """The trained tiny policy of ``env`` (any spec that resolves): ``checkpoint`` if
+    given (any tiny checkpoint acts in any env: the text protocol is shared), else
+    ``find_checkpoint(env, seed)``; ``EnvSpecError`` (a ``ValueError``) for a spec that
+    does not resolve, ``PolicyUnavailableError`` (with the command that trains one) when
+    there is no checkpoint."""
+    from train.envs import env_class
     from train.policies.errors import PolicyUnavailableError
 
-    if env not in ENVS:
-        raise ValueError(f"tiny policies exist for {', '.join(ENVS)}, not {env!r}")
+    env_class(env)
     path = Path(checkpoint) if checkpoint is not None else find_checkpoint(env, seed)
     if path is None:
+        committed = COMMITTED_DIR / checkpoint_name(env)
+        where = f" or {committed}" if committed.is_dir() else ""
         raise PolicyUnavailableError(
-            f"no tiny {env} policy for seed {seed} in {default_cache_dir(env, seed)} or "
-            f"{COMMITTED_DIR / env}: run `rtrees policy init --env {env} --seed {seed}` "
-            "(a few minutes on 2 CPU cores)")
+            f"no tiny {env} policy for seed {seed} in {default_cache_dir(env, seed)}{where}: "
+            f"run `rtrees policy init --env {env} --seed {seed}` (a few minutes on 2 CPU "
+            "cores; the env needs a scripted expert, expert_action)")
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a tiny policy checkpoint")
     kw.setdefault("device", "cpu")

@@ -1,22 +1,28 @@
 """SFT cold start of the ``tiny`` policy on an environment's noisy expert traces.
 
-``rtrees policy init --env calc|workflow|sgls [--seed S] [--out DIR] [--minutes M]`` calls
-``init_policy``. The recipe (``SFTConfig``, per-environment defaults in
-``default_config``, chosen from measurements on the 2-core machine):
+``rtrees policy init --env SPEC [--seed S] [--out DIR] [--minutes M]`` calls
+``init_policy``, for any environment with a scripted expert (``expert_action``; one
+without gets a one-line ``ValueError`` before any data is made). The recipe
+(``SFTConfig``; ``default_config`` lays the env's ``Environment.tiny_sft`` over its
+defaults: calc, workflow and sgls declare the ones chosen from measurements on the
+2-core machine):
 
 1. Data. Held-out tasks are drawn first: ``eval_tasks`` for the stopping checks
    (seed ``1_000_000 + seed``) and ``test_tasks`` for the final report (seed
    ``2_000_000 + seed``). Training tasks come from ``generate_tasks(n, seed)`` with
    every prompt that occurs among the held-out tasks removed, so the reported success
-   is on unseen tasks. Each training task gives one episode of the noisy expert: calc
-   uses ``CalcEnv.noisy_expert_action(rng, p_error)`` (wrong operands, skipped tool,
-   broken JSON, wrong answers, each followed by the expert's recovery); workflow
-   replaces the optimal action (``WorkflowEnv.expert_action``, which knows the hidden
-   tool probabilities) with a uniformly random valid action with probability
-   ``p_error`` (0.2); sgls plays ``SglsEnv.expert_action`` (the task's gold calls, then
-   the reference reply) and with probability ``p_error`` (0.15) per step, at most once
-   per episode, takes a detour first (``sgls_detour``: a read-only call on an id of the
-   world, ``view_cart``, or the expert's call with its JSON broken), which costs one of
+   is on unseen tasks. Each training task gives one episode of the noisy expert,
+   perturbed as the env's ``noise`` says (``ExpertNoise``; ``none``, the default: the
+   expert's own actions): calc (``noisy_expert``) uses
+   ``CalcEnv.noisy_expert_action(rng, p_error)`` (wrong operands, skipped tool, broken
+   JSON, wrong answers, each followed by the expert's recovery); workflow
+   (``random_valid``) replaces the optimal action (``WorkflowEnv.expert_action``, which
+   knows the hidden tool probabilities) with a uniformly random valid action with
+   probability ``p_error`` (0.2); sgls (``detour``) plays ``SglsEnv.expert_action`` (the
+   task's gold calls, then the reference reply) and with probability ``p_error`` (0.15)
+   per step, at most once per episode, takes a detour first (``sgls_detour``: a read-only
+   call on an id of the world, ``view_cart``, or the expert's call with its JSON broken),
+   which costs one of
    the task's three spare steps and changes no effect. The default task mix of the
    environment is used (calc: 1-2 operations; workflow: horizons 6, 9, 12; sgls: the
    shop and flight worlds alternating, every task kind) unless ``task_params`` (``policy
@@ -46,8 +52,8 @@
    Because the checks count steps, a seeded run is reproducible unless the time cap
    cuts it short.
 6. Report. The final weights are evaluated on ``test_tasks`` (sampled, temperature 1),
-   per difficulty (calc: number of operations), per horizon (workflow) or per task kind
-   (sgls), and saved
+   per group of the env's ``task_group_key`` (calc: difficulty, the number of
+   operations; workflow: horizon; sgls: task kind), and saved
    with ``tiny.save_checkpoint`` together with the config and these numbers.
 
 The target is a policy that succeeds sometimes, not always (20-80%): a group of
@@ -66,14 +72,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
 import torch
 
-from train.envs import Task
-from train.envs.calc import CalcEnv
+from train.envs import Environment, Task, env_class
 from train.envs.sgls import SglsEnv
-from train.envs.workflow import WorkflowEnv
 from train.policies.base import Policy, Transcript, Turn
 from train.policies.errors import PolicyUnavailableError
 from train.policies.hf import HFPolicy, weights_version
@@ -90,8 +94,13 @@ from train.policies.tiny import (
     warm_start_model,
 )
 
-TinyEnv = Literal["calc", "workflow", "sgls"]
-TINY_ENVS: tuple[str, ...] = ("calc", "workflow", "sgls")
+ExpertNoise = Literal["none", "noisy_expert", "random_valid", "detour"]
+"""How ``expert_episode`` perturbs the scripted expert with probability ``p_error``:
+``none``, its own actions only; ``noisy_expert``, the env's
+``noisy_expert_action(rng, p_error)`` (calc); ``random_valid``, a uniformly random one of
+the env's ``valid_actions()`` (workflow); ``detour``, at most one harmless read-only or
+malformed call per episode (``sgls_detour``: the sgls worlds)."""
+EXPERT_NOISE: tuple[str, ...] = ("none", "noisy_expert", "random_valid", "detour")
 Log = Callable[[str], None]
 
 EVAL_SEED_OFFSET = 1_000_000
@@ -102,8 +111,9 @@ TEST_SEED_OFFSET = 2_000_000
 class SFTConfig:
     """One ``policy init`` run. Defaults per environment come from ``default_config``."""
 
-    env: TinyEnv
-    """Environment whose default task mix is trained and evaluated."""
+    env: str
+    """Environment (a spec: ``train.envs.make_env``) whose default task mix is trained and
+    evaluated; it needs a scripted expert (``expert_action``)."""
     seed: int = 0
     """Seeds the model initialisation, the training tasks, the noise and batch order."""
     minutes: float = 10.0
@@ -142,6 +152,9 @@ class SFTConfig:
     task_params: dict[str, Any] = field(default_factory=dict)
     """Options of the env's task generator for training, check and test tasks
     (``generate_tasks(n, seed, **task_params)``), e.g. calc ``one_op=True``."""
+    noise: ExpertNoise = "none"
+    """How the expert's actions are perturbed (``ExpertNoise``; the env's ``tiny_sft`` names
+    its own)."""
     init_from: str | None = None
     """Start from this env's seed-0 tiny checkpoint (``find_checkpoint``: the cached one,
     else the committed one; its path and version go into the new checkpoint's record)
@@ -149,12 +162,12 @@ class SFTConfig:
     (``tiny.warm_start_model``)."""
 
     def __post_init__(self) -> None:
-        if self.env not in TINY_ENVS:
-            raise ValueError(f"tiny policies exist for {', '.join(TINY_ENVS)}, "
-                             f"not {self.env!r}")
-        if self.init_from is not None and self.init_from not in TINY_ENVS:
-            raise ValueError(f"init_from must be one of {', '.join(TINY_ENVS)}, "
-                             f"got {self.init_from!r}")
+        require_expert(self.env)
+        if self.init_from is not None:
+            env_class(self.init_from)  # EnvSpecError (a ValueError) naming the spec
+        if self.noise not in EXPERT_NOISE:
+            raise ValueError(f"noise must be one of {', '.join(EXPERT_NOISE)}, "
+                             f"got {self.noise!r}")
         if self.minutes <= 0:
             raise ValueError(f"minutes must be > 0, got {self.minutes}")
         if not 0.0 <= self.p_error < 1.0:
@@ -168,45 +181,33 @@ class SFTConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def require_expert(env: str) -> type[Environment]:
+    """The class of ``env`` (a spec), which must have a scripted expert: ``EnvSpecError``
+    for a spec that does not resolve, else a one-line ``ValueError`` naming what is
+    missing (``policy init`` imitates the expert)."""
+    cls = env_class(env)
+    if cls.expert_action is Environment.expert_action:
+        raise ValueError(f"environment {env!r} ({cls.__name__}) has no scripted expert: "
+                         f"`rtrees policy init` imitates one; implement "
+                         f"{cls.__name__}.expert_action()")
+    return cls
+
+
 def default_config(env: str, seed: int = 0, minutes: float | None = None, **overrides: Any
                    ) -> SFTConfig:
-    """The measured defaults for ``env`` (see the module docstring and README);
-    ``minutes`` None takes the env's default budget (``DEFAULT_MINUTES``)."""
-    per_env: dict[str, dict[str, Any]] = {
-        "calc": {},
-        # ~205 tokens per episode but one action token per step (3% of the tokens carry
-        # a loss). The expert's choices depend on tool probabilities the prompt does not
-        # show, and on which stages are optional (always skipped), which takes the whole
-        # DAG to see; imitating its mistakes too left the tiny model unsure even of
-        # "broken -> repair" (54-90%). Noise injection with the loss on the expert's
-        # own actions only fixed that (99%); sampled success then moves between ~27%
-        # and ~45% from check to check after ~500 steps (measured with seed 0).
-        "workflow": {"train_tasks": 12_000, "p_error": 0.2, "train_on_mistakes": False,
-                     "max_steps": 2500, "max_new_tokens": 16},
-        # Episodes of ~305 tokens on average (at most ~830; the tool-schema block is one
-        # token), actions of at most ~42 tokens (a reply with ids and amounts). Detours
-        # (a harmless read-only or malformed call) as noise, the loss on the expert's own
-        # actions only, as for workflow. Success needs every id, price and count copied
-        # exactly from a tool response ~100-300 tokens back. From random weights 3,000
-        # steps left the copied characters at chance (loss 0.644, 0/200 held-out); from
-        # the calc policy, which already copies digits from its context, the same steps
-        # reached 95.5% teacher-forced accuracy on those characters and 17% held-out
-        # success (price_check 82%, the kinds that compare prices 0-12%), rising.
-        "sgls": {"init_from": "calc", "train_tasks": 12_000, "p_error": 0.15,
-                 "train_on_mistakes": False, "max_steps": 6000, "eval_every": 500,
-                 "eval_tasks": 100, "test_tasks": 200, "max_new_tokens": 64,
-                 "stop_band": (0.3, 0.7)},
-    }
-    if env not in per_env:
-        raise ValueError(f"tiny policies exist for {sorted(per_env)}, not {env!r}")
-    options = {**per_env[env], **overrides}
-    budget = DEFAULT_MINUTES[env] if minutes is None else minutes
-    return SFTConfig(env=cast(TinyEnv, env), seed=seed, minutes=budget, **options)
+    """``env``'s recipe: its class's ``tiny_sft`` (the measured defaults of calc, workflow
+    and sgls: module docstring and README) over ``SFTConfig``'s defaults, then
+    ``overrides``; ``minutes`` None takes the recipe's budget (``default_minutes``)."""
+    options = {**require_expert(env).tiny_sft, **overrides}
+    if minutes is not None:
+        options["minutes"] = minutes
+    return SFTConfig(env=env, seed=seed, **options)
 
 
-# Wall-clock budget of ``policy init`` per env when ``--minutes`` is not given (sgls takes
-# ~20 min for its 6,000 steps on one quiet core; calc and workflow stop in band earlier).
-DEFAULT_MINUTES: dict[str, float] = {"calc": 10.0, "workflow": 10.0, "sgls": 40.0}
+def default_minutes(env: str) -> float:
+    """The wall-clock budget of ``policy init`` for ``env`` when ``--minutes`` is not given
+    (sgls: 40, for its 6,000 steps of ~20 min on one quiet core; the rest: 10)."""
+    return float(env_class(env).tiny_sft.get("minutes", SFTConfig.minutes))
 
 
 # ---------------------------------------------------------------------------
@@ -214,11 +215,9 @@ DEFAULT_MINUTES: dict[str, float] = {"calc": 10.0, "workflow": 10.0, "sgls": 40.
 
 
 def make_tasks(env: str, n: int, seed: int, **task_params: Any) -> list[Task]:
-    """``n`` tasks of ``env``, seeded: the default mix, or the generator's options
+    """``n`` tasks of ``env`` (a spec), seeded: the default mix, or the generator's options
     ``task_params``."""
-    if env == "sgls":
-        return SglsEnv.generate_tasks(n, seed, **task_params)
-    return (CalcEnv if env == "calc" else WorkflowEnv).generate_tasks(n, seed, **task_params)
+    return env_class(env).generate_tasks(n, seed, **task_params)
 
 
 @dataclass(frozen=True)
@@ -250,23 +249,28 @@ def sgls_detour(env: SglsEnv, rng: random.Random) -> str:
            "</tool_call>"
 
 
-def expert_episode(env_name: str, task: Task, rng: random.Random, p_error: float
-                   ) -> Episode:
-    """One episode of the noisy expert (prompt, action, observation, ...)."""
-    env: CalcEnv | WorkflowEnv | SglsEnv = {"calc": CalcEnv, "workflow": WorkflowEnv,
-                                            "sgls": SglsEnv}[env_name]()
+def expert_episode(env_name: str, task: Task, rng: random.Random, p_error: float,
+                   noise: ExpertNoise | None = None) -> Episode:
+    """One episode of the noisy expert (prompt, action, observation, ...) in a fresh
+    instance of ``env_name`` (a spec); ``noise`` None takes the env's recipe's
+    (``default_config``)."""
+    if noise is None:
+        noise = default_config(env_name).noise
+    env: Any = env_class(env_name)()  # noisy_expert_action / valid_actions: per ``noise``
     turns: list[Turn] = [("prompt", env.reset(task))]
     mistakes: list[bool] = []
     while True:
         expert = env.expert_action()
-        if isinstance(env, CalcEnv):
+        if noise == "noisy_expert":
             action = env.noisy_expert_action(rng, p_error)
-        elif isinstance(env, SglsEnv):
+        elif noise == "detour":
             # at most one detour per episode: the step budget has 3 spare steps
             detour = rng.random() < p_error and not any(mistakes)
             action = sgls_detour(env, rng) if detour else expert
-        else:
+        elif noise == "random_valid":
             action = rng.choice(env.valid_actions()) if rng.random() < p_error else expert
+        else:
+            action = expert
         result = env.step(action)
         turns += [("action", action), ("observation", result.observation)]
         mistakes.append(action != expert)
@@ -345,7 +349,7 @@ def build_dataset(config: SFTConfig, tokenizer: Any, exclude_prompts: set[str]) 
     rng = random.Random(config.seed)
     ids, targets = [], []
     for task in tasks:
-        episode = expert_episode(config.env, task, rng, config.p_error)
+        episode = expert_episode(config.env, task, rng, config.p_error, config.noise)
         trained = None if config.train_on_mistakes else [not m for m in episode.mistakes]
         episode_ids, has_loss = encode_episode(tokenizer, episode.turns, trained)
         ids.append(episode_ids)
@@ -440,6 +444,10 @@ def _train(config: SFTConfig, out: Path, evaluate: Evaluate, log: Log, start: fl
     test_tasks = make_tasks(config.env, config.test_tasks, TEST_SEED_OFFSET + config.seed,
                             **config.task_params)
     data = build_dataset(config, tokenizer, {t.prompt for t in (*eval_tasks, *test_tasks)})
+    if not data.ids:
+        raise ValueError(f"{config.env}: none of the {config.train_tasks} training tasks is "
+                         "left once the prompts of the held-out tasks are removed; "
+                         "generate_tasks must vary its prompts with the seed")
     log(f"{config.env}: {len(data.ids):,} noisy-expert episodes "
         f"({sum(map(len, data.ids)):,} tokens, {sum(map(sum, data.targets)):,} action "
         f"tokens), model {n_parameters(model):,} parameters, "
@@ -524,8 +532,8 @@ def init_policy(env: str, seed: int = 0, out: Path | None = None, minutes: float
     if overrides.get("task_params") and out is None:
         raise ValueError("a policy of other task options (--task-param) needs --out: the "
                          "default cache holds the default-mix policy every run finds")
-    target = Path(out) if out is not None else default_cache_dir(env, seed)
     config = default_config(env, seed=seed, minutes=minutes, **overrides)
+    target = Path(out) if out is not None else default_cache_dir(env, seed)
     try:  # a bad option is named before any data is generated
         make_tasks(env, 1, seed, **config.task_params)
     except (TypeError, ValueError) as exc:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from train.envs import Environment, Task, make_env
+from train.envs import Environment, Task, env_class, make_env
 from train.policies.base import Policy, Rows, SampleConfig
 from train.sampling.base import Continuing, mix_seed
 from train.sampling.engine import DEFAULT_MAX_ROWS, Decode, Engine, Request, Work
@@ -74,15 +74,24 @@ def run_episodes(policy: Policy, env: str | Callable[[], Environment], tasks: Se
     return Episodes(rewards, [r >= success_threshold for r in rewards], [s for _, s in got])
 
 
-GROUP_NAMES: dict[str, str] = {"calc": "difficulty", "workflow": "horizon", "sgls": "kind"}
+ALL_TASKS = "all"
+"""The one group of an env without a ``task_group_key``."""
 
 
-def task_group(task: Task) -> int | str:
-    """The reporting group of a task: calc difficulty, workflow horizon or sgls kind."""
-    if task.env == "sgls":
-        return str(task.config["kind"])
-    key = "difficulty" if task.env == "calc" else "horizon"
-    return int(task.config[key])
+def group_name(env: str) -> str:
+    """What groups ``env``'s tasks in a report: its class's ``task_group_key`` (calc
+    ``difficulty``, workflow ``horizon``, sgls ``kind``), else ``tasks``."""
+    return env_class(env).task_group_key or "tasks"
+
+
+def task_group(task: Task, key: str | None) -> int | str:
+    """The reporting group of ``task``: its ``config[key]`` (an integer stays one, e.g. a
+    difficulty or horizon; anything else as text, e.g. an sgls kind), or ``ALL_TASKS``
+    when ``key`` is None."""
+    if key is None:
+        return ALL_TASKS
+    value = task.config[key]
+    return value if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
 @dataclass(frozen=True)
@@ -125,15 +134,17 @@ def rollout_rewards(policy: Policy, env_name: str, tasks: Sequence[Task], seed: 
 
 def success_report(policy: Policy, env_name: str, tasks: Sequence[Task], seed: int,
                    max_new_tokens: int = 48) -> SuccessReport:
-    """Sampled (temperature 1) success rate per difficulty / horizon / kind (the held-out
-    check ``rtrees policy init`` passes to ``tiny_train.train_sft``)."""
+    """Sampled (temperature 1) success rate per group of the env's ``task_group_key``
+    (difficulty / horizon / kind; one group where it has none): the held-out check
+    ``rtrees policy init`` passes to ``tiny_train.train_sft``."""
+    key = env_class(env_name).task_group_key
     episodes = run_episodes(policy, env_name, tasks, seed=seed, max_new_tokens=max_new_tokens)
     groups: dict[int | str, tuple[int, int]] = {}
     for task, success in zip(tasks, episodes.successes, strict=True):
-        wins, total = groups.get(task_group(task), (0, 0))
-        groups[task_group(task)] = (wins + success, total + 1)
-    return SuccessReport(groups, GROUP_NAMES[env_name])
+        wins, total = groups.get(task_group(task, key), (0, 0))
+        groups[task_group(task, key)] = (wins + success, total + 1)
+    return SuccessReport(groups, group_name(env_name))
 
 
-__all__ = ["GREEDY_TOP_P", "GROUP_NAMES", "Episodes", "SuccessReport", "episode_program",
-           "rollout_rewards", "run_episodes", "success_report", "task_group"]
+__all__ = ["ALL_TASKS", "GREEDY_TOP_P", "Episodes", "SuccessReport", "episode_program",
+           "group_name", "rollout_rewards", "run_episodes", "success_report", "task_group"]

@@ -159,11 +159,21 @@ def exact_children(store: Store, mus: dict[str, TabularPolicy]) -> pa.Table:
 
 
 def _env_tasks(env: str, config: ConstructionConfig) -> list[Task]:
-    if env == "workflow":
+    """The study's tasks on ``env``: on an env with exact values (workflow) ``n_tasks`` at
+    ``horizons`` (``workflow_study.make_tasks``), else ``calc_tasks`` of its default mix."""
+    if _exact(env):
         return make_tasks(config.n_tasks, config.seed, config.horizons)
     from train.envs import env_class
 
     return env_class(env).generate_tasks(config.calc_tasks, config.seed)
+
+
+def _exact(env: str) -> bool:
+    """Whether ``env``'s class declares exact values (``Environment.exact_values``): the
+    tabular mu as the policy and the exact value of every child."""
+    from train.envs import env_class
+
+    return env_class(env).exact_values
 
 
 def run_construction_study(out_dir: str | Path, config: ConstructionConfig | None = None,
@@ -188,7 +198,8 @@ def run_construction_study(out_dir: str | Path, config: ConstructionConfig | Non
         store_dir = out / f"store-{env}"
         store = Store(store_dir, create=not store_dir.exists())
         mus: dict[str, TabularPolicy] = {}
-        if env == "workflow":
+        exact_values = _exact(env)
+        if exact_values:
             policy, mus = workflow_policy(tasks, config)
             params: dict[str, Any] = {}
         else:
@@ -210,7 +221,7 @@ def run_construction_study(out_dir: str | Path, config: ConstructionConfig | Non
             "reference_policy": str(policy.policy_version),
             "references": {"children": refs.children, "sampled": refs.sampled,
                            "rollouts": refs.rollouts}}
-        if env == "workflow":
+        if exact_values:
             exact = exact_children(store, mus)
             pq.write_table(exact, out / f"exact-{env}.parquet")
             doc["exact"] = f"exact-{env}.parquet"

@@ -65,6 +65,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from train.coerce import check_bounds, check_types
+from train.envs import env_class
 from train.envs.workflow import WorkflowEnv
 from train.envs.workflow_model import State, WorkflowModel
 from train.studies import STUDY_MAXIMA
@@ -159,9 +160,13 @@ def run_recovery_study(out_dir: str | Path, config: RecoveryConfig | None = None
     started = time.perf_counter()
     rows: dict[str, list[Any]] = {}
     n_failed = n_sampled = 0
-    if "workflow" in config.envs:
+    # the exact arm on an env with exact values (workflow), the BEL-localized sampled arm
+    # on the other (calc): RecoveryConfig admits those two
+    exact_envs = [env for env in config.envs if env_class(env).exact_values]
+    if exact_envs:
         n_failed, n_sampled = _workflow_rows(config, rows, log)
-    n_calc = _calc_rows(config, rows, out, log) if "calc" in config.envs else 0
+    sampled = len(exact_envs) < len(config.envs)
+    n_calc = _calc_rows(config, rows, out, log) if sampled else 0
     schema = pa.schema([("env", pa.string()), ("task_id", pa.string()), ("horizon", pa.int64()),
                         ("trajectory", pa.string()), ("arm", pa.string()), ("step", pa.int64()),
                         ("n_steps", pa.int64()), ("n_errors", pa.int64()),
@@ -176,7 +181,7 @@ def run_recovery_study(out_dir: str | Path, config: RecoveryConfig | None = None
     return write_study(out / "study.json", {
         "study": "elpo-fig1", "config": asdict(config), "recovery_path": path.name,
         "n_failed_trajectories": n_failed + n_calc, "n_sampled_trajectories": n_sampled,
-        "calc_store": "store-calc" if "calc" in config.envs else None,
+        "calc_store": "store-calc" if sampled else None, "exact_envs": exact_envs,
         "seconds": time.perf_counter() - started})
 
 
@@ -289,7 +294,7 @@ def _calc_rows(config: RecoveryConfig, rows: dict[str, list[Any]], out: Path,
     import json
 
     from rollout_store import Store, connect
-    from train.envs import env_class, make_env
+    from train.envs import make_env
     from train.policies import load_policy
     from train.sampling.base import NodeStart, load_starts
     from train.sampling.collect import collect

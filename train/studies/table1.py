@@ -86,7 +86,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -211,10 +211,35 @@ class Table1Config:
             raise ValueError(f"n_total must be >= 4 for a tree to branch, got {self.n_total}")
 
 
+_FIELDS = frozenset(f.name for f in fields(Table1Config))
+
+
 def slug(name: str) -> str:
     """``slca+group (sgls)`` -> ``sgls-slca-group``: the config's directory name."""
     env, sampler, credit = CONFIGS[name]
     return re.sub(r"[^a-z0-9_-]", "-", f"{env}-{credit}-{sampler}") + SLUG_SUFFIX.get(name, "")
+
+
+def env_setting(config: Table1Config, env: str, setting: str, default: Any = None) -> Any:
+    """The study's ``setting`` for the runs on ``env``: its field ``<env>_<setting>`` where
+    it has one (``sgls_max_new_tokens``, ``workflow_policy``, ...), else the field
+    ``setting`` shared by every env, else ``default``. The fields name their env as data,
+    so no code here decides by an env's name."""
+    own = f"{env}_{setting}"
+    if own in _FIELDS:
+        return getattr(config, own)
+    return getattr(config, setting) if setting in _FIELDS else default
+
+
+def env_task_params(config: Table1Config, env: str) -> dict[str, Any]:
+    """The task options of the runs on ``env`` (both splits): ``horizons`` and, when set,
+    ``mark_optional`` from its ``<env>_horizons`` / ``<env>_mark_optional`` fields (the
+    workflow configs); none for an env without such fields."""
+    horizons = env_setting(config, env, "horizons")
+    if horizons is None:
+        return {}
+    return {"horizons": list(horizons),
+            **({"mark_optional": True} if env_setting(config, env, "mark_optional") else {})}
 
 
 def run_config(name: str, seed: int, config: Table1Config, run_dir: Path) -> Any:
@@ -222,19 +247,15 @@ def run_config(name: str, seed: int, config: Table1Config, run_dir: Path) -> Any
     from train.config import TrainConfig
 
     env, sampler, credit = CONFIGS[name]
-    tokens = {"sgls": config.sgls_max_new_tokens,
-              "workflow": config.workflow_max_new_tokens}.get(env, config.max_new_tokens)
-    tasks: dict[str, Any] = {}
-    if env == "workflow":
-        tasks = {"horizons": list(config.workflow_horizons),
-                 **({"mark_optional": True} if config.workflow_mark_optional else {})}
     return TrainConfig(
         store=str(run_dir / "store"), out=str(run_dir / "train"),
         run_id=f"table1-{slug(name)}-s{seed}", env=env,
-        policy=config.workflow_policy if env == "workflow" else "tiny", sampler=sampler,
+        policy=env_setting(config, env, "policy", "tiny"), sampler=sampler,
         credit=credit, steps=config.steps, tasks_per_step=config.tasks_per_step,
         n_total=config.n_total, heldout_tasks=config.heldout_tasks,
-        eval_every=config.eval_every, seed=seed, max_new_tokens=tokens, task_params=tasks,
+        eval_every=config.eval_every, seed=seed,
+        max_new_tokens=env_setting(config, env, "max_new_tokens"),
+        task_params=env_task_params(config, env),
         epochs=config.epochs, minibatches=config.minibatches, lr=config.lr,
         keep_last=1, save_every=config.steps, progress=False, **CONFIG_FIELDS.get(name, {}))
 
@@ -289,16 +310,17 @@ def run_table1_study(out_dir: str | Path, config: Table1Config | None = None,
     ``study.json``; returns its path. A rerun skips finished runs, resumes unfinished ones
     and retries refused ones."""
     config = config or Table1Config()
-    if config.workflow_policy.startswith("hf:") \
-            and any(CONFIGS[name][0] == "workflow" for name in config.configs):
-        # checked before any run: the workflow runs may come after hours of calc runs
-        from train.policies.hf import require_checkpoint_dir
+    for env in dict.fromkeys(CONFIGS[name][0] for name in config.configs):
+        policy = env_setting(config, env, "policy", "tiny")
+        if policy.startswith("hf:"):
+            # checked before any run: the workflow runs may come after hours of calc runs
+            from train.policies.hf import require_checkpoint_dir
 
-        try:
-            require_checkpoint_dir(Path(config.workflow_policy.partition(":")[2]))
-        except FileNotFoundError as exc:
-            raise ValueError(f"workflow_policy {config.workflow_policy!r} is not a checkpoint "
-                             f"directory: {exc}") from None
+            try:
+                require_checkpoint_dir(Path(policy.partition(":")[2]))
+            except FileNotFoundError as exc:
+                raise ValueError(f"{env}_policy {policy!r} is not a checkpoint "
+                                 f"directory: {exc}") from None
     out = make_study_dir(out_dir)
     started = time.perf_counter()
     runs = []
