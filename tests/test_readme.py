@@ -113,12 +113,13 @@ def parse(argv: list[str]) -> Parsed:
 def check_names(parsed: Parsed) -> None:
     """Environment, sampler and estimator names a command line gives are registered."""
     from train.credit import ESTIMATORS
-    from train.envs import ENVIRONMENTS
+    from train.envs import env_class
     from train.sampling import SAMPLERS
 
     p = parsed.params
-    for key, known in (("env", ENVIRONMENTS), ("sampler", SAMPLERS), ("method", ESTIMATORS),
-                       ("credit", ESTIMATORS)):
+    if isinstance(p.get("env"), str) and ":" not in p["env"]:  # module:Class: the reader's
+        env_class(p["env"])  # a name that does not resolve raises
+    for key, known in (("sampler", SAMPLERS), ("method", ESTIMATORS), ("credit", ESTIMATORS)):
         value = p.get(key)
         if isinstance(value, str):
             assert value in known, f"{' '.join(parsed.path)} --{key} {value}: unknown"

@@ -226,9 +226,9 @@ def check_config(config: TrainConfig, world_size: int = 1) -> None:
     except (ValueError, TypeError) as exc:
         raise ConfigError(str(exc)) from exc
     kind = config.policy.partition(":")[0]
-    if config.policy != "tiny" and kind != "hf":
-        raise ConfigError(f"the trainer trains 'tiny' or 'hf:PATH' policies, not "
-                          f"{config.policy!r}")
+    if config.policy != "tiny" and kind not in ("tiny", "hf"):
+        raise ConfigError(f"the trainer trains 'tiny', 'tiny:ENV' or 'hf:PATH' policies, "
+                          f"not {config.policy!r}")
     try:
         ReuseParams.parse(config.reuse_params)
     except ValueError as exc:

@@ -204,12 +204,25 @@ class FunctionToolEnv(Environment):
     TOOLS: ClassVar[tuple[Tool, ...]] = ()
     TASKS: ClassVar[str | Path | tuple[Task, ...]] = ()
     REWARD: ClassVar[Callable[[str, Task], float] | None] = None
+    EXPERT: ClassVar[Callable[[Task, list[tuple[str, str]]], str] | None] = None
 
     def __init__(self) -> None:
         self._task: Task | None = None
         self._steps = 0
         self._done = False
+        self._history: list[tuple[str, str]] = []
         self._by_name = {t.name: t for t in self.TOOLS}
+
+    def expert_action(self) -> str:
+        """``expert(task, history)`` of ``function_tool_env``: the next action text given
+        the (action, observation) pairs so far."""
+        expert = type(self).EXPERT
+        if expert is None:
+            raise NotImplementedError(f"{self.name} has no scripted expert "
+                                      "(function_tool_env(..., expert=...))")
+        if self._task is None:
+            raise RuntimeError(f"{type(self).__name__}: call reset() first")
+        return expert(self._task, list(self._history))
 
     @classmethod
     def tool_schemas(cls) -> list[dict[str, Any]] | None:
@@ -241,7 +254,7 @@ class FunctionToolEnv(Environment):
         return out
 
     def reset(self, task: Task) -> str:
-        self._task, self._steps, self._done = task, 0, False
+        self._task, self._steps, self._done, self._history = task, 0, False, []
         return task.prompt
 
     def step(self, action_text: str) -> StepResult:
@@ -259,6 +272,7 @@ class FunctionToolEnv(Environment):
             observation = error_response(action.error or "malformed action")
         else:
             observation = self._call(action.name or "", action.arguments or {})
+        self._history.append((action_text, observation))
         if self._steps >= task.max_steps:
             self._done = True
             return StepResult(observation, True, {"reward": 0.0, "truncated": 1.0})
@@ -289,13 +303,23 @@ class FunctionToolEnv(Environment):
         return float(value)
 
 
+def tool_call(name: str, **arguments: Any) -> str:
+    """The action text of a call of tool ``name`` (the shared protocol), e.g. for an
+    expert: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
 def function_tool_env(name: str, tools: Sequence[Tool | Callable[..., Any]],
                       tasks: str | Path | Sequence[Task | dict[str, Any]],
                       reward: Callable[[str, Task], float], *,
+                      expert: Callable[[Task, list[tuple[str, str]]], str] | None = None,
                       module: str | None = None) -> type[FunctionToolEnv]:
     """An ``Environment`` class of ``tools`` (functions or ``tool(...)``), ``tasks`` (a
-    JSONL file, or tasks / task dicts) and ``reward(answer, task)``. ``module`` (default:
-    the caller's) is where the class says it lives, so ``module:ClassName`` resolves."""
+    JSONL file, or tasks / task dicts) and ``reward(answer, task)``; ``expert(task,
+    history)``, optional, is a scripted expert (the next action text given the
+    (action, observation) pairs so far: ``rtrees policy init`` trains on it). ``module``
+    (default: the caller's) is where the class says it lives, so ``module:ClassName``
+    resolves."""
     made = tuple(t if isinstance(t, Tool) else tool(t) for t in tools)
     if not made:
         raise ToolSchemaError(f"{name}: an environment needs at least one tool")
@@ -319,8 +343,9 @@ def function_tool_env(name: str, tools: Sequence[Tool | Callable[..., Any]],
                        name.replace("-", "_").replace(".", "_").split("_")) or "Env"
     return type(cls_name, (FunctionToolEnv,), {
         "name": name, "TOOLS": made, "TASKS": task_source, "REWARD": staticmethod(reward),
+        "EXPERT": None if expert is None else staticmethod(expert),
         "__module__": module, "__qualname__": cls_name})
 
 
 __all__ = ["FunctionToolEnv", "Tool", "ToolSchemaError", "check_tool_schemas",
-           "function_tool_env", "read_task_file", "tool"]
+           "function_tool_env", "read_task_file", "tool", "tool_call"]

@@ -10,6 +10,9 @@
               ``checkpoint`` (a directory: any tiny checkpoint acts in any
               env), ``random_init=True`` (fresh random
               weights, nothing loaded: for tests and benchmarks)
+``tiny:ENV``  the tiny policy trained for the env ``ENV`` (its cached or
+              committed checkpoint), acting in ``env``: e.g. ``tiny:calc`` on
+              an environment that has no tiny policy of its own
 ``hf:PATH``   any local transformers checkpoint with a chat template
               (``train.policies.hf``); kw ``device``, ``dtype``,
               ``observation_role``, ``system``, ``tools`` (default: the
@@ -46,7 +49,7 @@ from train.policies.errors import INSTALL_HINT, PolicyRefError, PolicyUnavailabl
 if TYPE_CHECKING:
     from train.policies.base import Policy
 
-SPECS = ("tiny", "hf:PATH", "vllm:PATH", "tabular")
+SPECS = ("tiny", "tiny:ENV", "hf:PATH", "vllm:PATH", "tabular")
 
 
 def env_tools(env: str) -> list[dict[str, Any]] | None:
@@ -81,6 +84,17 @@ def load_policy(spec: str, env: str, **kw: Any) -> Policy:
         if kw.pop("random_init", False):
             return random_tiny_policy(seed=kw.pop("seed", 0), **kw)
         return load_tiny_policy(env, **kw)
+    if kind == "tiny":  # tiny:OTHER: the tiny policy trained for OTHER, acting in env
+        from train.policies.errors import PolicyUnavailableError
+        from train.policies.tiny import find_checkpoint, load_tiny_policy
+
+        env_class(path)
+        found = find_checkpoint(path, kw.get("seed", 0))
+        if found is None:
+            raise PolicyUnavailableError(f"policy {spec!r}: no tiny {path} policy: run "
+                                         f"`rtrees policy init --env {path}`")
+        kw.pop("seed", None)
+        return load_tiny_policy(env, checkpoint=found, **kw)
     if kind == "hf" and sep:
         from train.policies.hf import HFPolicy
 
