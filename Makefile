@@ -44,7 +44,7 @@ test-kernels: $(STAMP)
 	env $(OTHER_KERNELS) $(BIN)/python -c "import torch; \
 		print('kernels:', torch.backends.cpu.get_cpu_capability(), '($(OTHER_KERNELS))')"
 	env $(OTHER_KERNELS) $(BIN)/pytest -q -p no:cacheprovider tests/test_trainer_golden.py \
-		tests/test_engine.py
+		tests/test_engine.py tests/test_reuse.py::test_refresh_does_not_depend_on_the_row_budget
 
 test-all: lint
 	$(BIN)/pytest -q

@@ -10,7 +10,7 @@ such character the way Python's ``repr`` does (``\\n``, ``\\t``, ``\\x1b``, ``\\
 table. ``rtrees sql`` prints through them; any command that prints stored text can import
 them from here.
 
-What is escaped (``UNSAFE``): the C0 controls and DEL (``\\x00``-``\\x1f``, ``\\x7f``:
+What is escaped (``UNSAFE``): the ASCII control characters and DEL (``\\x00``-``\\x1f``, ``\\x7f``:
 newline, tab, ESC, BEL, backspace), the C1 controls (``\\x80``-``\\x9f``: ``\\x9b`` is a
 one-byte CSI on some terminals, ``\\x85`` a line break), the Unicode line and paragraph
 separators (U+2028, U+2029), the bidirectional controls that reorder what is shown

@@ -681,11 +681,11 @@ def test_refresh_does_not_depend_on_the_row_budget() -> None:
     tree in one engine run) with row budgets 1, 7 and 64: the same refreshed trees (up to
     the float noise of batched matmuls, bounded as in ``tests/test_engine.py``), the same
     posteriors and costs; budget 64 decodes rows of several trees per call."""
-    from test_engine import LOGPROB_TOL, differences  # tests/ is on sys.path (rootdir)
+    from test_engine import DTYPE, LOGPROB_TOL, differences  # tests/ is on sys.path
 
     from train.sampling.engine import Engine
 
-    policy = load_policy("tiny", "calc")
+    policy = load_policy("tiny", "calc", dtype=DTYPE)  # float64: no token parts on any CPU
     trees = _calc_trees(4, seed=3)
     items = [(t, resolve_tree(t, "refresh", _stored_logprobs(t), ReuseParams()), f"new/{i}")
              for i, t in enumerate(trees)]
