@@ -339,7 +339,7 @@ def test_a_tree_whose_env_raises_is_not_committed_and_the_others_are(
     stored = read_trees(store)
     assert sorted(t.task_id for t in stored) == sorted(t.task_id for i, t in enumerate(tasks)
                                                        if i != 1)
-    assert {t.env for t in stored} == {"flaky-calc"}
+    assert {t.env for t in stored} == {"test_env_registry:FlakyCalc"}  # importable: by path
     assert "1 trees FAILED" in report.summary()
 
 

@@ -49,7 +49,7 @@ def test_named_errors_before_any_work(tmp_path: Path) -> None:
                       ({"credit": "factor", "credit_params": {"teacher": "tiny"}},
                        "drop teacher="),
                       ({"credit": "sgcd", "reuse": "all"}, "use reuse none"),
-                      ({"policy": "tabular"}, "tiny' or 'hf:PATH")):
+                      ({"policy": "tabular"}, "'tiny:ENV' or 'hf:PATH'")):
         with pytest.raises(ConfigError, match=match):
             train(_cfg(tmp_path, "bad", **kw))
         assert not (tmp_path / "run-bad").exists()  # nothing written

@@ -132,6 +132,7 @@ from train.config import (
 from train.credit.scores import GOLD
 from train.credit.store_io import resolve_method, token_score_kinds
 from train.envs import Task, env_class, make_env
+from train.envs.registry import same_env
 from train.loss import (
     aggregate,
     denominator,
@@ -262,7 +263,7 @@ def check_config(config: TrainConfig, world_size: int = 1) -> None:
 def check_store_env(store: Store, env: str) -> None:
     con = connect(store)
     envs = [r[0] for r in con.execute("SELECT DISTINCT env FROM trees").fetchall()]
-    other = sorted(e for e in envs if e != env)
+    other = sorted(e for e in envs if not same_env(e, env))
     if other:
         raise TrainError(f"store {store.path} holds trees of env {other}, not {env!r}")
 

@@ -17,6 +17,7 @@ from train.envs.base import Environment, ParsedAction, StepResult, Task, parse_a
 from train.envs.registry import (
     BUILTIN,
     EnvSpecError,
+    canonical_spec,
     env_names,
     register_env,
     resolve_env,
@@ -37,16 +38,17 @@ def env_class(spec: str) -> type[Environment]:
 
 def make_env(spec: str, **config: Any) -> Environment:
     """An environment instance of ``spec``, remembering the spec (``spec_of``: what the
-    store records for its trees), with snapshots through its ``snapshot_strategy``."""
+    store records for its trees; ``canonical_spec``: a registered name's importable path),
+    with snapshots through its ``snapshot_strategy``."""
     from train.envs.strategies import with_snapshots
 
     cls = resolve_env(spec)
     if cls.snapshot_strategy == "fork":  # built in its worker process, never in this one
         from train.envs.fork import make_fork_env
 
-        return make_fork_env(spec, cls, **config)
+        return make_fork_env(canonical_spec(spec), cls, **config)
     env = cls(**config)
-    env.spec = spec
+    env.spec = canonical_spec(spec)
     return with_snapshots(env)
 
 

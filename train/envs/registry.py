@@ -79,15 +79,25 @@ def register_env(name: str, target: str | type[Environment], *, replace: bool = 
                                "'module:Class'")
     else:
         _check_class(target, f"register_env({name!r}, ...)")
-        path = f"{target.__module__}:{target.__qualname__}"
-        if target.__module__ != "__main__" and SPEC_RE.fullmatch(path):
-            try:
-                if _import_attr(path) is target:
-                    target = path  # importable: resolves in workers too
-            except EnvSpecError:
-                pass
+        target = _importable_path(target) or target  # a path resolves in workers too
     _REGISTERED[name] = target
     resolve_env.cache_clear()
+
+
+def _importable_path(cls: type[Environment]) -> str | None:
+    """``module:Name`` under which ``cls`` itself is importable (its module is not
+    ``__main__`` and binds it to ``Name``), else None."""
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    if module is None or cls.__module__ == "__main__":
+        return None
+    names = [cls.__qualname__, *sorted(k for k, v in vars(module).items() if v is cls)]
+    for attr in names:
+        path = f"{cls.__module__}:{attr}"
+        if SPEC_RE.fullmatch(path) and getattr(module, attr, None) is cls:
+            return path
+    return None
 
 
 def unregister_env(name: str) -> None:
@@ -154,11 +164,30 @@ def resolve_env(spec: str) -> type[Environment]:
     return cls
 
 
+def canonical_spec(spec: str) -> str:
+    """The spec to record for ``spec``: a name ``register_env`` bound to an importable
+    class (or a path) records that ``module:Class`` path, which resolves in any process;
+    every other spec records itself."""
+    target = _REGISTERED.get(spec)
+    return target if isinstance(target, str) else spec
+
+
+def same_env(a: str, b: str) -> bool:
+    """Whether two specs name one environment class (``calc`` and
+    ``train.envs.calc:CalcEnv`` do); a spec that does not resolve equals only itself."""
+    if a == b:
+        return True
+    try:
+        return resolve_env(a) is resolve_env(b)
+    except EnvSpecError:
+        return False
+
+
 def spec_of(env: Environment) -> str:
     """The spec an environment instance was made from (``make_env`` sets it), else its
     class's ``name``."""
     return getattr(env, "spec", None) or type(env).name
 
 
-__all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "EnvSpecError", "env_names", "register_env",
-           "resolve_env", "spec_of", "unregister_env"]
+__all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "EnvSpecError", "canonical_spec", "env_names",
+           "register_env", "resolve_env", "same_env", "spec_of", "unregister_env"]
