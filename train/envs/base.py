@@ -355,9 +355,10 @@ class Environment(ABC):
     """The spec ``make_env`` built this instance from (what the store records)."""
     tool_lag: ClassVar[int] = 0
     """For slow tools (a remote call, a sandbox start): decode steps of the other trees a
-    step of this env may overlap (``train.sampling.engine.Work.lag``). Its answer is
-    collected that many decode steps after the step started, whatever the thread timing,
-    so trees stay reproducible; 0 collects it after the next decode step."""
+    step of this env may overlap (``train.sampling.engine.Work.lag``; a work item of k
+    steps, k times as many). Its answer is collected that many decode steps after the
+    step started, whatever the thread timing, so trees stay reproducible; 0 collects it
+    after the next decode step. About the tool's latency over one decode step's time."""
 
     @abstractmethod
     def reset(self, task: Task) -> str:

@@ -558,7 +558,8 @@ class TreeBuilder:
                             add(on_step(child))  # charged now: later hooks see the budget left
                 return live
 
-            active = yield Work(apply, lag=self.env.tool_lag)
+            steps = sum(len(c) for c in conts)  # env steps of this work, one after another
+            active = yield Work(apply, lag=self.env.tool_lag * steps)
         return leaves
 
     def finish(self) -> Tree:

@@ -293,7 +293,7 @@ def reference_program(start: NodeStart, env_factory: Callable[[], Environment],
                 for r in live:
                     runs[r].step(actions[r])
 
-            yield Work(step_all, lag=max((runs[r].env.tool_lag for r in live), default=0))
+            yield Work(step_all, lag=sum(runs[r].env.tool_lag for r in live))
             counters.env_steps += len(live)
             still = []
             for r in live:
