@@ -98,11 +98,75 @@ def frozen_memory(n_frozen: int) -> list[list[object]]:
         env.close()
 
 
+class ForkCalc(CalcEnv):
+    """``calc`` declared ``fork``: ``make_env`` builds it in a worker process."""
+
+    snapshot_strategy = "fork"
+
+
+def collect_memory(n_trees: int, n_total: int) -> tuple[float, float, int, float]:
+    """Collect ``n_trees`` BEL trees of ``ForkCalc`` (the tiny calc policy, every tree in
+    flight at once through the engine) while a thread samples, every 50 ms, the summed RSS
+    and USS of this process's fork processes; (peak RSS, peak USS, most processes, seconds)."""
+    import threading
+    import time
+
+    from train.envs import register_env, unregister_env
+    from train.policies import load_policy
+    from train.sampling import make_sampler
+    from train.sampling.chunks import sample_trees
+
+    register_env("bench-fork-calc", "bench_env_strategies:ForkCalc")  # importable by workers
+    me = psutil.Process()
+    peak = {"rss": 0.0, "uss": 0.0, "n": 0}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            rss = uss = 0.0
+            kids = me.children(recursive=True)
+            for kid in kids:
+                try:
+                    info = kid.memory_full_info()
+                except psutil.Error:  # gone between listing and reading
+                    continue
+                rss, uss = rss + info.rss, uss + info.uss
+            peak["rss"], peak["uss"] = max(peak["rss"], rss), max(peak["uss"], uss)
+            peak["n"] = max(peak["n"], len(kids))
+
+    policy = load_policy("tiny", "calc")
+    tasks = CalcEnv.generate_tasks(n_trees, seed=3)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    try:
+        trees = sample_trees("bench-fork-calc", policy, make_sampler("bel"), tasks, n_total,
+                             0, "bench")
+    finally:
+        seconds = time.perf_counter() - start
+        done.set()
+        thread.join()
+        unregister_env("bench-fork-calc")
+    assert len(trees) == n_trees
+    return peak["rss"], peak["uss"], int(peak["n"]), seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeat", type=int, default=100, help="restores per depth")
     parser.add_argument("--frozen", type=int, default=64, help="frozen copies to hold")
+    parser.add_argument("--collect", type=int, default=0, metavar="N",
+                        help="also collect N BEL trees (n_total 16) through fork and report "
+                             "the peak memory of the fork processes")
     args = parser.parse_args()
+    for name in ("repeat", "frozen", "collect"):
+        if getattr(args, name) < (0 if name == "collect" else 1):
+            parser.error(f"--{name} must be at least {0 if name == 'collect' else 1}")
+    if args.collect:
+        rss, uss, n, seconds = collect_memory(args.collect, 16)
+        print(f"collecting {args.collect} BEL trees (n_total 16) of calc through fork: "
+              f"{seconds:.1f} s; at most {n} fork processes, peak RSS sum {mib(rss)} "
+              f"(ceiling), peak USS sum {mib(uss)} (floor)")
 
     rows: list[list[object]] = []
     p50: dict[tuple[str, int], float] = {}
