@@ -72,7 +72,8 @@ def test_every_sampler_makes_the_same_trees_under_every_strategy(
         assert worst < 1e-9, (strategy, worst)
 
 
-@pytest.mark.parametrize("strategy", ["replay", "fork"])
+@pytest.mark.parametrize("strategy", [
+    "replay", pytest.param("fork", marks=pytest.mark.slow)])  # fork: ~45 s of worker starts
 def test_references_evaluation_and_refresh_run_on_the_strategy(
         strategy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from train.config import load_config
