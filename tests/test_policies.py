@@ -804,4 +804,5 @@ def test_a_policy_directory_that_does_not_exist_is_named_without_the_policy_ref_
     with pytest.raises(FileNotFoundError) as info:
         load_policy(str(tmp_path / "gone"), "calc")
     assert str(info.value) == (f"no such directory {str(tmp_path / 'gone')!r} (a policy is "
-                               "tiny, hf:PATH, vllm:PATH, tabular, or a checkpoint directory)")
+                               "tiny, tiny:ENV, hf:PATH, vllm:PATH, tabular, or a checkpoint "
+                               "directory)")
