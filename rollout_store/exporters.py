@@ -25,14 +25,12 @@ numbers; total list lengths). ``ATIF_SCHEMA`` and ``ADP_SCHEMA`` are JSON Schema
 fields we write, transcribed from the formats' specifications (ATIF RFC 0001 v1.4;
 ADP, arXiv 2510.24702); the tests validate every record against them.
 
-``import_atif`` reads trajectories back as trees: the user step's message is the root's
-prompt and each agent step one node below the previous (a path has no branches), with
-its text, token ids and logprobs; the reward comes from ``final_metrics.extra.reward``.
+Reading ATIF trajectories back as trees is ``rollout_store.importers.import_atif_files``
+(``rtrees import --format atif``), which checks every field's type.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
@@ -48,8 +46,8 @@ import pyarrow.parquet as pq
 
 from rollout_store.reader import connect, read_trees
 from rollout_store.schema import SCHEMA_VERSION
-from rollout_store.store import CommitReport, Store
-from rollout_store.tree import Node, Tree
+from rollout_store.store import Store
+from rollout_store.tree import Tree
 
 ExportFormat = Literal["hf", "atif", "adp"]
 EXPORT_FORMATS: tuple[ExportFormat, ...] = ("hf", "atif", "adp")
@@ -413,96 +411,5 @@ def export_paths(store: Store, fmt: str, out: str | Path, *, run_id: str | None 
     return ExportReport(out, fmt, len({r["tree_id"] for r in rows}), len(rows), files)
 
 
-# ------------------------------------------------------------------------- import
-
-def _atif_files(paths: Sequence[str | Path]) -> list[Path]:
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            out += sorted(p.rglob("*.json"))
-        else:
-            out.append(p)
-    return [p for p in out if p.name != "metadata.json" and p.name != "dataset_info.json"]
-
-
-def atif_tree(traj: Any, source: str, run_id: str) -> Tree:
-    """One ATIF trajectory as a tree (module docstring); ``ValueError`` naming ``source``
-    when a required field is missing or of the wrong type."""
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{source}: not an ATIF trajectory: {what}")
-
-    if not isinstance(traj, dict) or not isinstance(traj.get("steps"), list):
-        raise bad("no steps array")
-    if not str(traj.get("schema_version", "")).startswith("ATIF-v1."):
-        raise bad(f"schema_version {traj.get('schema_version')!r}")
-    steps = traj["steps"]
-    users = [s for s in steps if isinstance(s, dict) and s.get("source") == "user"]
-    prompt = users[0].get("message", "") if users else ""
-    extra: dict[str, Any] = traj["extra"] if isinstance(traj.get("extra"), dict) else {}
-    final: dict[str, Any] = (traj["final_metrics"] if isinstance(traj.get("final_metrics"),
-                                                                  dict) else {})
-    final_extra: dict[str, Any] = final["extra"] if isinstance(final.get("extra"), dict) else {}
-    reward = final_extra.get("reward")
-    if reward is not None and not isinstance(reward, int | float):
-        raise bad("final_metrics.extra.reward is not a number")
-    nodes = [Node(0, None, "prompt", observation_text=str(prompt),
-                  observation_token_ids=[int(t) for t in extra.get("prompt_token_ids", [])])]
-    for s in steps:
-        if not isinstance(s, dict) or s.get("source") != "agent":
-            continue
-        if not isinstance(s.get("message"), str):
-            raise bad(f"step {s.get('step_id')}: message is not a string")
-        m = s.get("metrics") or {}
-        ids = [int(t) for t in m.get("completion_token_ids", [])]
-        lps = [float(v) for v in m.get("logprobs", [])]
-        if lps and len(lps) != len(ids):
-            raise bad(f"step {s.get('step_id')}: {len(lps)} logprobs for {len(ids)} tokens")
-        results = (s.get("observation") or {}).get("results", [])
-        obs = "\n".join(str(r.get("content", "")) for r in results if isinstance(r, dict))
-        sx = s.get("extra") or {}
-        nid = len(nodes)
-        nodes.append(Node(nid, nid - 1, "decision" if nid == 1 else "feedback_response",
-                          action_text=s["message"], action_token_ids=ids,
-                          action_logprobs=lps or [0.0] * len(ids) if ids else [],
-                          observation_text=obs,
-                          observation_token_ids=[int(t) for t in
-                                                 sx.get("observation_token_ids", [])],
-                          meta={"atif_step_id": s.get("step_id")}))
-    if len(nodes) == 1:
-        raise bad("no agent step")
-    nodes[-1].terminal = True
-    nodes[-1].reward = float(reward) if reward is not None else 0.0
-    session = str(traj.get("session_id", source))
-    agent: dict[str, Any] = traj["agent"] if isinstance(traj.get("agent"), dict) else {}
-    tid = "atif-" + hashlib.sha256(f"{run_id}\x00{session}".encode()).hexdigest()[:16]
-    return Tree(tid, nodes, run_id=run_id, task_id=str(extra.get("task_id") or session),
-                env=str(extra.get("env") or "atif"), sampler="import",
-                policy_version=agent.get("model_name"),
-                meta={"import": "atif", "session_id": session, "source": source,
-                      "reward_missing": reward is None})
-
-
-def import_atif(store: Store, paths: Sequence[str | Path], run_id: str | None = None
-                ) -> CommitReport:
-    """Read ATIF trajectory files (or folders of them) and append one tree each, in one
-    commit keyed by the files' content (a second import of the same files is a no-op)."""
-    files = _atif_files(paths)
-    if not files:
-        raise ValueError("no ATIF .json files given")
-    run = run_id or "import-atif"
-    digest = hashlib.sha256(run.encode())
-    trees = []
-    for f in files:
-        raw = f.read_bytes()
-        digest.update(raw)
-        try:
-            traj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{f}: not JSON ({exc.msg} at line {exc.lineno})") from None
-        trees.append(atif_tree(traj, str(f), run))
-    return store.append_trees(trees, key=f"import:atif:{digest.hexdigest()[:32]}")
-
-
 __all__ = ["ADP_SCHEMA", "ATIF_SCHEMA", "EXPORT_FORMATS", "PATH_SCHEMA", "SCHEMA_VERSION",
-           "ExportReport", "adp_record", "atif_trajectory", "export_paths", "import_atif",
-           "path_rows"]
+           "ExportReport", "adp_record", "atif_trajectory", "export_paths", "path_rows"]
