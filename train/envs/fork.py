@@ -91,6 +91,7 @@ from functools import partial
 from typing import Any, NoReturn
 
 from train.envs.base import Environment, StepResult, Task
+from train.envs.sandbox_worker import reap_children  # stdlib only, import-safe
 from train.envs.strategies import (
     SNAPSHOT_STRATEGIES,
     ReplayDivergenceError,
@@ -384,16 +385,6 @@ def _set_subreaper() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
 def _supervise(ctl: socket.socket, lifeline: int) -> None:
     """The supervisor: reap the group, spawn live workers on request; when the caller goes
     away (its connection or the lifeline closes) or says ``close``, kill the whole group."""
@@ -403,7 +394,7 @@ def _supervise(ctl: socket.socket, lifeline: int) -> None:
     while True:
         fds: list[Any] = [ctl, lifeline]
         ready, _, _ = select.select(fds, [], [], 0.5)
-        _reap()
+        reap_children()
         if lifeline in ready:
             break
         if ctl not in ready:

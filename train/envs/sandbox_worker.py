@@ -151,7 +151,7 @@ def run_executor(sock: socket.socket, cfg: Config, out_fd: int, err_fd: int) -> 
             cell = json.loads(_read_all(code_r, 1 << 26))
         finally:
             os.close(code_r)
-        _reap_children()
+        reap_children()
         for fd, target in ((out_fd, 1), (err_fd, 2)):
             os.dup2(fd, target)
         _start_cell(cfg, str(cell["seed"]))
@@ -163,11 +163,12 @@ def run_executor(sock: socket.socket, cfg: Config, out_fd: int, err_fd: int) -> 
             os.close(answer_w)
         except OSError:
             pass  # the cell closed its answer pipe: the supervisor reports it
-        _reap_children()
+        reap_children()
 
 
-def _reap_children() -> None:
-    """Reap the cell's children that exited or that the supervisor killed."""
+def reap_children() -> None:
+    """Reap every child of this process that has exited, without waiting (the cell's
+    children the supervisor killed; ``train.envs.fork``'s workers and copies)."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
