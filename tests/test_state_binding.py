@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from pristine_run import SMALL, STEPS, Run, trained
 from safetensors.torch import load_file, save_file
 
 from rollout_store.reader import connect
@@ -49,42 +50,12 @@ from train.trainer import (
     load_checkpoint,
     load_start_policy,
     resume_checkpoint,
-    train,
 )
-
-SMALL = {"tasks_per_step": 2, "n_total": 2, "heldout_tasks": 0, "max_new_tokens": 24,
-         "minibatches": 2, "progress": False, "run_id": "r", "keep_last": 10}
-STEPS = 2
-
-
-class Run:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.cfg = load_config(None, {**SMALL, "steps": STEPS, "store": str(root / "store"),
-                                      "out": str(root / "run")})
-        self.pristine = root / "pristine"
-
-    @property
-    def out(self) -> Path:
-        return Path(self.cfg.out)
-
-    def ckpt(self, step: int) -> Path:
-        return self.out / "checkpoints" / f"step-{step:06d}"
-
-    def restore(self) -> None:
-        for name in ("run", "store"):
-            shutil.rmtree(self.root / name, ignore_errors=True)
-            shutil.copytree(self.pristine / name, self.root / name)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    r = Run(tmp_path_factory.mktemp("bind"))
-    train(r.cfg)
-    r.pristine.mkdir()
-    for name in ("run", "store"):
-        shutil.copytree(r.root / name, r.pristine / name)
-    return r
+    return trained(tmp_path_factory.mktemp("bind"))
 
 
 @pytest.fixture
