@@ -52,7 +52,7 @@ def episode_program(env: Callable[[], Environment], task: Task, index: int, seed
         while not run.over:
             seed_row = mix_seed(seed, "eval", index, run.steps) & _MASK62
             conts = yield Decode([Rows(tuple(run.turns), 1, seed_row)], config)
-            yield Work(partial(run.step, conts[0][0].text))
+            yield Work(partial(run.step, conts[0][0].text), lag=live.tool_lag)
         return (run.reward if run.done else 0.0), run.steps
     finally:
         live.close()
