@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup test test-kernels test-all lint demo bench clean
+.PHONY: setup test test-kernels test-all lint demo bench docs clean
 
 $(STAMP): pyproject.toml Makefile
 	# bubblewrap sandboxes the python tool (train/envs/sandbox.py); needs root (CI runs as root).
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and exactly this version: any other spec pulls a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,ray,s3,gym,reasoning-gym]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,s3,gym,reasoning-gym,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -52,11 +52,15 @@ test-all: lint
 demo: $(STAMP)
 	$(BIN)/rtrees demo --store store-demo --out out/demo
 
+# The documentation site (mkdocs.yml) into site/, warnings as errors.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) store-demo out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) store-demo out site .pytest_cache .mypy_cache .ruff_cache
 
 # Regenerate the trainer's golden trajectory (tests/golden/trainer_calc.json) on purpose only.
 .PHONY: golden

@@ -1,4 +1,4 @@
-"""docs/ENVIRONMENTS.md ("Bring your own environment") stays true: its ``bash runnable``
+"""docs/guides/add-an-environment.md ("Bring your own environment") stays true: its ``bash runnable``
 blocks run in order in one temporary directory (one bash script, ``.venv/bin`` first on
 ``PATH``) and leave what they say they make; its ``python`` blocks define environments that
 pass ``check_env``; every ``rtrees`` command line of its ``bash checked`` blocks parses
@@ -19,7 +19,7 @@ from test_readme import check_names, parse, rtrees_commands
 from rollout_store import Store, read_trees
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "ENVIRONMENTS.md"
+DOC = ROOT / "docs" / "guides" / "add-an-environment.md"
 RUNNABLE = re.compile(r"^```bash runnable[^\n]*\n(.*?)^```", re.S | re.M)
 CHECKED = re.compile(r"^```bash checked[^\n]*\n(.*?)^```", re.S | re.M)
 PYTHON = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
