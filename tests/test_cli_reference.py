@@ -1,5 +1,6 @@
-"""The generated references stay current: docs/CLI.md from the typer app, the README's store
-schema section from ``rollout_store/schema.py`` (``cli.reference``)."""
+"""The generated references stay current: docs/CLI.md from the typer app,
+docs/reference/config.md from the configuration dataclasses, and the store schema section of
+docs/reference/store-schema.md from ``rollout_store/schema.py`` (``cli.reference``)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ import pytest
 
 from cli.reference import (
     CLI_DOC,
-    README,
+    CONFIG_DOC,
     REGENERATE,
+    SCHEMA_DOC,
     DocsError,
     arrow_type,
     cli_markdown,
+    config_page,
     main,
-    readme_schema_section,
     root_command,
     schema_markdown,
+    schema_section,
     stale,
     walk,
     with_schema_section,
@@ -33,9 +36,15 @@ def test_cli_doc_is_current() -> None:
         f"docs/CLI.md is stale (the typer app changed): run `{REGENERATE}`"
 
 
-def test_readme_schema_section_is_current() -> None:
-    assert readme_schema_section(README.read_text()) == schema_markdown(), \
-        f"README.md's store schema section is stale: run `{REGENERATE}`"
+def test_config_doc_is_current() -> None:
+    assert CONFIG_DOC.is_file(), f"docs/reference/config.md is missing: run `{REGENERATE}`"
+    assert CONFIG_DOC.read_text() == config_page(), \
+        f"docs/reference/config.md is stale (a config dataclass changed): run `{REGENERATE}`"
+
+
+def test_schema_section_is_current() -> None:
+    assert schema_section(SCHEMA_DOC.read_text()) == schema_markdown(), \
+        f"docs/reference/store-schema.md's schema section is stale: run `{REGENERATE}`"
 
 
 def test_every_command_and_option_is_documented() -> None:
@@ -82,23 +91,24 @@ def test_arrow_types_read_short() -> None:
 def test_schema_markers() -> None:
     text = "intro\n<!-- schema: x -->\nold\n<!-- /schema -->\nrest\n"
     with pytest.raises(DocsError, match="markers"):
-        readme_schema_section(text)
+        schema_section(text)
     from cli.reference import SCHEMA_BEGIN, SCHEMA_END
 
     text = f"intro\n{SCHEMA_BEGIN}\nold\n{SCHEMA_END}\nrest\n"
     new = with_schema_section(text, "new\n")
-    assert readme_schema_section(new) == "new\n"
+    assert schema_section(new) == "new\n"
     assert new.startswith("intro\n") and new.endswith(f"{SCHEMA_END}\nrest\n")
 
 
 def test_check_and_write_a_copy(tmp_path: Path) -> None:
     """``stale`` names an edited copy's files; ``write`` makes them current again."""
-    (tmp_path / "docs").mkdir()
-    shutil.copy(README, tmp_path / "README.md")
+    (tmp_path / "docs" / "reference").mkdir(parents=True)
+    schema = tmp_path / "docs" / "reference" / "store-schema.md"
+    shutil.copy(SCHEMA_DOC, schema)
     (tmp_path / "docs" / "CLI.md").write_text("# hand-edited\n")
-    readme = (tmp_path / "README.md").read_text()
-    (tmp_path / "README.md").write_text(with_schema_section(readme, "hand-edited\n"))
-    assert stale(tmp_path) == ["docs/CLI.md", "README.md (store schema section)"]
+    schema.write_text(with_schema_section(schema.read_text(), "hand-edited\n"))
+    assert stale(tmp_path) == ["docs/CLI.md", "docs/reference/config.md",
+                               "docs/reference/store-schema.md (store schema section)"]
     write(tmp_path)
     assert stale(tmp_path) == []
     assert main(["--check"]) == (1 if stale() else 0)
@@ -111,7 +121,7 @@ def test_config_fields_are_listed() -> None:
 
     from train.config import TrainConfig
 
-    text = cli_markdown()
+    text = config_page()
     for f in dataclasses.fields(TrainConfig):
         assert f"| `{f.name}` | `" in text, f"TrainConfig.{f.name}"
     assert "| `steps` | `int` | `60` |" in text

@@ -1,19 +1,24 @@
-"""The README stays true (examples run).
+"""The README and the docs pages stay true (examples run).
 
-* Every fenced block whose info string is ``bash runnable`` is a runnable block. One
-  test executes them in order with bash (``set -euo pipefail``, ``.venv/bin`` first on
-  ``PATH``) in one temporary directory, so later blocks use the store earlier blocks made,
-  and after each block checks that the store holds what its ``rtrees`` commands create:
-  trees of the run after ``collect``, credit of the method after ``credit``, the run's
-  metrics after ``train`` (and reused trees with ``--reuse``), the report after ``audit
-  ranking`` / ``study``.
-* The default tests run nothing: every ``rtrees`` command line of a runnable block, and of
+* The README's code blocks run in order in one temporary directory (``tests/docs_blocks.py``:
+  its python examples, then its shell block), and leave what they say they make.
+* The quickstart's tour (``docs/quickstart.md``): every fenced block whose info string is
+  ``bash runnable`` is a runnable block. One test executes them in order with bash (``set
+  -euo pipefail``, ``.venv/bin`` first on ``PATH``) in one temporary directory, so later
+  blocks use the store earlier blocks made, and after each block checks that the store holds
+  what its ``rtrees`` commands create: trees of the run after ``collect``, credit of the
+  method after ``credit``, the run's metrics after ``train`` (and reused trees with
+  ``--reuse``), the report after ``audit ranking`` / ``study``.
+* The other tests run nothing: every ``rtrees`` command line of a runnable block, and of
   a ``bash checked`` block (shown, never run: paper-sized settings, paths of the reader's
-  machine), must
-  parse against the typer app (click's ``make_context``: the options exist, values
-  convert, required ones are given) with known environments, samplers and estimators;
-  every backticked repository path and every file of the architecture block exists; the
-  README's command table lists exactly the app's top-level commands.
+  machine) in the README and the docs pages outside ``docs/guides/`` (whose blocks
+  ``tests/test_docs_guides.py`` runs and parses), must parse against the typer app
+  (click's ``make_context``: the options exist, values convert, required ones are given)
+  with known environments, samplers and estimators; every backticked repository path of
+  the README and the docs, and every file of the architecture block
+  (``docs/architecture.md``), exists; the quickstart's command table lists exactly the
+  app's top-level commands; every row of the results page names the command that
+  reproduces it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+QUICKSTART = DOCS / "quickstart.md"
+ARCHITECTURE = DOCS / "architecture.md"
+RESULTS = DOCS / "results.md"
 RUNNABLE = re.compile(r"^```bash runnable[^\n]*\n(.*?)^```", re.S | re.M)
 CHECKED = re.compile(r"^```bash checked[^\n]*\n(.*?)^```", re.S | re.M)
 OPERATORS = {"&&", "||", ";", "|", "&"}
@@ -129,8 +138,16 @@ def check_names(parsed: Parsed) -> None:
 
 
 README_TEXT = README.read_text()
-BLOCKS = runnable_blocks(README_TEXT)
-CHECKED_BLOCKS = CHECKED.findall(README_TEXT)  # parsed, never run
+DOC_PAGES = sorted(DOCS.glob("**/*.md"))
+PAGES = {README: README_TEXT} | {p: p.read_text() for p in DOC_PAGES}  # what a reader reads
+QUICKSTART_TEXT = PAGES[QUICKSTART]
+BLOCKS = runnable_blocks(QUICKSTART_TEXT)  # the tour
+CHECKED_BLOCKS = [block for page, text in PAGES.items()  # parsed, never run
+                  if DOCS / "guides" not in page.parents
+                  for block in CHECKED.findall(text)]
+OTHER_RUNNABLE = [block for page, text in PAGES.items()  # guides: tests/test_docs_guides.py
+                  if page != QUICKSTART and DOCS / "guides" not in page.parents
+                  for block in runnable_blocks(text)]
 
 
 def test_the_block_parser() -> None:
@@ -149,17 +166,23 @@ def test_the_tour_covers_the_steps() -> None:
     commands = [argv[:3] for block in BLOCKS for argv in rtrees_commands(block)]
     flat = {" ".join(c[1:2]) for c in commands} | {" ".join(c[1:3]) for c in commands}
     for step in ("collect", "sql", "credit", "audit ranking", "train"):
-        assert step in flat, f"no runnable README block runs rtrees {step}"
+        assert step in flat, f"no runnable quickstart block runs rtrees {step}"
     assert any("--reuse" in argv for block in BLOCKS for argv in rtrees_commands(block)), \
-        "no runnable README block trains with --reuse"
+        "no runnable quickstart block trains with --reuse"
+
+
+def test_runnable_blocks_live_where_a_test_runs_them() -> None:
+    """``bash runnable`` outside the quickstart and the guides would run nowhere."""
+    assert OTHER_RUNNABLE == [], "a `bash runnable` block outside docs/quickstart.md and " \
+        "docs/guides/ is run by no test: mark it `bash checked`, or move it"
 
 
 @pytest.mark.parametrize("argv", [argv for block in BLOCKS + CHECKED_BLOCKS
                                   for argv in rtrees_commands(block)],
                          ids=lambda argv: " ".join(argv[1:3]))
 def test_readme_commands_parse(argv: list[str]) -> None:
-    """Each ``rtrees`` line of a runnable or checked block is a valid command line (not run
-    here)."""
+    """Each ``rtrees`` line of a runnable or checked block of the README and the docs
+    pages outside the guides is a valid command line (not run here)."""
     check_names(parse(argv))
 
 
@@ -179,7 +202,9 @@ REPO_PREFIXES = ("rollout_store/", "train/", "analysis/", "cli/", "docs/", "test
 
 
 def _exists(rel: str) -> bool:
-    return bool(glob.glob(str(ROOT / rel.rstrip("/"))))
+    """A path, a glob (``docs/guides/**/*.md``) or a pytest node id
+    (``tests/test_readme.py::test_the_tour_runs``: its file) names something."""
+    return bool(glob.glob(str(ROOT / rel.split("::")[0].rstrip("/")), recursive=True))
 
 
 def readme_paths(text: str) -> list[str]:
@@ -204,7 +229,8 @@ def readme_paths(text: str) -> list[str]:
 def architecture_files(text: str) -> list[str]:
     """Every ``*.py`` / ``*.md`` file the architecture block names, with its folder."""
     match = re.search(r"## Architecture as built\n.*?```\n(.*?)```", text, re.S)
-    assert match, "README.md has no '## Architecture as built' section with a code block"
+    assert match, "docs/architecture.md has no '## Architecture as built' section with a " \
+        "code block"
     out, folder = [], ""
     for line in match.group(1).splitlines():
         tokens = re.findall(r"[\w*./+-]+", line)
@@ -220,29 +246,47 @@ def architecture_files(text: str) -> list[str]:
 
 
 def test_readme_paths_exist() -> None:
-    paths = readme_paths(README_TEXT)
-    assert len(paths) > 20  # the parser found the paths
-    missing = [p for p in paths if not _exists(p)]
-    assert missing == [], f"README.md names paths that do not exist: {missing}"
+    assert len(readme_paths(README_TEXT)) >= 3  # the parser found the README's paths
+    paths = {page.relative_to(ROOT).as_posix(): readme_paths(text)
+             for page, text in PAGES.items()}
+    assert sum(map(len, paths.values())) > 100
+    missing = [f"{page}: {p}" for page, found in paths.items() for p in found
+               if not _exists(p)]
+    assert missing == [], f"the README or the docs name paths that do not exist: {missing}"
+
+
+def test_readme_links_exist() -> None:
+    """The README's relative links (``[quickstart](docs/quickstart.md)``) open a file
+    (the site build checks the docs pages' links)."""
+    links = [link.split("#")[0] for link in re.findall(r"\]\(([^)\s]+)\)", README_TEXT)
+             if "://" not in link]
+    assert len(links) > 10
+    missing = [link for link in links if not (ROOT / link).is_file()]
+    assert missing == [], f"README.md links to files that do not exist: {missing}"
+
+
+def test_readme_is_short() -> None:
+    """A newcomer reads it in five minutes; the rest lives in docs/."""
+    assert len(README_TEXT.splitlines()) <= 250
 
 
 def test_architecture_files_exist() -> None:
-    files = architecture_files(README_TEXT)
+    files = architecture_files(ARCHITECTURE.read_text())
     assert "rollout_store/schema.py" in files and "train/trainer.py" in files
     missing = [f for f in files if not _exists(f)]
     assert missing == [], f"the architecture section names files that do not exist: {missing}"
 
 
 def test_command_table_lists_the_apps_commands() -> None:
-    """The README's command table has one row per top-level ``rtrees`` command."""
+    """The quickstart's command table has one row per top-level ``rtrees`` command."""
     from cli.reference import top_level_commands
 
-    section = re.search(r"## Command line\n(.*?)\n## ", README_TEXT, re.S)
-    assert section, "README.md has no '## Command line' section"
+    section = re.search(r"## Command line\n(.*?)(\n## |\Z)", QUICKSTART_TEXT, re.S)
+    assert section, "docs/quickstart.md has no '## Command line' section"
     listed = re.findall(r"^\| `rtrees (\S+)[^`]*` \|", section.group(1), re.M)
     app = [name for name, _ in top_level_commands()]
     assert sorted(listed) == app, (
-        f"README.md's command table lists {sorted(set(listed) - set(app))} that the app "
+        f"docs/quickstart.md's command table lists {sorted(set(listed) - set(app))} that the app "
         f"lacks and lacks {sorted(set(app) - set(listed))} (or lists one twice)")
 
 
@@ -285,6 +329,30 @@ def check_effects(cwd: Path, parsed: Parsed) -> None:
         assert (cwd / p["out"] / "report.md").is_file(), f"{name}: no report.md in {p['out']}"
 
 
+def test_the_readme_runs(tmp_path: Path) -> None:
+    """The README's examples, in order in one directory (``tests/docs_blocks.py``): the
+    Python example logs, credits and audits trees; the environment example is checked,
+    collected and credited."""
+    from docs_blocks import blocks, failure, run_blocks
+
+    from rollout_store import Store, read_trees
+
+    page = blocks(README_TEXT)
+    assert [b.lang for b in page if b.runs] == ["python", "python", "bash"]
+    run = run_blocks(page, tmp_path, timeout=600)
+    assert run.returncode == 0, failure(run, "README.md's blocks")
+    assert "{'grpo': " in run.stdout and "'tree_grpo': " in run.stdout  # the audit printed
+    logged = read_trees(Store(tmp_path / "my-store"))
+    assert len(logged) == 8 and all(len(t.nodes) == 7 for t in logged)
+    methods = _store_rows(tmp_path / "my-store", "SELECT DISTINCT method FROM credits")
+    assert sorted(m for (m,) in methods) == ["grpo", "tree_grpo"]
+    assert run.stdout.count("ok    replay:") == 1  # the env check: replay byte-identical
+    byo = read_trees(Store(tmp_path / "byo"))
+    assert len(byo) == 2 and {t.env for t in byo} == {"mytools:Adder"}
+    (n,), = _store_rows(tmp_path / "byo", "SELECT count(*) FROM credits WHERE method = 'elpo'")
+    assert n > 0
+
+
 # In the default run (~40 s on 2 quiet cores), so CI keeps the tour true.
 def test_the_tour_runs(tmp_path: Path) -> None:
     """Every runnable block, in order, in one directory; each leaves what it creates."""
@@ -292,7 +360,7 @@ def test_the_tour_runs(tmp_path: Path) -> None:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{ROOT / '.venv' / 'bin'}" \
                   f"{os.pathsep}{env.get('PATH', '')}"
     env["RTREES_DEBUG"] = "1"  # a failure shows its traceback
-    assert BLOCKS, "README.md has no runnable block"
+    assert BLOCKS, "docs/quickstart.md has no runnable block"
     for i, block in enumerate(BLOCKS):
         res = subprocess.run(["bash", "-c", "set -euo pipefail\n" + block], cwd=tmp_path,
                              env=env, capture_output=True, text=True, timeout=900)
@@ -303,31 +371,87 @@ def test_the_tour_runs(tmp_path: Path) -> None:
             check_effects(tmp_path, parse(argv))
 
 
+def _table_rows(section: str) -> list[str]:
+    """The body rows of the markdown tables in ``section`` (header and rule dropped)."""
+    out = []
+    for table in re.findall(r"((?:^\|.*\|\n)+)", section + "\n", re.M):
+        rows = [r for r in re.findall(r"^\|(.*)\|$", table, re.M) if not set(r) <= {"-", "|", " "}]
+        out += rows[1:]
+    return out
+
+
+def _section(text: str, title: str) -> str:
+    section = re.search(rf"^## {title}\n(.*?)(\n## |\Z)", text, re.S | re.M)
+    assert section, f"docs/results.md has no '## {title}' section"
+    return section.group(1)
+
+
+def _last_cell_command(row: str) -> str:
+    command = re.fullmatch(r".*\| `([^`]+)` ", row)
+    assert command, f"results row without a command in its last cell: {row}"
+    return command.group(1)
+
+
+def _check_benchmark_command(command: str, row: str) -> None:
+    """``command`` runs one script under ``benchmarks/`` that exists and declares every
+    option the command gives."""
+    words = command.split()
+    scripts = [w for w in words if w.startswith("benchmarks/") and w.endswith(".py")]
+    assert len(scripts) == 1 and (ROOT / scripts[0]).is_file(), f"no script: {row}"
+    source = (ROOT / scripts[0]).read_text()
+    for option in (w for w in words if w.startswith("--")):
+        assert f'"{option}"' in source, f"{scripts[0]} declares no {option}"
+
+
 def test_every_benchmark_row_names_its_command() -> None:
-    """Each row of the README's benchmark table ends with the command that reproduces it: a
-    script under ``benchmarks/`` that exists and declares every option the command gives."""
-    section = re.search(r"## Benchmarks\n(.*?)(\n## |\Z)", README_TEXT, re.S)
-    assert section, "README.md has no '## Benchmarks' section"
-    rows = [r for r in re.findall(r"^\|(.*)\|$", section.group(1), re.M)
-            if not set(r) <= {"-", "|", " "}][1:]  # minus the header
+    """Each row of the results page's benchmark table ends with the command that reproduces
+    it: a script under ``benchmarks/`` that exists and declares every option the command
+    gives."""
+    rows = _table_rows(_section(RESULTS.read_text(), "Benchmarks"))
     assert len(rows) >= 5
     for row in rows:
-        command = re.fullmatch(r".*\| `([^`]+)` ", row)
-        assert command, f"benchmark row without a command: {row}"
-        words = command.group(1).split()
-        scripts = [w for w in words if w.startswith("benchmarks/") and w.endswith(".py")]
-        assert len(scripts) == 1 and (ROOT / scripts[0]).is_file(), f"no script: {row}"
-        source = (ROOT / scripts[0]).read_text()
-        for option in (w for w in words if w.startswith("--")):
-            assert f'"{option}"' in source, f"{scripts[0]} declares no {option}"
+        _check_benchmark_command(_last_cell_command(row), row)
+
+
+def test_every_claim_row_names_its_command() -> None:
+    """Each paper claim on the results page ends with the command that reproduces it: an
+    ``rtrees`` command line the app parses (known names), or a benchmark script."""
+    rows = _table_rows(_section(RESULTS.read_text(), "The seed papers' claims"))
+    assert len(rows) >= 10
+    for row in rows:
+        command = _last_cell_command(row)
+        if command.startswith("rtrees "):
+            check_names(parse(shlex.split(command)))
+        else:
+            _check_benchmark_command(command, row)
+
+
+def test_every_running_time_names_its_command() -> None:
+    """The running times (the README's two commands among them) name a Makefile target or
+    a test file that exists."""
+    rows = _table_rows(_section(RESULTS.read_text(), "Running times"))
+    makefile = (ROOT / "Makefile").read_text()
+    assert len(rows) >= 2
+    for row in rows:
+        words = _last_cell_command(row).split()
+        if "make" in words:
+            target = words[words.index("make") + 1]
+            assert re.search(rf"^{target}:", makefile, re.M), f"no make target {target}: {row}"
+        else:
+            tests = [w for w in words if w.startswith("tests/")]
+            assert tests and all((ROOT / t).is_file() for t in tests), f"no test file: {row}"
+    readme = [r for r in rows if r.lstrip().startswith("`make demo`")
+              or r.lstrip().startswith("`make test`")]
+    assert len(readme) == 2, "the results page times `make demo` and `make test`"
 
 
 def test_backticked_commands_exist() -> None:
-    """Every backticked ``rtrees ...`` in the README names an existing command, and every
-    ``--option`` in it is an option of that command."""
+    """Every backticked ``rtrees ...`` in the README and the docs names an existing command,
+    and every ``--option`` in it is an option of that command."""
     from cli.reference import root_command
 
-    spans = re.findall(r"`(rtrees [^`]*)`", README_TEXT)
+    spans = [span for page, text in PAGES.items() if page != DOCS / "CLI.md"  # generated
+             for span in re.findall(r"`(rtrees [^`]*)`", text)]
     assert len(spans) > 15
     for span in spans:
         command, words = root_command(), span.split()[1:]
