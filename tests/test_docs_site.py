@@ -44,7 +44,8 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
                                      else page.removesuffix(".md") + "/index.html")
         assert built.is_file(), f"{page} was not built"
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
-    for name in ("rollout_store.Store", "rollout_store.connect", "train.credit.register"):
+    for name in ("rollout_store.Store", "rollout_store.connect", "train.credit.register",
+                 "analysis.ranking.ranking_audit"):
         assert f'id="{name}"' in api, f"the API reference lacks {name}"
 
 
