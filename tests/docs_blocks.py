@@ -7,7 +7,7 @@ The convention (``docs/writing-docs.md``), by the fence's info string:
   ``block_N.py``) and run with the virtual environment's ``python``;
 * ``bash checked``: shown, never run; its ``rtrees`` command lines are parsed against the
   app (for commands that need a GPU, a Ray cluster, S3, or hours);
-* ``text``: output, not run; ``toml``: parsed with ``tomllib``.
+* ``text``: output, not run; ``toml`` and ``json``: parsed (``tomllib``, ``json``).
 
 A page's runnable blocks run in document order as one bash script (``set -euo pipefail``)
 in one directory, so later blocks see the files earlier ones made.
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<info>[^`\n]*)\n(?P<body>.*?)"
                    r"^(?P=indent)(?P=ticks)[ \t]*$", re.S | re.M)
 KINDS = {("bash", ""), ("bash", "runnable"), ("bash", "checked"), ("python", ""),
-         ("text", ""), ("toml", "")}
+         ("text", ""), ("toml", ""), ("json", "")}
 RUN = {("bash", ""), ("bash", "runnable"), ("python", "")}
 
 

@@ -4,8 +4,8 @@ page added later is picked up with no change here).
 Per page, in one temporary directory, in document order (``tests/docs_blocks.py``): ``bash``
 and ``bash runnable`` blocks as one bash script with the virtual environment's ``bin``
 first on ``PATH``; ``python`` blocks written to files and run with its ``python``; ``toml``
-blocks parsed; ``text`` is output. ``bash checked`` blocks (commands that need a GPU, a
-Ray cluster, S3 or hours) are not run: every ``rtrees`` line in them is parsed against the
+and ``json`` blocks parsed; ``text`` is output. ``bash checked`` blocks (commands that need
+a GPU, a Ray cluster, S3 or hours) are not run: every ``rtrees`` line in them is parsed against the
 app (``tests/test_readme.py``'s parser). A fence of any other kind fails, so no block goes
 untested by accident. A page whose run cannot be short says so with the comment
 ``<!-- docs-test: slow -->`` and runs only with the slow tests.
@@ -16,20 +16,19 @@ own asserts (the environment guide: ``tests/test_docs_environments.py``).
 
 from __future__ import annotations
 
+import json
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from docs_blocks import ROOT, Block, blocks, failure, run_blocks, script
+from docs_blocks import KINDS, ROOT, Block, blocks, failure, run_blocks, script
 from test_docs_environments import check_the_guide_ran
 from test_readme import check_names, parse, rtrees_commands
 
 GUIDES = ROOT / "docs" / "guides"
 PAGES = sorted(GUIDES.glob("**/*.md"))
 SLOW = "<!-- docs-test: slow -->"
-KINDS = {("bash", ""), ("bash", "runnable"), ("bash", "checked"), ("python", ""),
-         ("text", ""), ("toml", "")}
 EXPECT: dict[str, Callable[[Path, str], None]] = {
     "add-an-environment.md": check_the_guide_ran,
 }
@@ -55,6 +54,8 @@ def test_the_guide_runs(page: Path, tmp_path: Path) -> None:
     for block in found:
         if block.lang == "toml":
             tomllib.loads(block.body)
+        elif block.lang == "json":
+            json.loads(block.body)
     run = run_blocks(found, tmp_path)
     assert run.returncode == 0, failure(run, _name(page))
     if _name(page) in EXPECT:
