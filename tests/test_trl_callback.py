@@ -122,8 +122,9 @@ def test_logprobs_are_the_sampling_policys(run: dict[str, Any]) -> None:
                 logits = model(ids).logits[0, len(prompt) - 1:-1]
             lp = torch.log_softmax(logits, -1).gather(
                 1, torch.tensor(n.action_token_ids)[:, None])[:, 0]
-            # a padded batch and a single row differ in float summation order
-            assert lp.tolist() == pytest.approx(n.action_logprobs, rel=2e-4, abs=1e-4)
+            # stored to ~4 significant digits (rollout_store/precision.py); a padded batch
+            # and a single row also differ in float summation order
+            assert lp.tolist() == pytest.approx(n.action_logprobs, rel=5e-4, abs=1e-4)
             checked += 1
     assert checked == PROMPTS * G
 
