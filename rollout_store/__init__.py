@@ -4,8 +4,11 @@
 >>> store = Store("my-store", create=True)            # doctest: +SKIP
 >>> store.append_trees(trees, key="run-1:batch-0")    # doctest: +SKIP
 >>> connect(store).sql("SELECT count(*) FROM paths")  # doctest: +SKIP
+
+Logging from your own training loop: ``TreeLogger`` (``rollout_store.logger``).
 """
 
+from rollout_store.logger import PREVIOUS, LogReport, Step, TreeLogger
 from rollout_store.reader import (
     connect,
     iter_tree_batches,
@@ -26,18 +29,22 @@ from rollout_store.tree import Node, Segment, Tree, TreeBatch
 from rollout_store.validate import TreeValidationError
 
 __all__ = [
+    "PREVIOUS",
     "SCHEMAS",
     "SCHEMA_VERSION",
     "CommitReport",
     "CorruptFileError",
+    "LogReport",
     "Node",
     "SchemaMismatchError",
     "Segment",
+    "Step",
     "Store",
     "StoreError",
     "StoreVersion",
     "Tree",
     "TreeBatch",
+    "TreeLogger",
     "TreeValidationError",
     "connect",
     "iter_tree_batches",

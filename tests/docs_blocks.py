@@ -7,7 +7,9 @@ The convention (``docs/writing-docs.md``), by the fence's info string:
   ``block_N.py``) and run with the virtual environment's ``python``;
 * ``bash checked``: shown, never run; its ``rtrees`` command lines are parsed against the
   app (for commands that need a GPU, a Ray cluster, S3, or hours);
-* ``text``: output, not run; ``toml`` and ``json``: parsed (``tomllib``, ``json``).
+* ``text``: output, not run; ``toml`` and ``json``: parsed (``tomllib``, ``json``);
+* ``python EXTRA`` and ``bash EXTRA``, where EXTRA names an optional extra in ``EXTRAS``
+  (e.g. ``trl``): run only where that extra is installed, skipped (and said so) elsewhere.
 
 A page's runnable blocks run in document order as one bash script (``set -euo pipefail``)
 in one directory, so later blocks see the files earlier ones made.
@@ -15,6 +17,7 @@ in one directory, so later blocks see the files earlier ones made.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -28,6 +31,14 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<ticks>`{3,})(?P<info>[^`\n]*)\n(?P<b
 KINDS = {("bash", ""), ("bash", "runnable"), ("bash", "checked"), ("python", ""),
          ("text", ""), ("toml", ""), ("json", "")}
 RUN = {("bash", ""), ("bash", "runnable"), ("python", "")}
+# Optional extras a block may need, by marker: the module whose presence means installed.
+EXTRAS = {"trl": "trl"}
+KINDS |= {(lang, extra) for lang in ("bash", "python") for extra in EXTRAS}
+
+
+def installed(extra: str) -> bool:
+    """Whether the optional extra ``extra`` (a key of ``EXTRAS``) is importable here."""
+    return importlib.util.find_spec(EXTRAS[extra]) is not None
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,8 @@ class Block:
 
     @property
     def runs(self) -> bool:
+        if self.marker in EXTRAS and self.lang in ("bash", "python"):
+            return installed(self.marker)
         return (self.lang, self.marker) in RUN
 
 

@@ -1,6 +1,6 @@
 """A small pristine training run (the tiny calc policy, ``STEPS`` iterations, every
 checkpoint kept) that tests forge or damage and then restore in place: shared by the
-checkpoint tests (``test_hardening_checkpoints.py``) and the state-binding tests
+checkpoint tests (``test_checkpoints.py``) and the state-binding tests
 (``test_state_binding.py``)."""
 
 from __future__ import annotations

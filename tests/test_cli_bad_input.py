@@ -8,14 +8,17 @@ as real processes.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cli_process import assert_one_line, rtrees
 
 from cli._common import one_line_error
 from cli.main import app
@@ -209,3 +212,86 @@ def test_errors_as_real_processes(tmp_path: Path) -> None:
            "--env", "calc", "--policy", "tabular", "--sampler", "group", "--tasks", "0"]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.startswith("error: --tasks")
+
+
+# ---- disk full, read-only --out (issue 21 item 10) -------------------------------
+def _mount(*args: str) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount here ({proc.stderr.strip() or proc.returncode}): needs "
+                    "root with CAP_SYS_ADMIN for a tmpfs or a read-only bind mount")
+
+
+@contextlib.contextmanager
+def mounted(target: Path, *args: str) -> Iterator[Path]:
+    target.mkdir(parents=True, exist_ok=True)
+    _mount(*args, str(target))
+    try:
+        yield target
+    finally:  # a file a failed library write left open keeps it busy: detach it then
+        if subprocess.run(["umount", str(target)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@contextlib.contextmanager
+def full_tmpfs(target: Path, size: str = "64k") -> Iterator[Path]:
+    with mounted(target, "-t", "tmpfs", "-o", f"size={size}", "tmpfs"):
+        with contextlib.suppress(OSError), open(target / "filler", "wb") as fh:
+            while True:  # fill it to the last block
+                fh.write(b"\0" * 4096)
+                fh.flush()
+        yield target
+
+
+@pytest.fixture
+def small_store(tmp_path: Path) -> Path:
+    Store(tmp_path / "store", create=True).append_trees(bel_shaped_batch(2, seed=1), key="a")
+    return tmp_path / "store"
+
+
+def test_read_only_out_names_the_path(tmp_path: Path, small_store: Path) -> None:
+    (tmp_path / "src").mkdir()
+    with mounted(tmp_path / "ro", "-o", "bind,ro", str(tmp_path / "src")) as ro:
+        proc = rtrees("audit", "report", "--store", str(small_store), "--out", str(ro / "rep"))
+        # main: "error: OSError: [Errno 30] Read-only file system: '...' (unexpected: ...)"
+        line = assert_one_line(proc, f"cannot write {ro / 'rep'}: read-only file system")
+        assert "unexpected" not in line and "OSError" not in line
+
+
+def test_full_disk_names_the_out_directory(tmp_path: Path, small_store: Path) -> None:
+    with full_tmpfs(tmp_path / "full") as full:
+        proc = rtrees("audit", "report", "--store", str(small_store), "--out",
+                      str(full / "rep"))
+        # main: "error: OSError: [Errno 28] No space left on device (unexpected: ...)"
+        line = assert_one_line(proc, f"cannot write under --out {full / 'rep'}: no space "
+                               "left on the device")
+        assert "unexpected" not in line
+
+
+def test_library_write_failures_on_a_full_disk_name_the_out_directory(tmp_path: Path
+                                                                      ) -> None:
+    """torch and safetensors wrap ENOSPC in their own errors (torch's names no cause at
+    all): the message still names --out and the reason."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"w": torch.zeros(100_000)}
+    with full_tmpfs(tmp_path / "full") as full:
+        for write in (lambda: torch.save(tensors, full / "x.pt"),
+                      lambda: save_file(tensors, str(full / "x.safetensors"))):
+            with pytest.raises(Exception) as info:
+                write()
+            text = one_line_error(info.value, str(full))
+            assert text.startswith(f"cannot write under --out {full}: no space left on the "
+                                   "device"), text
+
+
+@pytest.mark.slow
+def test_training_into_a_disk_that_fills_names_the_out_directory(tmp_path: Path) -> None:
+    """``rtrees train`` whose first checkpoint does not fit: one line naming --out (main: a
+    raw RuntimeError/SafetensorError text)."""
+    with mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=1m", "tmpfs") as small:
+        proc = rtrees("train", "--out", str(small / "run"), "--store", str(tmp_path / "st"),
+                      "--steps", "1", "--set", "heldout_tasks=0", "--set", "tasks_per_step=2",
+                      "--set", "n_total=2", "--set", "minibatches=2", timeout=300)
+        assert_one_line(proc, f"cannot write under --out {small / 'run'}: no space left")

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from docs_blocks import KINDS, ROOT, Block, blocks, failure, run_blocks, script
+from docs_blocks import EXTRAS, KINDS, ROOT, Block, blocks, failure, installed, run_blocks, script
 from test_docs_environments import check_the_guide_ran
+from test_guide_log_from_trainer import check_the_log_guide_ran
 from test_readme import check_names, parse, rtrees_commands
 
 GUIDES = ROOT / "docs" / "guides"
@@ -31,6 +32,7 @@ PAGES = sorted(GUIDES.glob("**/*.md"))
 SLOW = "<!-- docs-test: slow -->"
 EXPECT: dict[str, Callable[[Path, str], None]] = {
     "add-an-environment.md": check_the_guide_ran,
+    "log-from-your-trainer.md": check_the_log_guide_ran,
 }
 
 
@@ -39,7 +41,9 @@ def _name(page: Path) -> str:
 
 
 def _param(page: Path) -> object:
-    slow = SLOW in page.read_text()
+    text = page.read_text()
+    # blocks for an installed optional extra (a TRL run) make the page long where they run
+    slow = SLOW in text or any(b.marker in EXTRAS and installed(b.marker) for b in blocks(text))
     return pytest.param(page, id=_name(page), marks=[pytest.mark.slow] if slow else [])
 
 

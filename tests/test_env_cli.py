@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_process import assert_one_line, deep, rtrees
 from typer.testing import CliRunner
 
 import cli.env_cmd
@@ -162,3 +164,40 @@ def test_environment_failure_exits_1_in_one_line(monkeypatch: pytest.MonkeyPatch
 def test_unwritable_snapshot_out_exits_1(tmp_path: Path) -> None:
     code, _, err = _play("--env", "calc", "--snapshot-out", str(tmp_path / "no" / "such"))
     assert code == 1 and err.startswith("error: cannot write")
+
+
+# ---- deep JSON and bounded snapshot files (issue 21 item 10) --------------------
+def test_deep_json_in_options_and_snapshots_is_a_named_error(tmp_path: Path) -> None:
+    proc = rtrees("env", "play", "--env", "calc", "--mix", f"difficulties={deep(20000)}")
+    assert_one_line(proc, "--mix difficulties=...: JSON nested too deeply")
+    snap = tmp_path / "deep.snapshot"
+    snap.write_text('{"format": "rtrees-env-snapshot/1", "env": "calc", "state": '
+                    + deep(20000) + "}")
+    proc = rtrees("env", "play", "--env", "calc", "--snapshot-in", str(snap))
+    assert_one_line(proc, "malformed snapshot file: JSON nested too deeply")
+
+
+# ------------------------------------------------------------------- env play snapshots
+def test_snapshot_in_reads_only_a_bounded_regular_file(tmp_path: Path) -> None:
+    # /dev/zero: main read it until memory ran out (here: under a 4 GiB address-space
+    # limit, MemoryError); now it is refused before reading.
+    proc = rtrees("env", "play", "--env", "calc", "--snapshot-in", "/dev/zero",
+                  timeout=60, limit_as=4 << 30)
+    assert_one_line(proc, "/dev/zero is not a regular file")
+    assert proc.returncode == 2
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # main blocked in open() until a writer came
+    proc = rtrees("env", "play", "--env", "calc", "--snapshot-in", str(fifo), timeout=60)
+    assert_one_line(proc, f"{fifo} is not a regular file")
+    big = tmp_path / "big.snapshot"
+    with open(big, "wb") as fh:  # sparse: no disk used
+        fh.truncate(100 << 20)
+    proc = rtrees("env", "play", "--env", "calc", "--snapshot-in", str(big), timeout=60)
+    assert_one_line(proc, f"{big} is 104,857,600 bytes, larger than a snapshot file can be")
+    # A real snapshot still round-trips.
+    out = tmp_path / "ok.snapshot"
+    proc = rtrees("env", "play", "--env", "calc", "--seed", "3", "--snapshot-out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    proc = rtrees("env", "play", "--env", "calc", "--snapshot-in", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[0])["restored"] is True

@@ -15,11 +15,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from cli_process import assert_one_line, counts, deep, rtrees
 from typer.testing import CliRunner
 
 from rollout_store.importers import (
     MAX_IMPORT_BYTES,
+    MAX_NESTING,
     DumpImportError,
     import_atif_files,
     import_files,
@@ -276,3 +280,85 @@ def test_cli_one_line_and_max_mib(tmp_path: Path) -> None:
                                    "atif"])
     assert res.exit_code == 0 and "1 trees imported" in res.output, res.output
     assert _n_trees(Store(store)) == 1
+
+
+# ---- typed dump fields, deep nesting, lone surrogates (issue 21 item 10) ----------
+GOOD_VERL = {"input": "What is 2+2?", "output": "4", "score": 1.0, "step": 1}
+GOOD_TRL = {"step": [1, 1], "prompt": ["2+2?", "2+2?"], "completion": ["4", "5"],
+            "accuracy": [1.0, 0.0]}
+
+
+def _parquet(path: Path, cols: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(cols), path)
+    return path
+
+
+def _jsonl(path: Path, lines: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_trl_integer_prompt_is_refused_not_summed_into_the_reward(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store", create=True)
+    path = _parquet(tmp_path / "run" / "completions" / "completions_00001.parquet",
+                    {**GOOD_TRL, "prompt": [1, 1], "accuracy": [3.0, 0.0]})
+    with pytest.raises(DumpImportError, match=r"column 'prompt' is int64: expected text"):
+        import_files(store, [path], "trl-parquet")  # main: stored reward 1 + 3 = 4
+    assert counts(store) == (0, 0)
+    path = _parquet(tmp_path / "run" / "completions" / "completions_00002.parquet",
+                    {**GOOD_TRL, "completion": [1.5, 2.5]})
+    with pytest.raises(DumpImportError, match=r"column 'completion' is double"):
+        import_files(store, [path], "trl-parquet")
+    # Explicitly naming a text column as a reward column is refused too.
+    good = _parquet(tmp_path / "run" / "completions" / "completions_00003.parquet", GOOD_TRL)
+    with pytest.raises(DumpImportError, match=r"reward column 'prompt' is string"):
+        import_files(store, [good], "trl-parquet", reward_columns=["prompt"])
+    assert counts(store) == (0, 0)
+    # Chat messages (TRL's conversational format) are still accepted.
+    chat = _parquet(tmp_path / "chat" / "completions_00001.parquet", {
+        **GOOD_TRL, "prompt": [[{"role": "user", "content": "2+2?"}]] * 2})
+    assert import_files(store, [chat], "trl-parquet")[0].n_trees == 1
+    rewards = connect(store).execute(
+        "SELECT reward FROM nodes WHERE reward IS NOT NULL ORDER BY reward").fetchall()
+    assert rewards == [(0.0,), (1.0,)]
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ({**GOOD_VERL, "output": ["4", "5"]}, "output must be text (a string), got list"),
+    ({**GOOD_VERL, "output": 4}, "output must be text (a string), got int 4"),
+    ({**GOOD_VERL, "input": 7}, "input must be text (a string) or chat messages"),
+    ({**GOOD_VERL, "input": {"q": "2+2"}}, "input must be text (a string) or chat messages"),
+])
+def test_verl_wrong_field_types_are_refused(tmp_path: Path, row: dict[str, Any],
+                                            message: str) -> None:
+    store = Store(tmp_path / "store", create=True)
+    path = _jsonl(tmp_path / "run" / "1.jsonl", [json.dumps(GOOD_VERL), json.dumps(row)])
+    with pytest.raises(DumpImportError) as info:
+        import_files(store, [path], "verl-jsonl")  # main: stored as the value's JSON text
+    assert str(info.value).startswith(f"{path}: line 2: {message}"), str(info.value)
+    assert counts(store) == (0, 0)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    (json.dumps(GOOD_VERL)[:-1] + ', "extra": ' + deep(20000) + "}",
+     "JSON nested too deeply to read"),
+    (json.dumps(GOOD_VERL)[:-1] + ', "extra": ' + deep(900) + "}",
+     f"extra is nested more than {MAX_NESTING} levels deep"),
+    (json.dumps({**GOOD_VERL, "output": "\ud800"}),
+     "output holds a lone surrogate U+D800"),
+    (json.dumps({**GOOD_VERL, "notes": {"k": ["\udfff"]}}),
+     "notes holds a lone surrogate U+DFFF"),
+    (json.dumps({**GOOD_VERL, "\ud83d": 1.0}), "a field name holds a lone surrogate U+D83D"),
+])
+def test_deep_nesting_and_lone_surrogates_are_named_errors(tmp_path: Path, line: str,
+                                                           message: str) -> None:
+    """On main: a raw RecursionError, a raw UnicodeEncodeError inside a [column_type]
+    error, or (a surrogate in an extra field) silently stored."""
+    path = _jsonl(tmp_path / "run" / "3.jsonl", [line])
+    proc = rtrees("import", str(path), "--format", "verl-jsonl", "--store",
+                  str(tmp_path / "store"))
+    assert_one_line(proc, f"{path}: line 1: {message}")
+    if (tmp_path / "store").exists():
+        assert counts(Store(tmp_path / "store")) == (0, 0)

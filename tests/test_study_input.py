@@ -24,6 +24,9 @@ from analysis.report import (
     build_study_report,
     read_study,
 )
+from cli.main import app
+from rollout_store import Store
+from rollout_store.synthetic import bel_shaped_batch
 from train.studies import STUDY_MAXIMA
 
 CONFIG = {"tau": 0.02, "n_boot": 5, "seed": 0, "n_tasks": 3, "horizons": [4],
@@ -128,3 +131,20 @@ def test_run_side_bounds_match_and_refuse_in_one_line() -> None:
     assert res.exit_code != 0
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "n_boot must be <= 100000" in lines[0], res.output
+
+
+# ---- a requested study that was not built (issue 21 item 10) --------------------
+def test_audit_report_fails_when_a_requested_study_was_not_built(tmp_path: Path) -> None:
+    study = tmp_path / "drift-study"
+    study.mkdir()  # never run: no study.json
+    result = CliRunner().invoke(app, ["audit", "report", "--study", str(study),
+                                      "--out", str(tmp_path / "reports")])
+    assert result.exit_code == 1, result.output  # main: 0, with a "not built" note
+    assert f"error: requested study {study} was not built" in result.output
+    assert "holds no study.json" in result.output
+    # The store's own audits with nothing to report are notes, as before: exit 0.
+    store = Store(tmp_path / "store", create=True)
+    store.append_trees(bel_shaped_batch(2, seed=1), key="a")
+    result = CliRunner().invoke(app, ["audit", "report", "--store", str(tmp_path / "store"),
+                                      "--out", str(tmp_path / "reports2")])
+    assert result.exit_code == 0, result.output

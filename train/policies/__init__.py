@@ -215,6 +215,27 @@ def describe_policy(spec: str, env: str, **kw: Any) -> dict[str, Any]:
     return info
 
 
-__all__ = ["INSTALL_HINT", "SPECS", "PolicyRefError", "PolicyUnavailableError",
-           "describe_policy", "env_tools", "is_tiny_checkpoint", "load_policy", "load_policy_ref",
-           "looks_like_path"]
+# Names of the backends' modules, resolved lazily (``from train.policies import HFPolicy``
+# loads torch and transformers then, not on ``import train.policies``); a module that
+# moves needs only its line here changed.
+_WHERE = {
+    "train.policies.base": ("Policy", "Rows", "SampleConfig", "Turn"),
+    "train.policies.hf": ("HFPolicy",),
+    "train.policies.tiny": ("find_checkpoint", "load_tiny_policy"),
+}
+_MODULE_OF = {name: mod for mod, names in _WHERE.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _MODULE_OF.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'train.policies' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)
+
+
+__all__ = ["INSTALL_HINT", "SPECS", "HFPolicy", "Policy", "PolicyRefError",
+           "PolicyUnavailableError", "Rows", "SampleConfig", "Turn", "describe_policy",
+           "env_tools", "find_checkpoint", "is_tiny_checkpoint", "load_policy",
+           "load_policy_ref", "load_tiny_policy", "looks_like_path"]

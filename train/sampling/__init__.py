@@ -8,6 +8,10 @@ node model and the one continuation primitive (``Continuing``, ``mix_seed``) in
 ``train.sampling.collect``, the Mean@k references in ``train.sampling.references``
 and the DSC refresh protocol in ``train.sampling.refresh``.
 
+Names are resolved lazily (``from train.sampling import make_sampler`` loads the registry
+and the samplers, not the collection job, Ray or the references); ``_WHERE`` below is the
+one place that says which module defines each public name.
+
 >>> from train.envs import make_env
 >>> from train.sampling import make_sampler
 >>> sampler = make_sampler("bel", b_max=3)                           # doctest: +SKIP
@@ -16,85 +20,31 @@ and the DSC refresh protocol in ``train.sampling.refresh``.
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 from typing import Any
 
-from train.coerce import coerce_fields
-from train.sampling.base import (
-    SAMPLER_NAMES,
-    Budget,
-    BudgetError,
-    ContinuationError,
-    Continuing,
-    NodeStart,
-    Sampler,
-    SamplerConfig,
-    SamplerName,
-    TreeBuilder,
-    action_segments,
-    head_entropy,
-    mix_seed,
-)
-from train.sampling.bel import BelConfig, BelSampler, entropy_gap
-from train.sampling.caliper import CaliperConfig, CaliperSampler, CaliperState, caliper_extras
-from train.sampling.entropy import EntropyConfig, EntropySampler
-from train.sampling.group import GroupSampler
-from train.sampling.random_branch import RandomBranchConfig, RandomBranchSampler
-from train.sampling.rooted import RootedConfig, RootedSampler
-
-SAMPLERS: dict[str, type[Sampler]] = {
-    "group": GroupSampler,
-    "random": RandomBranchSampler,
-    "entropy": EntropySampler,
-    "bel": BelSampler,
-    "caliper": CaliperSampler,
-    "rooted": RootedSampler,
+_WHERE = {
+    "registry": ("SAMPLERS", "make_sampler"),
+    "base": ("SAMPLER_NAMES", "Budget", "BudgetError", "ContinuationError", "Continuing",
+             "NodeStart", "Sampler", "SamplerConfig", "SamplerName", "TreeBuilder",
+             "action_segments", "head_entropy", "mix_seed"),
+    "bel": ("BelConfig", "BelSampler", "entropy_gap"),
+    "caliper": ("CaliperConfig", "CaliperSampler", "CaliperState", "caliper_extras"),
+    "entropy": ("EntropyConfig", "EntropySampler"),
+    "group": ("GroupSampler",),
+    "random_branch": ("RandomBranchConfig", "RandomBranchSampler"),
+    "rooted": ("RootedConfig", "RootedSampler"),
+    "collect": ("CollectReport", "collect"),
+    "references": ("ReferenceConfig", "ReferenceReport", "collect_references"),
 }
+_MODULE_OF = {name: mod for mod, names in _WHERE.items() for name in names}
 
 
-def make_sampler(name: str, **params: Any) -> Sampler:
-    """A sampler by name with config fields from ``params`` (strings are converted, typed
-    values checked, by ``train.coerce.coerce_fields``; a bad one is a ``ValueError``)."""
-    if name not in SAMPLERS:
-        raise ValueError(f"unknown sampler {name!r}; choose from {list(SAMPLERS)}")
-    cls = SAMPLERS[name]
-    fields = {f.name: f for f in dataclasses.fields(cls.config_class)}
-    unknown = sorted(set(params) - set(fields))
-    if unknown:
-        raise ValueError(f"sampler {name!r} has no options {unknown}; it takes {sorted(fields)}")
-    # train.coerce: strings parsed, typed values checked, floats finite
-    config = cls.config_class(**coerce_fields(cls.config_class, params, "sampler option "))
-    return cls(config)
+def __getattr__(name: str) -> Any:
+    mod = _MODULE_OF.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'train.sampling' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"train.sampling.{mod}"), name)
 
 
-__all__ = [
-    "SAMPLERS",
-    "SAMPLER_NAMES",
-    "BelConfig",
-    "BelSampler",
-    "Budget",
-    "BudgetError",
-    "CaliperConfig",
-    "CaliperSampler",
-    "CaliperState",
-    "ContinuationError",
-    "Continuing",
-    "EntropyConfig",
-    "EntropySampler",
-    "GroupSampler",
-    "NodeStart",
-    "RandomBranchConfig",
-    "RandomBranchSampler",
-    "RootedConfig",
-    "RootedSampler",
-    "Sampler",
-    "SamplerConfig",
-    "SamplerName",
-    "TreeBuilder",
-    "action_segments",
-    "caliper_extras",
-    "entropy_gap",
-    "head_entropy",
-    "make_sampler",
-    "mix_seed",
-]
+__all__ = sorted(_MODULE_OF)

@@ -34,7 +34,9 @@ One reference, for a child c of a stored tree:
   ``DEFAULT_MAX_STEPS``); c's depth counts against it. Success is a final reward
   >= ``success_threshold`` (default 1.0); a cut rollout fails;
 * a child that is itself a leaf (it has a reward) needs no rollouts: its k
-  rollouts would all end where it ended, so successes = k or 0.
+  rollouts would all end where it ended, so successes = k or 0. A batch of leaf
+  children only (a GRPO group logged by a trainer, ``rollout_store.logger``) loads no
+  policy and no environment, so trees without a ``policy_ref`` are audited too.
 
 The policy is, per tree, the one that produced it (``trees.policy_ref`` loaded
 with ``train.policies.load_policy(ref, env)``; its ``policy_version`` must equal
@@ -361,6 +363,16 @@ def reference_rows(children: pa.Table, successes: Sequence[int], config: Referen
     }, schema=MC_REFERENCES)
 
 
+def _commit_references(store: Store, batch: pa.Table, wins: Sequence[int],
+                       config: ReferenceConfig, version: str | None,
+                       report: ReferenceReport) -> None:
+    """Commit one batch's rows under its idempotent key and count them."""
+    store.append_mc_references(reference_rows(batch, wins, config, version),
+                               key=commit_key(config, version, batch))
+    report.sampled += batch.num_rows
+    report.commits += 1
+
+
 def collect_references(store: Store, config: ReferenceConfig | None = None, *,
                        policy: PolicySpec | None = None,
                        tree_ids: Sequence[str] | None = None,
@@ -399,6 +411,22 @@ def collect_references(store: Store, config: ReferenceConfig | None = None, *,
             env_name = batch.column("env")[0].as_py()
             ref = batch.column("policy_ref")[0].as_py()
             target = batch.column("target")[0].as_py()
+            try:
+                starts = load_starts(con, batch, config.max_steps)
+            except ContinuationError as exc:
+                raise ReferenceJobError(str(exc)) from exc
+            if all(s.leaf_reward is not None for s in starts):
+                # Leaf children only (e.g. GRPO groups logged by a trainer): successes are
+                # k or 0 (module docstring), so no policy or environment is loaded and the
+                # rows carry the target version (each tree's own in own-policy mode).
+                wins = [config.k if s.leaf_reward >= config.success_threshold else 0
+                        for s in starts if s.leaf_reward is not None]
+                advance(len(starts))
+                if versions is None:
+                    report.versions[env_name] = None
+                _commit_references(store, batch, wins, config, target, report)
+                report.leaves += len(starts)
+                continue
             if versions is None:
                 tree_version = batch.column("policy_version")[0].as_py()
                 pol = policies.get((env_name, ref))
@@ -420,21 +448,14 @@ def collect_references(store: Store, config: ReferenceConfig | None = None, *,
                 version = tree_version
             else:
                 pol, version = policies[(env_name, None)], target
-            try:
-                starts = load_starts(con, batch, config.max_steps)
-            except ContinuationError as exc:
-                raise ReferenceJobError(str(exc)) from exc
 
             def factory(name: str = env_name) -> Environment:
                 return make_env(name, **(env_kwargs or {}))
 
             wins = run_references(pol, factory, starts, config, counters,
                                   on_chunk=advance)
-            rows = reference_rows(batch, wins, config, version)
-            store.append_mc_references(rows, key=commit_key(config, version, batch))
-            report.sampled += batch.num_rows
+            _commit_references(store, batch, wins, config, version, report)
             report.leaves += sum(s.leaf_reward is not None for s in starts)
-            report.commits += 1
     report.rollouts, report.env_steps = counters.rollouts, counters.env_steps
     report.policy_calls = counters.policy_calls
     report.seconds = time.perf_counter() - started

@@ -400,3 +400,27 @@ def test_default_run_id_resumes(tmp_path: Path) -> None:
     train(cfg)
     resumed = resume_checkpoint(Path(cfg.out), cfg.replace(steps=2), warn=False)
     assert resumed is not None and resumed.path.name == "step-000001"
+
+
+# ---- resume of a finished run (issue 21 item 10) ---------------------------------
+def test_resuming_a_finished_run_prints_its_stored_result(tmp_path: Path) -> None:
+    from train.config import load_config
+    from train.trainer import read_metrics, train
+
+    cfg = load_config(None, {"tasks_per_step": 2, "n_total": 2, "heldout_tasks": 2,
+                             "eval_every": 1, "max_new_tokens": 24, "minibatches": 2,
+                             "progress": False, "run_id": "fin", "steps": 1,
+                             "store": str(tmp_path / "store"), "out": str(tmp_path / "run")})
+    first = train(cfg)
+    again = train(cfg, resume=True)
+    stored = read_metrics(cfg.store, "fin")["heldout_sampled"][-1][1]
+    assert first.summary().endswith(f"held-out success {stored:.3f} "
+                                    f"(greedy {first.heldout[1]['heldout_greedy']:.3f})")
+    text = again.summary()
+    assert "nan" not in text  # main: "held-out success nan (greedy nan)"
+    assert "already finished" in text and again.iterations == 1
+    assert f"held-out success {stored:.3f}" in text
+    assert again.heldout[1]["heldout_sampled"] == stored
+    # A run without held-out evaluation says so instead of printing nan.
+    off = cfg.replace(heldout_tasks=0, run_id="off", out=str(tmp_path / "run-off"))
+    assert train(off).summary().endswith("held-out success not evaluated")
