@@ -341,11 +341,14 @@ def test_the_readme_runs(tmp_path: Path) -> None:
     assert [b.lang for b in page if b.runs] == ["python", "python", "bash"]
     run = run_blocks(page, tmp_path, timeout=600)
     assert run.returncode == 0, failure(run, "README.md's blocks")
-    assert "{'grpo': " in run.stdout and "'tree_grpo': " in run.stdout  # the audit printed
+    # the audit printed: GRPO orders every group's completions by outcome, the trainer's
+    # length-based advantages do not
+    assert "{'grpo': 1.0, 'source_advantage': " in run.stdout
+    assert "'source_advantage': 1.0" not in run.stdout
     logged = read_trees(Store(tmp_path / "my-store"))
-    assert len(logged) == 8 and all(len(t.nodes) == 7 for t in logged)
+    assert len(logged) == 8 and all(len(t.nodes) == 5 for t in logged)
     methods = _store_rows(tmp_path / "my-store", "SELECT DISTINCT method FROM credits")
-    assert sorted(m for (m,) in methods) == ["grpo", "tree_grpo"]
+    assert sorted(m for (m,) in methods) == ["grpo", "source_advantage"]
     assert run.stdout.count("ok    replay:") == 1  # the env check: replay byte-identical
     byo = read_trees(Store(tmp_path / "byo"))
     assert len(byo) == 2 and {t.env for t in byo} == {"mytools:Adder"}
