@@ -42,7 +42,7 @@ write or stream (collectors, the trainer) do not pay for them.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -261,12 +261,13 @@ def _dataset(store: Store, name: TableName, files: list[DataFile],
 
 
 def _scan_sql(con: duckdb.DuckDBPyConnection, store: Store, name: TableName, part: str,
-              files: list[DataFile], columns: list[str]) -> str:
+              files: list[DataFile], columns: list[str], tag: str = "") -> str:
     """The FROM clause DuckDB reads ``files`` with: ``read_parquet`` of the file list for a
-    local store, a registered Arrow dataset for one on object storage."""
+    local store, a registered Arrow dataset for one on object storage (named with ``tag``,
+    so several stores' registrations on one connection stay apart)."""
     if not store.loc.remote:
         return f"read_parquet({_sql_list(files)})"
-    view = f"_files_{name}_{part}"
+    view = f"_files_{name}_{part}{tag}"
     con.register(view, _dataset(store, name, files, columns))
     return view
 
@@ -298,19 +299,76 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
     """
     s = as_store(store)
     with s.pinned_reads():  # each table's log read once, not three times
-        return _connect(s, version, success_threshold, verify_checksums, con, restricted,
-                        limits)
+        con, readable = _connect(s, version, success_threshold, verify_checksums, con)
+    if restricted:  # remote files are read by pyarrow, never by DuckDB itself
+        lock_down(con, [] if s.loc.remote else [f.path for f in readable], limits)
+    return con
+
+
+STORE_COLUMN = "store"  # the column ``connect_stores`` adds: which store a row came from
+UNION_VIEWS = (*TABLE_NAMES, "labels_latest", "trees_latest", "nodes_latest",
+               "credits_latest", "metrics_latest", "attempts", "paths", "siblings")
+
+
+def connect_stores(stores: Mapping[str, StoreLike], *, success_threshold: float = 1.0,
+                   verify_checksums: bool = False, restricted: bool = False,
+                   limits: QueryLimits | None = None) -> duckdb.DuckDBPyConnection:
+    """One DuckDB connection over several stores (issue 48): every view of ``connect``
+    (``UNION_VIEWS``) as the union of the stores' views, each row with a first column
+    ``store``, the name the row's store has in ``stores`` ({name: store}, names in the
+    order given; the latest version of each).
+
+    Each store's views live in their own schema (``s0``, ``s1``, ...; DuckDB binds a view's
+    names in its own schema, so ``paths`` and ``siblings`` are computed per store and tree
+    ids may repeat across stores), and the union views in ``main`` read them with ``UNION
+    ALL BY NAME`` (a store of an older schema version has NULL in a newer column).
+    ``restricted`` locks the connection down exactly as ``connect`` does, allowing the
+    committed files of all the stores. ``StoreError`` names a store that is not one;
+    ``ValueError`` for no store or an empty or repeated name."""
+    import duckdb
+
+    names = list(stores)
+    if not names:
+        raise ValueError("no store given")
+    if any(not n or not n.strip() for n in names):
+        raise ValueError("a store's name is empty")
+    opened = {name: as_store(stores[name]) for name in names}
+    con = duckdb.connect()
+    readable: list[str] = []
+    for i, name in enumerate(names):
+        s = opened[name]
+        con.execute(f"CREATE SCHEMA s{i}")
+        con.execute(f"USE memory.s{i}")
+        with s.pinned_reads():
+            _, files = _connect(s, None, success_threshold, verify_checksums, con, f"_s{i}")
+        if not s.loc.remote:
+            readable += [f.path for f in files]
+    con.execute("USE memory.main")
+    for view in UNION_VIEWS:
+        parts = [f"SELECT {_literal(name)} AS {STORE_COLUMN}, * FROM s{i}.{view}"
+                 for i, name in enumerate(names)]
+        con.execute(f"CREATE VIEW {view} AS " + " UNION ALL BY NAME ".join(parts))
+    if restricted:
+        lock_down(con, readable, limits)
+    return con
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _connect(s: Store, version: StoreVersion | int | None, success_threshold: float,
-             verify_checksums: bool, con: duckdb.DuckDBPyConnection | None, restricted: bool,
-             limits: QueryLimits | None) -> duckdb.DuckDBPyConnection:
+             verify_checksums: bool, con: duckdb.DuckDBPyConnection | None, tag: str = ""
+             ) -> tuple[duckdb.DuckDBPyConnection, list[DataFile]]:
+    """The views of one store on ``con`` (a new connection if None), in its current
+    schema; registered relations are named with ``tag``. Returns the connection and the
+    files its views read."""
     import duckdb
 
     pinned = s.resolve(version)
     con = con or duckdb.connect()
     keys = committed_keys(s, pinned)
-    con.register("_committed_keys", pa.table({"commit_key": keys}))
+    con.register(f"_committed_keys{tag}", pa.table({"commit_key": keys}))
     readable: list[DataFile] = []
     for name in TABLE_NAMES:
         visible = visible_files(s, name, pinned, keys)
@@ -319,16 +377,17 @@ def _connect(s: Store, version: StoreVersion | int | None, success_threshold: fl
             for f in visible.files:
                 check_data_file(f.path, f.size, s.loc)
         full = SCHEMAS[name]
-        empty = f"_empty_{name}"
+        empty = f"_empty_{name}{tag}"
         con.register(empty, full.empty_table())
         parts = []
         if visible.whole:
-            scan = _scan_sql(con, s, name, "whole", visible.whole, visible.columns)
+            scan = _scan_sql(con, s, name, "whole", visible.whole, visible.columns, tag)
             parts.append(f"SELECT * FROM {scan}")
         if visible.filtered:
-            scan = _scan_sql(con, s, name, "filtered", visible.filtered, visible.columns)
+            scan = _scan_sql(con, s, name, "filtered", visible.filtered, visible.columns,
+                             tag)
             parts.append(f"SELECT * FROM {scan} "
-                         "WHERE commit_key IN (SELECT commit_key FROM _committed_keys)")
+                         f"WHERE commit_key IN (SELECT commit_key FROM _committed_keys{tag})")
         if not parts:
             source = f"SELECT * FROM {empty}"
         elif len(visible.columns) == len(full) and len(parts) == 1:
@@ -376,9 +435,7 @@ def _connect(s: Store, version: StoreVersion | int | None, success_threshold: fl
         SEMI JOIN branching b ON k.tree_id = b.tree_id AND k.parent_id = b.parent_id
         JOIN running e ON e.tree_id = k.tree_id
              AND e.preorder = k.preorder + k.subtree_size - 1""")
-    if restricted:  # remote files are read by pyarrow, never by DuckDB itself
-        lock_down(con, [] if s.loc.remote else [f.path for f in readable], limits)
-    return con
+    return con, readable
 
 
 def run_query(con: duckdb.DuckDBPyConnection, query: str,
