@@ -140,7 +140,8 @@ def export_compare(stores: ViewerStores | ViewerData,
     if not force and (target.exists() or target.is_symlink()):
         raise exists
     stores = ViewerStores.of(stores)
-    key = json.dumps([list(s) for s in specs])
+    # the page's key: JSON.stringify's text (no spaces, non-ASCII as is)
+    key = json.dumps([list(s) for s in specs], separators=(",", ":"), ensure_ascii=False)
     compared = stores.compare(specs)
     answers: dict[str, Any] = {}
     names = list(stores.by_name)
