@@ -6,7 +6,7 @@
   has two runs to overlay with intervals.
 * ``wide_tree(tree_id, children, tokens)``: a prompt with ``children`` answers of
   ``tokens`` token ids each (the tiny calc tokenizer's, so the viewer decodes them), every
-  child equal to the first but at one token (child ``c`` > 0 differs at token ``c``), leaves
+  child equal to the first but at one token (node ``k`` > 1 has id 3 at token ``k - 1``), leaves
   alternately rewarded 1 and 0.
 """
 

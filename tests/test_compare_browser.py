@@ -38,10 +38,10 @@ def driver() -> Iterator[Any]:
 
 
 def _stores(tmp: Path) -> tuple[Path, Path]:
-    a = compare_store.build(tmp / "a")
+    compare_store.build(tmp / "a")
     compare_store.build(tmp / "b", run_b=False).append_trees(
         [compare_store.wide_tree("evil", 3, 6, EVIL)], key="evil")
-    return a.path, tmp / "b"
+    return tmp / "a", tmp / "b"
 
 
 def drive(d: Any, url: str, shots: Path | None = None) -> dict[str, Any]:
@@ -219,7 +219,7 @@ if __name__ == "__main__":  # python tests/test_compare_browser.py --write
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         sa, sb = _stores(Path(tmp))
-        srv, _ = start({"store-a": sa, "store-b": sb})  # type: ignore[arg-type]
+        srv, _ = start({"store-a": sa, "store-b": sb})
         drive(drv, srv.login_url, out)
         srv.shutdown()
     drv.quit()

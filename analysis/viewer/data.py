@@ -471,8 +471,8 @@ class ViewerStores:
     (``store_label``: the path as given), the first the default. Each stays pinned and
     read-only on its own locked connection."""
 
-    def __init__(self, stores: Mapping[str, Store | str | Path] | Sequence[Store | str | Path]
-                 ) -> None:
+    def __init__(self, stores: Mapping[str, ViewerData | Store | str | Path]
+                 | Sequence[Store | str | Path]) -> None:
         named = dict(stores) if isinstance(stores, Mapping) else {
             store_label(s): s for s in stores}
         if not named:
@@ -482,10 +482,13 @@ class ViewerStores:
         self.first = next(iter(self.by_name.values()))
 
     @classmethod
-    def of(cls, data: ViewerData | ViewerStores) -> ViewerStores:
+    def of(cls, data: ViewerData | ViewerStores | Store | str | Path) -> ViewerStores:
+        """``data`` as stores: itself, or the one store it is or reads."""
         if isinstance(data, ViewerStores):
             return data
-        return cls({str(data.store.path): data})  # type: ignore[dict-item]
+        if isinstance(data, ViewerData):
+            return cls({str(data.store.path): data})
+        return cls([data])
 
     def get(self, name: str | None) -> ViewerData:
         """The store called ``name`` (None or "": the first); ``KeyError`` names the

@@ -128,7 +128,7 @@ def tree_answers(data: ViewerData, rows: list[dict[str, Any]], run_ids: set[str]
     return answers
 
 
-def export_compare(stores: ViewerStores | ViewerData,
+def export_compare(stores: ViewerStores | ViewerData | Store | str | Path,
                    specs: list[tuple[str | None, str, int | None]], out: str | Path, *,
                    force: bool = False) -> ExportReport:
     """Write ``out/index.html``: the trajectories ``specs`` (``(store, tree_id, leaf)``,

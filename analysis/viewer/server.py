@@ -439,7 +439,7 @@ def label_writer(data: ViewerData | ViewerStores, author: str | None = None
     return write
 
 
-StoresLike = Store | str | Path | Sequence[Store | str | Path] | Mapping[str, Store]
+StoresLike = Store | str | Path | Sequence[Store | str | Path] | Mapping[str, Store | str | Path]
 
 
 def _stores(store: StoresLike) -> ViewerStores:
