@@ -29,7 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from _common import Timings, print_table, print_timings, timed, verdict
+
+if TYPE_CHECKING:
+    from rollout_store.tree import Tree
 
 ROOT = Path(__file__).resolve().parents[1]
 CALC = ROOT / "train" / "policies" / "checkpoints" / "calc"
@@ -64,7 +69,9 @@ RTREES.openTree("wide").then(() => {
 """
 
 
-def wide_tree(children: int, tokens: int):  # noqa: ANN201 (rollout_store.tree.Tree)
+def wide_tree(children: int, tokens: int) -> Tree:
+    """A prompt with ``children`` leaves of ``tokens`` calc-tokenizer ids, each equal to
+    the first but at one token (as ``tests/compare_store.wide_tree``)."""
     from rollout_store.tree import Node, Tree
 
     base = [(7 * i) % 500 + 10 for i in range(tokens)]
