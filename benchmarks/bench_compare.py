@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from _common import Timings, print_table, print_timings, timed, verdict
