@@ -403,10 +403,12 @@
       const series = [["a", "#1f77b4"], ["b", "#ff7f0e"]].map(([k, c]) => ({
         color: c, pts: res.heldout[k].filter((h) => h.mode === mode).map((h) => [h.step, h.rate]),
         bars: res.heldout[k].filter((h) => h.mode === mode).map((h) => [h.step, h.low, h.high]) }));
-      const p = plot(`held-out success (${mode}), 95% Wilson intervals`, series);
+      const p = plot(`held-out ${mode}, 95% CI`, series);
       p.classList.add("heldout");
+      p.appendChild(svg("title", {}, `held-out success (${mode}) per evaluation with 95% Wilson intervals`));
       host.appendChild(p);
     }
+    $("metrics-section").scrollIntoView();
   }
   function plot(name, series) {
     const W = 260, H = 150, L = 44, B = 22, T = 18, R = 8;
