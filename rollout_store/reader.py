@@ -299,7 +299,7 @@ def connect(store: StoreLike, version: StoreVersion | int | None = None, *,
     """
     s = as_store(store)
     with s.pinned_reads():  # each table's log read once, not three times
-        con, readable = _connect(s, version, success_threshold, verify_checksums, con)
+        con, readable, _ = _connect(s, version, success_threshold, verify_checksums, con)
     if restricted:  # remote files are read by pyarrow, never by DuckDB itself
         lock_down(con, [] if s.loc.remote else [f.path for f in readable], limits)
     return con
@@ -335,14 +335,24 @@ def connect_stores(stores: Mapping[str, StoreLike], *, success_threshold: float 
     opened = {name: as_store(stores[name]) for name in names}
     con = duckdb.connect()
     readable: list[str] = []
+    # per table: (file, store) of every store's files, while all can be read in one scan
+    direct: dict[str, list[tuple[str, str]] | None] = {t: [] for t in TABLE_NAMES}
     for i, name in enumerate(names):
         s = opened[name]
         con.execute(f"CREATE SCHEMA s{i}")
         con.execute(f"USE memory.s{i}")
         with s.pinned_reads():
-            _, files = _connect(s, None, success_threshold, verify_checksums, con, f"_s{i}")
+            _, files, visible = _connect(s, None, success_threshold, verify_checksums, con,
+                                         f"_s{i}")
         if not s.loc.remote:
             readable += [f.path for f in files]
+        for table, v in visible.items():
+            pairs = direct[table]
+            if s.loc.remote or v.filtered or len(v.columns) != len(SCHEMAS[table]) \
+                    or pairs is None:
+                direct[table] = None
+            else:
+                pairs += [(f.path, name) for f in v.whole]
     con.execute("USE memory.main")
     # Each store's views read their own files, so a query over the union binds (and reads
     # the footer of) every store's files separately; cached footers are read once per
@@ -350,6 +360,19 @@ def connect_stores(stores: Mapping[str, StoreLike], *, success_threshold: float 
     # never rewritten in place (a commit adds new ones), so a cached footer stays true.
     con.execute("SET parquet_metadata_cache = true")
     for view in UNION_VIEWS:
+        pairs = direct.get(view)
+        if pairs:  # one scan of every store's files, each row named by its file's store
+            # (a union of per-store scans paid ~3.5 ms of planning and pipelines per store)
+            con.register(f"_store_of_{view}", pa.table({
+                "filename": [f for f, _ in pairs], STORE_COLUMN: [n for _, n in pairs]}))
+            con.execute(f"""CREATE VIEW {view} AS SELECT m.{STORE_COLUMN}, t.* EXCLUDE (filename)
+                FROM read_parquet({_sql_list_paths([f for f, _ in pairs])}, filename = true) t
+                JOIN _store_of_{view} m USING (filename)""")
+            continue
+        if view == "paths" and direct.get("nodes"):  # row by row: no per-store partition
+            con.execute(f"CREATE VIEW paths AS SELECT {STORE_COLUMN}, {PATHS_COLUMNS} "
+                        "FROM nodes WHERE reward IS NOT NULL")
+            continue
         parts = [f"SELECT {_literal(name)} AS {STORE_COLUMN}, * FROM s{i}.{view}"
                  for i, name in enumerate(names)]
         con.execute(f"CREATE VIEW {view} AS " + " UNION ALL BY NAME ".join(parts))
@@ -362,12 +385,19 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def _sql_list_paths(paths: list[str]) -> str:
+    return "[" + ", ".join(_literal(p) for p in paths) + "]"
+
+
+PATHS_COLUMNS = "tree_id, node_id AS leaf_id, depth, reward"  # the paths view's columns
+
+
 def _connect(s: Store, version: StoreVersion | int | None, success_threshold: float,
              verify_checksums: bool, con: duckdb.DuckDBPyConnection | None, tag: str = ""
-             ) -> tuple[duckdb.DuckDBPyConnection, list[DataFile]]:
+             ) -> tuple[duckdb.DuckDBPyConnection, list[DataFile], dict[TableName, Visible]]:
     """The views of one store on ``con`` (a new connection if None), in its current
-    schema; registered relations are named with ``tag``. Returns the connection and the
-    files its views read."""
+    schema; registered relations are named with ``tag``. Returns the connection, the
+    files its views read and each table's ``Visible`` files."""
     import duckdb
 
     pinned = s.resolve(version)
@@ -375,8 +405,10 @@ def _connect(s: Store, version: StoreVersion | int | None, success_threshold: fl
     keys = committed_keys(s, pinned)
     con.register(f"_committed_keys{tag}", pa.table({"commit_key": keys}))
     readable: list[DataFile] = []
+    seen: dict[TableName, Visible] = {}
     for name in TABLE_NAMES:
         visible = visible_files(s, name, pinned, keys)
+        seen[name] = visible
         readable += visible.files  # Store.files refuses paths outside the store
         if verify_checksums:
             for f in visible.files:
@@ -409,9 +441,9 @@ def _connect(s: Store, version: StoreVersion | int | None, success_threshold: fl
             FROM labels)
         WHERE _rank = 1 AND value IS NOT NULL""")
     create_views(con)  # trees_latest, nodes_latest, credits_latest, metrics_latest, attempts
-    con.execute("""
+    con.execute(f"""
         CREATE OR REPLACE VIEW paths AS
-        SELECT tree_id, node_id AS leaf_id, depth, reward
+        SELECT {PATHS_COLUMNS}
         FROM nodes WHERE reward IS NOT NULL""")
     threshold = float(success_threshold)
     # Linear in fan-out: per tree, a running count of leaves (and successes) in preorder;
@@ -440,7 +472,7 @@ def _connect(s: Store, version: StoreVersion | int | None, success_threshold: fl
         SEMI JOIN branching b ON k.tree_id = b.tree_id AND k.parent_id = b.parent_id
         JOIN running e ON e.tree_id = k.tree_id
              AND e.preorder = k.preorder + k.subtree_size - 1""")
-    return con, readable
+    return con, readable, seen
 
 
 def run_query(con: duckdb.DuckDBPyConnection, query: str,

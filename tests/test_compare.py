@@ -129,6 +129,15 @@ def test_cross_store_views(stores: tuple[Path, Path]) -> None:
         got = {r["store"]: r["n"] for r in run_query(
             con, f"SELECT store, count(*) AS n FROM {view} GROUP BY ALL").to_pylist()}
         assert got == {"A": per["A"][view], "B": per["B"][view]}, view
+    # every view holds exactly each store's rows, whichever way it is read (one scan of
+    # all stores' files, or a union of per-store views)
+    from rollout_store.reader import UNION_VIEWS
+
+    for view in UNION_VIEWS:
+        union = run_query(con, f"SELECT * FROM {view}").to_pylist()
+        alone = [{"store": name, **r} for name, p in (("A", a), ("B", b))
+                 for r in run_query(connect(p), f"SELECT * FROM {view}").to_pylist()]
+        assert sorted(map(repr, union)) == sorted(map(repr, alone)), view
     # the same tree id in both stores, with its siblings computed in each store alone
     rows = run_query(con, "SELECT store, count(*) AS n FROM siblings WHERE tree_id = 'bel-0' "
                           "GROUP BY ALL ORDER BY 1").to_pylist()
