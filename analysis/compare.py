@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 # suffix) the middle is marked different whole instead of matched by difflib, whose cost
 # is quadratic in the worst case: 4M pairs is ~0.1 s of difflib on this machine.
 MAX_DIFF_PAIRS = 4_000_000
+# Columns one sibling diff shows at most (a node may have 200k children; a page of 256
+# columns of continuations is already past reading): the first in preorder, and the
+# answer says how many there are.
+MAX_SIBLINGS = 256
 
 Credits = Mapping[str, Mapping[int, float | None]]  # method -> node id -> value
 MeanAtK = Mapping[int, Sequence[Mapping[str, Any]]]  # node id -> Mean@k rows
@@ -179,12 +183,14 @@ def _columns(paths: Sequence[Sequence[Node]], decode: Decoder | None, ref: int,
 
 def sibling_diff(tree: Tree, node_id: int, credits: Credits | None = None,
                  mean_at_k: MeanAtK | None = None, decode: Decoder | None = None,
-                 ref: int | None = None) -> dict[str, Any]:
+                 ref: int | None = None, max_children: int = MAX_SIBLINGS) -> dict[str, Any]:
     """The children of ``node_id`` side by side, aligned at it (module docstring).
 
     ``credits``: {method: {node id: value}}; ``mean_at_k``: {node id: [{k, successes,
     mean, ...}]}; ``decode``: token ids -> texts (None: compare characters of the action
-    text); ``ref``: the child the others are diffed against (default the first).
+    text); ``ref``: the child the others are diffed against (default the first);
+    ``max_children``: the columns shown at most (the first children in preorder, the
+    reference always among them; ``n_children`` says how many there are).
     ``KeyError`` for a node the tree lacks; ``ValueError`` for a node with fewer than two
     children or a ``ref`` that is not one of them."""
     by_id = {n.node_id: n for n in tree.nodes}
@@ -200,6 +206,12 @@ def sibling_diff(tree: Tree, node_id: int, credits: Credits | None = None,
     if ref is not None and ref not in children:
         raise ValueError(f"reference {ref} is not a child of node {node_id} (children: "
                          f"{', '.join(map(str, children))})")
+    n_children = len(children)
+    if n_children > max_children:
+        keep = children[:max_children]
+        if ref is not None and ref not in keep:
+            keep = [*keep[:-1], ref]
+        children = keep
     ref_index = children.index(ref) if ref is not None else 0
     credits = credits or {}
     mean_at_k = mean_at_k or {}
@@ -227,6 +239,7 @@ def sibling_diff(tree: Tree, node_id: int, credits: Credits | None = None,
     outcomes = [a for a in outcome_at if a is not None]
     return {"tree_id": tree.tree_id, "run_id": tree.run_id, "task_id": tree.task_id,
             "node": node_id, "depth": depth, "reference": children[ref_index],
+            "n_children": n_children,
             "methods": sorted(credits), "prefix": prefix[::-1],
             "first_action_difference": min(parts) if parts else None,
             "first_outcome_difference": min(outcomes) if outcomes else None,

@@ -6,9 +6,9 @@
    opens the page and times, in the page (``performance.now``), ``loadSiblings``: the
    ``/api/siblings`` request (the server reads the tree, decodes, diffs every child
    against the first) plus building the grid, one forced layout and the next animation
-   frame. Building the grid's DOM alone (no request, no layout) is shown beside it, and, as the same-run reference, opening the
-   same tree in the existing tree view. Target: the diff renders in under 1 s (absolute;
-   the ratio printed is to 1 s).
+   frame. Building the grid's DOM alone (no request, no layout) is shown beside it, and,
+   as the same-run reference, opening the same tree in the existing tree view. Target: the
+   diff renders in under 1 s (absolute; the ratio printed is to 1 s).
 2. **Across stores.** ``--stores`` stores of about ``--nodes`` BEL-shaped nodes each (one
    run each), and one store holding the same batches (one append per part, so both sides
    read the same number of files). Each query runs over ``connect_stores`` (the union views

@@ -81,6 +81,8 @@ def test_sibling_diff_of_a_wide_node() -> None:
     col = decoded["columns"][1]["steps"][0]["action"]  # node 2 (3 at token 1) vs node 3
     assert [s["diff"] for s in col] == [False, True, False]
     assert col[1]["text"] == "<24>"  # its 3 matches node 3's (difflib), 24 does not
+    cut = sibling_diff(tree, 0, max_children=2, ref=4)
+    assert [c["child"] for c in cut["columns"]] == [1, 4] and cut["n_children"] == 4
     with pytest.raises(KeyError, match="no node 99"):
         sibling_diff(tree, 99)
     with pytest.raises(ValueError, match=r"not a branch point .* branching nodes: 0"):
@@ -195,6 +197,31 @@ def test_routes_answer(served: Any, stores: tuple[Path, Path]) -> None:
     assert reward["shared_step"] == 5 and reward["delta"] == pytest.approx(0.25)
     assert [(h["step"], h["successes"], h["n"]) for h in body["heldout"]["b"]] == [
         (0, 4, 20), (5, 15, 20)]
+
+
+def test_labels_go_to_the_chosen_store(served: Any, stores: tuple[Path, Path]) -> None:
+    """``POST /api/label`` with ``store``: written to that store (as the server's user),
+    read back from it; an unknown store is a one-line 404 and writes nothing."""
+    def post(body: dict[str, Any]) -> tuple[int, Any]:
+        req = urllib.request.Request(
+            served.url + "api/label", data=json.dumps(body).encode(), method="POST",
+            headers={"Cookie": f"{served.cookie_name}={served.access_token}",
+                     "X-Rtrees-Token": served.token, "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    _, b = stores
+    status, body = post({"tree_id": "wide", "node_id": 1, "key": "k", "value": "v",
+                         "store": str(b)})
+    assert status == 200 and body["nodes"]["1"][0]["value"] == "v"
+    assert _get(served, f"api/labels?tree=wide&store={quote(str(b))}")[1]["nodes"]["1"]
+    assert _get(served, "api/labels?tree=wide")[1]["nodes"] == {}  # not in the first store
+    status, body = post({"tree_id": "wide", "node_id": 1, "key": "k", "value": "v",
+                         "store": "/nope"})
+    assert status == 404 and "no store '/nope'" in body["error"]
 
 
 @pytest.mark.parametrize(("path", "status", "says"), [

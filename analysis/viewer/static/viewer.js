@@ -494,7 +494,7 @@
     state.siblings = res;
     $("siblings-section").hidden = false;
     $("siblings-title").textContent = `children of node ${res.node} (tree ${res.tree_id}), aligned at the branch point`;
-    $("siblings-meta").textContent = `${res.columns.length} children · depth ${res.depth} · diffed against child ${res.reference} by ${res.unit} · first action difference at step ${fmt(res.first_action_difference)}, first outcome difference at step ${fmt(res.first_outcome_difference)}`;
+    $("siblings-meta").textContent = `${res.columns.length}${res.n_children > res.columns.length ? " of " + res.n_children : ""} children · depth ${res.depth} · diffed against child ${res.reference} by ${res.unit} · first action difference at step ${fmt(res.first_action_difference)}, first outcome difference at step ${fmt(res.first_outcome_difference)}`;
     fillSelect($("siblings-ref"), res.columns.map((c) => String(c.child)), String(res.reference));
     grid($("siblings-grid"), res.columns, (h, c) => {
       h.dataset.child = c.child;
