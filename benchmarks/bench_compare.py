@@ -27,6 +27,7 @@ import argparse
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -170,7 +171,7 @@ def bench_stores(args: argparse.Namespace, tmp: Path) -> None:
         con_one = connect(one, restricted=True)
         connect_one.seconds.append(time.perf_counter() - start)
         start = time.perf_counter()
-        con_many = connect_stores(parts, restricted=True)  # type: ignore[arg-type]
+        con_many = connect_stores(parts, restricted=True)
         connect_many.seconds.append(time.perf_counter() - start)
     assert con_one is not None and con_many is not None
     print_timings([connect_one, connect_many], connect_one)
@@ -185,8 +186,8 @@ def bench_stores(args: argparse.Namespace, tmp: Path) -> None:
             raise SystemExit(f"{name}: the union views disagree with the one store")
         single, many = Timings(f"{name}: one store"), Timings(f"{name}: {args.stores} stores")
         for _ in range(args.repeat):
-            single.seconds.append(timed(lambda sql=sql: run_query(con_one, sql)))
-            many.seconds.append(timed(lambda sql=sql_many: run_query(con_many, sql)))
+            single.seconds.append(timed(partial(run_query, con_one, sql)))
+            many.seconds.append(timed(partial(run_query, con_many, sql_many)))
         print(f"\n{name} (same rows on both sides):")
         print_timings([single, many], single)
         ratio = many.min / single.min
