@@ -31,6 +31,13 @@ DuckDB views (``connect``):
   the two ends of that range (an equi-join, linear in fan-out; the range join it
   replaces was quadratic: 131 s for 200k children of one node).
 
+``connect_stores({name: store, ...})`` (issue 48, ``rtrees sql --stores``) gives every
+view above as the union of several stores' views, each row with a first column
+``store``: the tables and ``paths`` as one scan of all the stores' files (each row named
+by its file's store) where every store is local and its files hold committed rows only,
+every other view as a union of per-store views (each store's in its own schema, so
+``siblings`` and the ``*_latest`` views are computed within one store).
+
 A store on object storage (``s3://``) is read the same way: pyarrow reads through the
 store's ``S3FileSystem`` (``store.loc``), and DuckDB and polars scan Arrow datasets of the
 same file lists over it (DuckDB's httpfs extension would need a download at run time).

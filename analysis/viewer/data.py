@@ -21,6 +21,13 @@ the page's questions:
 * ``compare(tree_id, a, b)``: where two credit methods disagree on one tree, by sign and
   by rank among siblings;
 * ``metrics(run_id)``: a run's metrics as ``{name: [[step, value], ...]}``.
+* ``sibling_diff(tree_id, node_id)``: a branching node's children side by side
+  (``analysis.compare.sibling_diff``, issue 48), with credit and Mean@k;
+* ``heldout(run_id)``: held-out success per evaluation with Wilson intervals.
+
+``ViewerStores`` opens several stores at once (each a ``ViewerData`` by name) and answers
+the questions that span them: trajectories compared by step (``compare``) and two runs'
+metrics overlaid (``metrics_diff``).
 
 Credit methods are keyed ``method`` when a tree holds one hyperparameter hash of it, else
 ``method@<hash prefix>``.
