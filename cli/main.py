@@ -48,6 +48,9 @@ register_label(app)
 from cli.export_cmd import register as register_export  # noqa: E402  (issue 26)
 
 register_export(app)
+from cli.compare_cmd import register as register_compare  # noqa: E402  (issue 48)
+
+register_compare(app)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -161,7 +164,11 @@ class SqlFormat(StrEnum):
 def sql(
     query: Annotated[str, typer.Argument(help="SQL over the views trees, nodes, snapshots, "
                                               "credits, mc_references, metrics, paths, siblings.")],
-    store: StoreOpt,
+    store: Annotated[Path | None, typer.Option("--store", help="Store directory.")] = None,
+    stores: Annotated[str | None, typer.Option(
+        "--stores", help="Comma-separated store directories: every view is the union of "
+                         "theirs, with a first column `store` (the directory as given).")
+    ] = None,
     fmt: Annotated[SqlFormat, typer.Option("--format", help="Output format.")] = SqlFormat.table,
     version: Annotated[int | None, typer.Option(
         help="Time travel: read the store as of this trees-table version.")] = None,
@@ -186,7 +193,9 @@ def sql(
     store's committed files and nothing else, within --timeout, --memory, --temp-disk and
     --rss-growth. Stored text is printed with control characters escaped (\\n, \\x1b,
     \\x00; ``rollout_store.textsafe.printable``) in every format: JSON through its own
-    escapes, CSV and the table as printable text (exact values: --format json)."""
+    escapes, CSV and the table as printable text (exact values: --format json). With
+    --stores A,B,... the query runs over all of them at once (their latest versions),
+    e.g. which sampler gave the best success across runs kept in separate stores."""
     import tempfile
 
     import duckdb
@@ -198,14 +207,26 @@ def sql(
     from rollout_store.textsafe import printable, printable_json, printable_table
 
     require(timeout > 0, f"--timeout must be a positive number of seconds, got {timeout}")
+    require((store is None) != (stores is None), "give --store or --stores (not both)")
+    names = [] if stores is None else [n.strip() for n in stores.split(",")]
+    require(stores is None or (all(names) and len(set(names)) == len(names) >= 1),
+            f"--stores is a comma-separated list of distinct store directories, got {stores!r}")
+    require(stores is None or (version is None and not verify),
+            "--version and --verify read one store; use --store")
     spill = temp_disk.strip() not in ("", "0", "0B", "0b")
     try:
         with tempfile.TemporaryDirectory(prefix="rtrees-sql-") as tmp:
             limits = QueryLimits(timeout_s=timeout, memory=memory,
                                  temp_directory=tmp if spill else None, temp_disk=temp_disk,
                                  rss_growth=rss_growth)
-            con = connect(_open(store), version, verify_checksums=verify, restricted=True,
-                          limits=limits)
+            if store is not None:
+                con = connect(_open(store), version, verify_checksums=verify,
+                              restricted=True, limits=limits)
+            else:
+                from rollout_store.reader import connect_stores
+
+                con = connect_stores({n: _open(Path(n)) for n in names}, restricted=True,
+                                     limits=limits)
             try:
                 data = run_query(con, query, limits)
             finally:

@@ -14,7 +14,9 @@ from cli._common import fail, require
 
 
 def view_command(
-    store: Annotated[Path, typer.Option("--store", help="Store directory (read only).")],
+    store: Annotated[list[Path], typer.Option(
+        "--store", help="Store directory (read only); repeat to open several stores at once "
+                        "(the page switches between them and compares across them).")],
     port: Annotated[int, typer.Option(
         help="Port on 127.0.0.1 (0: a free one). The page is reachable from this machine "
              "only.")] = 0,
@@ -49,15 +51,22 @@ def view_command(
 
     require(0 <= port <= 65_535, f"--port must be in 0..65535, got {port}")
     require(max_trees >= 1, f"--max-trees must be at least 1, got {max_trees}")
+    require(len(set(store)) == len(store), "a --store is given twice")
+    require(export is None or len(store) == 1,
+            "--export writes one store's trees: give one --store (rtrees compare --export "
+            "writes a comparison across stores)")
     if export is None:
         require(run is None and where is None and not tree,
                 "--run, --where and --tree select trees for --export; the page filters "
                 "them itself")
         require(not force, "--force overwrites the file of --export; there is none here")
-    try:
-        s = Store(store)
-    except (StoreError, SchemaMismatchError) as exc:
-        fail(str(exc))
+    opened: dict[str, Store] = {}
+    for path in store:
+        try:
+            opened[str(path)] = Store(path)
+        except (StoreError, SchemaMismatchError) as exc:
+            fail(str(exc))
+    s = next(iter(opened.values()))
     if export is not None:
         from analysis.viewer.export import export_static
 
@@ -71,11 +80,12 @@ def view_command(
     from analysis.viewer import serve
 
     def ready(url: str) -> None:  # url holds the access token: stdout, the owner's only
-        print(f"serving {s.path} on {url} ({'labels writable' if labels else 'read only'}; "
+        print(f"serving {', '.join(opened)} on {url} "
+              f"({'labels writable' if labels else 'read only'}; "
               "open this URL, it holds the access token; Ctrl-C stops)", flush=True)
 
     try:
-        serve(s, port, on_ready=ready, labels=labels)
+        serve(opened, port, on_ready=ready, labels=labels)
     except OSError as exc:  # the port is taken, or not ours to bind
         fail(f"cannot serve on 127.0.0.1:{port}: {exc.strerror or exc}")
     except KeyboardInterrupt:

@@ -234,10 +234,19 @@ def test_stored_text_never_becomes_markup(tmp_path: Path) -> None:
     store = Store(tmp_path / "s", create=True)
     store.append_trees([Tree("evil", [
         Node(0, None, "prompt", observation_text=evil),
-        Node(1, 0, action_text=evil, terminal=True, reward=1.0)])])
+        Node(1, 0, action_text=evil, terminal=True, reward=1.0),
+        Node(2, 0, action_text=evil + "!", observation_text=evil, terminal=True,
+             reward=0.0)])])
     html = export_static(store, tmp_path / "out").path.read_text()
     assert evil not in html and "\\u003c/script>\\u003cscript>alert(1)" in html
     assert html.count("<script>") == 2  # the data and the inlined viewer.js, nothing more
+    # the comparison views (issue 48): the N-way compare export embeds the same way
+    from analysis.viewer.export import export_compare
+
+    page = export_compare(store, [(None, "evil", 1), (None, "evil", 2)],
+                          tmp_path / "cmp").path.read_text()
+    assert evil not in page and "\\u003c/script>\\u003cscript>alert(1)" in page
+    assert page.count("<script>") == 2
     assert ".innerHTML" not in static_text("viewer.js")  # the comment names it, no code
 
 

@@ -21,6 +21,13 @@ the page's questions:
 * ``compare(tree_id, a, b)``: where two credit methods disagree on one tree, by sign and
   by rank among siblings;
 * ``metrics(run_id)``: a run's metrics as ``{name: [[step, value], ...]}``.
+* ``sibling_diff(tree_id, node_id)``: a branching node's children side by side
+  (``analysis.compare.sibling_diff``, issue 48), with credit and Mean@k;
+* ``heldout(run_id)``: held-out success per evaluation with Wilson intervals.
+
+``ViewerStores`` opens several stores at once (each a ``ViewerData`` by name) and answers
+the questions that span them: trajectories compared by step (``compare``) and two runs'
+metrics overlaid (``metrics_diff``).
 
 Credit methods are keyed ``method`` when a tree holds one hyperparameter hash of it, else
 ``method@<hash prefix>``.
@@ -33,7 +40,7 @@ import json
 import math
 import threading
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,6 +141,13 @@ def token_texts(policy_ref: str | None, ids: Sequence[int]) -> list[str] | None:
     if tok is None:
         return None
     return [tok.decode([int(i)], skip_special_tokens=False) for i in ids]
+
+
+def _decoder(policy_ref: str | None) -> Callable[[Sequence[int]], list[str] | None] | None:
+    """``token_texts`` bound to a tree's tokenizer, or None where it has none."""
+    if not policy_ref or _tokenizer(policy_ref) is None:
+        return None
+    return lambda ids: token_texts(policy_ref, ids)
 
 
 def snapshot_summary(snapshot_id: str, env: str, state: bytes) -> dict[str, Any]:
@@ -298,21 +312,74 @@ class ViewerData:
                 else [_clean(float(v)) if v is not None else None for v in r["token_values"]]}
         return dict(sorted(out.items()))
 
-    def tree(self, tree_id: str) -> dict[str, Any]:
-        """Everything the tree page shows (see the module docstring); ``KeyError`` for an
-        unknown tree id."""
-        found = read_trees(self.store, [tree_id], self.version)
-        if not found:
-            raise KeyError(f"no tree {tree_id!r} in {self.store.path}")
-        tree = found[0]
-        pos = tree_layout(tree)
-        credits = self._credits(tree_id)
+    def _mean_at_k(self, tree_id: str) -> dict[int, list[dict[str, Any]]]:
+        """The tree's Mean@k references by node: ``{k, successes, mean, policy_version,
+        run_id}``, oldest first."""
         mc: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for r in self._rows("""SELECT node_id, k, successes, policy_version, run_id
                                FROM mc_references WHERE tree_id = ? ORDER BY created_at""",
                             [tree_id]):
             r["mean"] = r["successes"] / r["k"] if r["k"] else None
             mc[int(r.pop("node_id"))].append(r)
+        return dict(mc)
+
+    def _one_tree(self, tree_id: str) -> Tree:
+        found = read_trees(self.store, [tree_id], self.version)
+        if not found:
+            raise KeyError(f"no tree {tree_id!r} in {self.store.path}")
+        return found[0]
+
+    def _credit_values(self, tree_id: str) -> dict[str, dict[int, float | None]]:
+        return {m: {nid: v["value"] for nid, v in by_node.items()}
+                for m, by_node in self._credits(tree_id).items()}
+
+    def sibling_diff(self, tree_id: str, node_id: int, ref: int | None = None
+                     ) -> dict[str, Any]:
+        """``analysis.compare.sibling_diff`` of one stored node: its children side by side
+        with their credit under every stored method and Mean@k references, tokens decoded
+        with the tree's tokenizer where there is one. ``KeyError``: an unknown tree or
+        node; ``ValueError``: a node that does not branch, a ``ref`` not its child."""
+        from analysis.compare import sibling_diff
+
+        tree = self._one_tree(tree_id)
+        out = sibling_diff(tree, node_id, self._credit_values(tree_id),
+                           self._mean_at_k(tree_id), _decoder(tree.policy_ref), ref)
+        out["store"] = str(self.store.path)
+        return out
+
+    def trajectory_item(self, tree_id: str, leaf: int | None, label: str) -> dict[str, Any]:
+        """One column's input to ``analysis.compare.compare_trajectories``."""
+        return {"label": label, "tree": self._one_tree(tree_id), "leaf": leaf,
+                "credits": self._credit_values(tree_id)}
+
+    def heldout(self, run_id: str) -> list[dict[str, Any]]:
+        """Held-out success of a run per evaluation (``evaluations``: one row per task;
+        the latest write per (step, mode, task)): ``{step, mode, n, successes, rate, low,
+        high}`` with the 95% Wilson interval (``analysis.compare.wilson_interval``). The
+        step is the metric step (``evaluations.step + 1``: the iteration that produced the
+        weights, 0 for the starting ones), as the ``heldout_*`` metrics plot it."""
+        from analysis.compare import wilson_interval
+
+        rows = self._rows("""
+            SELECT step + 1 AS step, mode, count(*) AS n,
+                   sum(success::INTEGER) AS successes FROM (
+                SELECT *, row_number() OVER (PARTITION BY step, mode, task_index
+                                             ORDER BY created_at DESC) AS _r
+                FROM evaluations WHERE run_id = ?) WHERE _r = 1
+            GROUP BY ALL ORDER BY mode, step""", [run_id])
+        for r in rows:
+            r["successes"] = int(r["successes"] or 0)
+            r["rate"] = r["successes"] / r["n"]
+            r["low"], r["high"] = wilson_interval(r["successes"], int(r["n"]))
+        return rows
+
+    def tree(self, tree_id: str) -> dict[str, Any]:
+        """Everything the tree page shows (see the module docstring); ``KeyError`` for an
+        unknown tree id."""
+        tree = self._one_tree(tree_id)
+        pos = tree_layout(tree)
+        credits = self._credits(tree_id)
+        mc = self._mean_at_k(tree_id)
         nodes = []
         for n in tree.preorder():
             texts = token_texts(tree.policy_ref, n.action_token_ids)
@@ -399,3 +466,87 @@ class ViewerData:
         with self._lock:
             found = training_metrics(self.con, run_id)
         return {name: [[step, value] for step, value in rows] for name, rows in found.items()}
+
+
+def store_label(store: Store | str | Path) -> str:
+    """The name a store goes by among several: its path as given."""
+    return str(store.path) if isinstance(store, Store) else str(store)
+
+
+class ViewerStores:
+    """Several stores opened at once (issue 48): one ``ViewerData`` per store, by name
+    (``store_label``: the path as given), the first the default. Each stays pinned and
+    read-only on its own locked connection."""
+
+    def __init__(self, stores: Mapping[str, ViewerData | Store | str | Path]
+                 | Sequence[Store | str | Path]) -> None:
+        named = dict(stores) if isinstance(stores, Mapping) else {
+            store_label(s): s for s in stores}
+        if not named:
+            raise ValueError("no store given")
+        self.by_name = {name: s if isinstance(s, ViewerData) else ViewerData(s)
+                        for name, s in named.items()}
+        self.first = next(iter(self.by_name.values()))
+
+    @classmethod
+    def of(cls, data: ViewerData | ViewerStores | Store | str | Path) -> ViewerStores:
+        """``data`` as stores: itself, or the one store it is or reads."""
+        if isinstance(data, ViewerStores):
+            return data
+        if isinstance(data, ViewerData):
+            return cls({str(data.store.path): data})
+        return cls([data])
+
+    def get(self, name: str | None) -> ViewerData:
+        """The store called ``name`` (None or "": the first); ``KeyError`` names the
+        stores there are."""
+        if not name:
+            return self.first
+        if name not in self.by_name:
+            raise KeyError(f"no store {name!r} open here (open: {', '.join(self.by_name)})")
+        return self.by_name[name]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Each store's name and ``ViewerData.summary()``."""
+        return [dict(d.summary(), name=name) for name, d in self.by_name.items()]
+
+    def compare(self, specs: Sequence[tuple[str | None, str, int | None]]) -> dict[str, Any]:
+        """``analysis.compare.compare_trajectories`` of ``(store, tree_id, leaf)`` triples
+        (store None: the first; leaf None: the tree's best leaf), in columns labelled
+        ``store:tree:leaf`` (``tree:leaf`` with one store open)."""
+        from analysis.compare import compare_trajectories
+
+        items = []
+        for store, tree_id, leaf in specs:
+            data = self.get(store)
+            name = next(n for n, d in self.by_name.items() if d is data)
+            label = f"{tree_id}:{'best' if leaf is None else leaf}"
+            if len(self.by_name) > 1:
+                label = f"{name}:{label}"
+            item = data.trajectory_item(tree_id, leaf, label)
+            item["store"] = name
+            items.append(item)
+        out = compare_trajectories(items, lambda t: _decoder(t.policy_ref))
+        for col, item in zip(out["columns"], items, strict=True):
+            col["store"] = item["store"]
+        return out
+
+    def metrics_diff(self, a: tuple[str | None, str], b: tuple[str | None, str]
+                     ) -> dict[str, Any]:
+        """Two runs' metrics (``(store, run_id)`` each) overlaid
+        (``analysis.compare.metrics_diff``), with each run's held-out success and its
+        intervals (``ViewerData.heldout``). ``KeyError`` for a run with neither metrics
+        nor evaluations."""
+        from analysis.compare import metrics_diff
+
+        found = []
+        for store, run in (a, b):
+            data = self.get(store)
+            m, h = data.metrics(run), data.heldout(run)
+            if not m and not h:
+                raise KeyError(f"run {run!r} has no metrics and no held-out evaluations in "
+                               f"{data.store.path}")
+            found.append((m, h))
+        return {"a": {"store": a[0] or "", "run": a[1]}, "b": {"store": b[0] or "", "run": b[1]},
+                "metrics": metrics_diff(found[0][0], found[1][0]),
+                "heldout": {"a": found[0][1], "b": found[1][1]}}

@@ -41,7 +41,14 @@ Safety:
 
 Routes: ``/`` (the page), ``/static/<file>``, ``/api/summary``, ``/api/runs``,
 ``/api/trees?where=&run=``, ``/api/tree?id=``, ``/api/compare?tree=&a=&b=``,
-``/api/metrics?run=``, ``/api/labels?tree=``, ``POST /api/label``. An error is
+``/api/metrics?run=``, ``/api/labels?tree=``, ``POST /api/label``, and for comparisons
+(issue 48) ``/api/stores`` (the stores open), ``/api/siblings?tree=&node=&ref=`` (a
+branching node's children side by side), ``/api/paths?paths=`` (trajectories in columns
+by step; ``paths`` is a JSON list of ``[store, tree_id, leaf or null]``) and
+``/api/metrics_diff?a=&b=&store_a=&store_b=`` (two runs' metrics overlaid, held-out
+success with intervals). Every tree route takes ``store=`` (a name ``/api/stores`` lists;
+default the first): the viewer can open several stores, each on its own locked, pinned
+connection. An error is
 ``{"error": "..."}`` (one line) with status 400 (bad input), 403 (no access token, a
 wrong Host or label token), 404 (unknown tree or route) or 500 (a bug of ours).
 """
@@ -54,7 +61,7 @@ import os
 import secrets
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -62,7 +69,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from analysis.viewer.data import ViewerData
+from analysis.viewer.data import ViewerData, ViewerStores
 from rollout_store.store import Store, StoreError
 
 HOST = "127.0.0.1"  # never 0.0.0.0: the viewer is for this machine only
@@ -74,6 +81,7 @@ MAX_QUERY = 16_384  # bytes of one query string (a filter is a line, not a file)
 REQUEST_TIMEOUT = 30.0  # seconds a client may take to send a request
 REQUEST_QUEUE = 128  # listen backlog: connections waiting to be accepted
 MAX_NODE_ID = 2**63 - 1  # node ids are int64 in the store (schema.py)
+MAX_PATHS = 64  # trajectories one /api/paths compares
 
 
 class RequestError(Exception):
@@ -138,9 +146,43 @@ def page_html(token: str = "", static_data: str | None = None, inline: bool = Fa
     return html
 
 
-def answer(data: ViewerData, path: str, query: dict[str, list[str]]) -> Any:
-    """The JSON answer of one API route (``KeyError``: unknown tree/method/route;
-    ``ValueError``: bad input). Shared by the server and the static export."""
+def node_id(text: str, name: str = "node") -> int:
+    """A node id from a request (``ValueError`` naming ``name`` unless 0..MAX_NODE_ID)."""
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer node id, got {text!r}") from None
+    if not 0 <= value <= MAX_NODE_ID:
+        raise ValueError(f"{name} must be in 0..{MAX_NODE_ID}")
+    return value
+
+
+def path_specs(text: str) -> list[tuple[str | None, str, int | None]]:
+    """``/api/paths``'s ``paths``: a JSON list of ``[store or null, tree_id, leaf or
+    null]`` (2 to ``MAX_PATHS`` of them); ``ValueError`` naming what is wrong."""
+    try:
+        items = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ValueError("paths must be a JSON list of [store, tree_id, leaf]") from None
+    if not isinstance(items, list) or not 2 <= len(items) <= MAX_PATHS:
+        raise ValueError(f"paths must be a JSON list of 2 to {MAX_PATHS} [store, tree_id, "
+                         "leaf] triples")
+    out = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[1], str)
+                and (item[0] is None or isinstance(item[0], str))
+                and (item[2] is None or (isinstance(item[2], int)
+                                         and not isinstance(item[2], bool)))):
+            raise ValueError("each path is [store (string or null), tree_id (string), leaf "
+                             "(integer or null)]")
+        out.append((item[0], item[1], None if item[2] is None
+                    else node_id(str(item[2]), "leaf")))
+    return out
+
+
+def answer(data: ViewerData | ViewerStores, path: str, query: dict[str, list[str]]) -> Any:
+    """The JSON answer of one API route (``KeyError``: unknown store/tree/node/method/
+    route; ``ValueError``: bad input). Shared by the server and the static export."""
     def arg(name: str, required: bool = True) -> str:
         values = query.get(name)
         if not values or not values[0]:
@@ -149,20 +191,33 @@ def answer(data: ViewerData, path: str, query: dict[str, list[str]]) -> Any:
             return ""
         return values[0]
 
+    stores = ViewerStores.of(data)
+    if path == "/api/stores":
+        return stores.summary()
+    if path == "/api/paths":
+        return stores.compare(path_specs(arg("paths")))
+    if path == "/api/metrics_diff":
+        return stores.metrics_diff((arg("store_a", False) or None, arg("a")),
+                                   (arg("store_b", False) or None, arg("b")))
+    one = stores.get(arg("store", False) or None)
     if path == "/api/summary":
-        return data.summary()
+        return one.summary()
     if path == "/api/runs":
-        return data.runs()
+        return one.runs()
     if path == "/api/trees":
-        return data.trees(arg("where", False) or None, arg("run", False) or None)
+        return one.trees(arg("where", False) or None, arg("run", False) or None)
     if path == "/api/tree":
-        return data.tree(arg("id"))
+        return one.tree(arg("id"))
     if path == "/api/compare":
-        return data.compare(arg("tree"), arg("a"), arg("b"))
+        return one.compare(arg("tree"), arg("a"), arg("b"))
     if path == "/api/metrics":
-        return data.metrics(arg("run"))
+        return one.metrics(arg("run"))
     if path == "/api/labels":
-        return data.labels(arg("tree"))
+        return one.labels(arg("tree"))
+    if path == "/api/siblings":
+        ref = arg("ref", False)
+        return one.sibling_diff(arg("tree"), node_id(arg("node")),
+                                node_id(ref, "ref") if ref else None)
     raise KeyError(f"no route {path}")
 
 
@@ -172,10 +227,11 @@ class ViewerServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = REQUEST_QUEUE
 
-    def __init__(self, data: ViewerData, port: int = 0,
+    def __init__(self, data: ViewerData | ViewerStores, port: int = 0,
                  on_label: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         super().__init__((HOST, port), ViewerHandler)
-        self.data = data
+        self.stores = ViewerStores.of(data)
+        self.data = self.stores.first
         self.access_token = secrets.token_urlsafe(32)  # every route; in login_url only
         self.token = secrets.token_urlsafe(24)  # the label token, X-Rtrees-Token
         self.on_label = on_label
@@ -325,7 +381,7 @@ class ViewerHandler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.OK, static_text(name).encode(),
                        STATIC_FILES[name] + "; charset=utf-8", headers)
             return
-        self._json(HTTPStatus.OK, answer(self.server.data, path, query), headers)
+        self._json(HTTPStatus.OK, answer(self.server.stores, path, query), headers)
 
     def _post(self, path: str, query: dict[str, list[str]], headers: dict[str, str]
               ) -> None:
@@ -349,20 +405,22 @@ class ViewerHandler(BaseHTTPRequestHandler):
         self._json(HTTPStatus.OK, self.server.on_label(body), headers)
 
 
-def label_writer(data: ViewerData, author: str | None = None
+def label_writer(data: ViewerData | ViewerStores, author: str | None = None
                  ) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """The ``POST /api/label`` action: ``{"tree_id", "node_id" (or null), "key", "value"
-    (null clears)}`` appended with ``rollout_store.labels`` under ``author`` (default: the
-    user this process runs as, ``server_user``; an ``author`` in the request is ignored:
-    whoever holds the page writes as the server's owner); the view is re-pinned so the
-    page reads it back; answers the tree's labels. ``ValueError`` for bad input."""
+    (null clears), "store" (optional: a name of ``/api/stores``, default the first)}``
+    appended with ``rollout_store.labels`` under ``author`` (default: the user this process
+    runs as, ``server_user``; an ``author`` in the request is ignored: whoever holds the
+    page writes as the server's owner); the view is re-pinned so the page reads it back;
+    answers the tree's labels. ``ValueError`` for bad input."""
     from rollout_store.labels import write_labels
 
     who = author or server_user()
+    stores = ViewerStores.of(data)
 
     def write(body: dict[str, Any]) -> dict[str, Any]:
         tree_id, node_id, key = body.get("tree_id"), body.get("node_id"), body.get("key")
-        value = body.get("value")
+        value, store = body.get("value"), body.get("store")
         if not isinstance(tree_id, str) or not isinstance(key, str):
             raise ValueError("a label needs tree_id and key (strings)")
         if node_id is not None and (not isinstance(node_id, int) or isinstance(node_id, bool)):
@@ -371,30 +429,44 @@ def label_writer(data: ViewerData, author: str | None = None
             raise ValueError(f"node_id must be in 0..{MAX_NODE_ID}")
         if value is not None and not isinstance(value, str):
             raise ValueError("value must be a string or null")
-        write_labels(data.store, tree_id, node_id, {key: value}, who)
-        data.reload()
-        return data.labels(tree_id)
+        if store is not None and not isinstance(store, str):
+            raise ValueError("store must be a string or null")
+        one = stores.get(store)
+        write_labels(one.store, tree_id, node_id, {key: value}, who)
+        one.reload()
+        return one.labels(tree_id)
 
     return write
 
 
-def start(store: Store | str | Path, port: int = 0, labels: bool = True
+StoresLike = Store | str | Path | Sequence[Store | str | Path] | Mapping[str, Store | str | Path]
+
+
+def _stores(store: StoresLike) -> ViewerStores:
+    """One store, a list of them (named by path), or {name: store}."""
+    if isinstance(store, Mapping):
+        return ViewerStores(store)
+    return ViewerStores([store] if isinstance(store, Store | str | Path) else list(store))
+
+
+def start(store: StoresLike, port: int = 0, labels: bool = True
           ) -> tuple[ViewerServer, threading.Thread]:
-    """Serve ``store`` on ``127.0.0.1:port`` (0: a free port) from a background thread;
-    stop with ``server.shutdown()``. ``labels``: the page may append labels. Open
+    """Serve ``store`` (or several: a list, the first the default) on
+    ``127.0.0.1:port`` (0: a free port) from a background thread; stop with
+    ``server.shutdown()``. ``labels``: the page may append labels. Open
     ``server.login_url`` (it holds the access token)."""
-    data = ViewerData(store)
+    data = _stores(store)
     server = ViewerServer(data, port, label_writer(data) if labels else None)
     thread = threading.Thread(target=server.serve_forever, name="rtrees-view", daemon=True)
     thread.start()
     return server, thread
 
 
-def serve(store: Store | str | Path, port: int = 0,
+def serve(store: StoresLike, port: int = 0,
           on_ready: Callable[[str], None] | None = None, labels: bool = True) -> None:
-    """Serve ``store`` until interrupted; ``on_ready(url)`` once the socket listens, with
-    the URL that holds the access token (show it to the owner only)."""
-    data = ViewerData(store)
+    """Serve ``store`` (or several) until interrupted; ``on_ready(url)`` once the socket
+    listens, with the URL that holds the access token (show it to the owner only)."""
+    data = _stores(store)
     server = ViewerServer(data, port, label_writer(data) if labels else None)
     if on_ready is not None:
         on_ready(server.login_url)

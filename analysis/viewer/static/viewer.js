@@ -6,7 +6,7 @@
   const SVGNS = "http://www.w3.org/2000/svg";
   const STATIC = window.RTREES_STATIC || null;
   const TOKEN = (document.querySelector('meta[name="rtrees-token"]') || {}).content || "";
-  const state = { tree: null, node: null, run: null, selectedRun: null, compare: null };
+  const state = { tree: null, node: null, run: null, selectedRun: null, compare: null, store: "", stores: [], basket: [], siblings: null, metricsRun: null };
 
   function $(id) { return document.getElementById(id); }
   function el(tag, attrs, text) {
@@ -73,11 +73,11 @@
 
   // ---- runs, trees, filter
   async function loadSummary() {
-    const s = await api("/api/summary");
+    const s = await api("/api/summary", { store: state.store });
     $("store-summary").textContent = `${s.store} · ${s.trees} trees · pinned ${Object.entries(s.version).map(([k, v]) => k + "@" + v).join(" ")}` + (STATIC ? " · static export" : "");
   }
   async function loadRuns() {
-    const runs = await api("/api/runs");
+    const runs = await api("/api/runs", { store: state.store });
     const body = $("run-list").tBodies[0];
     clear(body);
     for (const r of runs) {
@@ -102,7 +102,7 @@
     $("filter-error").textContent = "";
     let res;
     try {
-      res = await api("/api/trees", { where: where, run: state.run });
+      res = await api("/api/trees", { where: where, run: state.run, store: state.store });
     } catch (e) { $("filter-error").textContent = e.message; return; }
     const body = $("tree-list").tBodies[0];
     clear(body);
@@ -118,7 +118,8 @@
 
   // ---- one tree
   async function openTree(id) {
-    const data = await api("/api/tree", { id: id });
+    const data = await api("/api/tree", { id: id, store: state.store });
+    data.store = state.store;
     state.tree = data; state.node = null; state.compare = null;
     for (const tr of $("tree-list").tBodies[0].rows) tr.classList.toggle("selected", tr.dataset.tree === id);
     $("tree-section").hidden = false;
@@ -141,6 +142,7 @@
     await loadCompare();
     draw();
     $("node-panel").hidden = true;
+    document.body.dataset.tree = (state.store ? state.store + ":" : "") + id;  // drawn
   }
   function fillSelect(sel, options, value) {
     clear(sel);
@@ -154,7 +156,7 @@
     state.compare = null;
     $("compare-summary").textContent = "";
     if (!a || !b || a === b || !state.tree) { draw(); return; }
-    const res = await api("/api/compare", { tree: state.tree.tree.tree_id, a: a, b: b });
+    const res = await api("/api/compare", { tree: state.tree.tree.tree_id, a: a, b: b, store: state.tree.store });
     state.compare = res;
     $("compare-summary").textContent = `${res.sign_disagreements} nodes disagree in sign, ${res.rank_disagreements} in rank among siblings`;
     for (const r of res.rows) {
@@ -252,6 +254,10 @@
     if (data.tree.critical_node_id === n.id) facts.push("BEL critical step");
     if (n.meta) facts.push("meta " + JSON.stringify(n.meta));
     $("node-facts").textContent = facts.join(" · ");
+    const kids = data.nodes.filter((m) => m.parent === n.id).length;
+    $("diff-siblings").hidden = kids < 2 || (STATIC && !(staticKey("/api/siblings", { node: String(n.id), store: data.store, tree: data.tree.tree_id }) in STATIC));
+    $("diff-siblings").textContent = `diff the ${kids} children`;
+    $("add-path").hidden = kids > 0 || STATIC !== null;
     $("action-text").textContent = n.action_text || "";
     $("observation-text").textContent = n.observation_text || "";
     drawTokens();
@@ -304,7 +310,7 @@
     for (const e of [target, key, value, button, msg]) form.appendChild(e);
     form.addEventListener("submit", async (ev) => {
       ev.preventDefault();
-      const body = { tree_id: data.tree.tree_id, node_id: target.value === "node" ? state.node : null, key: key.value, value: value.value === "" ? null : value.value };
+      const body = { tree_id: data.tree.tree_id, node_id: target.value === "node" ? state.node : null, key: key.value, value: value.value === "" ? null : value.value, store: data.store || null };
       try {
         const r = await fetch("/api/label", { method: "POST", credentials: "same-origin", headers: { "Content-Type": "application/json", "X-Rtrees-Token": TOKEN }, body: JSON.stringify(body) });
         const res = await r.json();
@@ -348,16 +354,66 @@
 
   // ---- a run's metrics
   async function loadMetrics(run) {
-    const m = await api("/api/metrics", { run: run });
+    const m = await api("/api/metrics", { run: run, store: state.store });
     const host = $("metrics-plots");
     clear(host);
     $("metrics-section").hidden = false;
     $("metrics-title").textContent = `metrics of run ${run}`;
-    for (const [name, pts] of Object.entries(m)) host.appendChild(plot(name, pts));
+    state.metricsRun = run;
+    $("metrics-diff").hidden = true;
+    $("metrics-error").textContent = "";
+    await fillMetricsVs();
+    for (const [name, pts] of Object.entries(m)) host.appendChild(plot(name, [{ pts: pts, color: "#1f77b4" }]));
   }
-  function plot(name, pts) {
+  async function fillMetricsVs() {
+    const sel = $("metrics-vs");
+    clear(sel);
+    sel.appendChild(el("option", { value: "" }, "—"));
+    sel.parentElement.hidden = STATIC !== null;
+    if (STATIC) return;
+    const names = state.stores.length ? state.stores.map((s, i) => (i === 0 ? "" : s.name)) : [""];
+    for (const store of names) {
+      for (const r of await api("/api/runs", { store: store })) {
+        if (!r.metrics || (store === state.store && r.run_id === state.metricsRun)) continue;
+        sel.appendChild(el("option", { value: JSON.stringify([store, r.run_id]) }, (store ? store + ": " : "") + r.run_id));
+      }
+    }
+  }
+  async function loadMetricsDiff() {
+    const v = $("metrics-vs").value;
+    if (!v) { await loadMetrics(state.metricsRun); return; }
+    const [storeB, runB] = JSON.parse(v);
+    let res;
+    try {
+      res = await api("/api/metrics_diff", { a: state.metricsRun, store_a: state.store, b: runB, store_b: storeB });
+    } catch (e) { $("metrics-error").textContent = e.message; return; }
+    $("metrics-error").textContent = "";
+    $("metrics-title").textContent = `metrics: A = run ${state.metricsRun} (blue) vs B = run ${(storeB ? storeB + ": " : "") + runB} (orange)`;
+    const host = $("metrics-plots"), body = $("metrics-diff").tBodies[0];
+    clear(host); clear(body);
+    $("metrics-diff").hidden = false;
+    for (const r of res.metrics) {
+      const tr = el("tr", { "data-metric": r.name });
+      for (const v of [r.name, fmt(r.shared_step), fmt(r.a_value), fmt(r.b_value), fmt(r.delta)]) tr.appendChild(el("td", {}, v));
+      body.appendChild(tr);
+      host.appendChild(plot(r.name, [{ pts: r.a, color: "#1f77b4" }, { pts: r.b, color: "#ff7f0e" }]));
+    }
+    const modes = [...new Set([...res.heldout.a, ...res.heldout.b].map((h) => h.mode))];
+    for (const mode of modes) {
+      const series = [["a", "#1f77b4"], ["b", "#ff7f0e"]].map(([k, c]) => ({
+        color: c, pts: res.heldout[k].filter((h) => h.mode === mode).map((h) => [h.step, h.rate]),
+        bars: res.heldout[k].filter((h) => h.mode === mode).map((h) => [h.step, h.low, h.high]) }));
+      const p = plot(`held-out ${mode}, 95% CI`, series);
+      p.classList.add("heldout");
+      p.appendChild(svg("title", {}, `held-out success (${mode}) per evaluation with 95% Wilson intervals`));
+      host.appendChild(p);
+    }
+    $("metrics-section").scrollIntoView();
+  }
+  function plot(name, series) {
     const W = 260, H = 150, L = 44, B = 22, T = 18, R = 8;
-    const xs = pts.map((p) => p[0]), ys = pts.map((p) => p[1]);
+    const all = series.flatMap((s) => s.pts), bars = series.flatMap((s) => s.bars || []);
+    const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]).concat(bars.flatMap((b) => [b[1], b[2]]));
     let x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
     if (x1 === x0) x1 = x0 + 1;
     if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
@@ -370,13 +426,115 @@
     s.appendChild(svg("text", { x: L - 3, y: sy(y0) + 4, "text-anchor": "end" }, fmt(y0)));
     s.appendChild(svg("text", { x: L, y: H - 6 }, "step " + fmt(x0)));
     s.appendChild(svg("text", { x: W - R, y: H - 6, "text-anchor": "end" }, fmt(x1)));
-    s.appendChild(svg("polyline", { points: pts.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" "), fill: "none", stroke: "#1f77b4", "stroke-width": 1.5 }));
-    for (const p of pts) s.appendChild(svg("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2, fill: "#1f77b4" }));
+    for (const ser of series) {
+      s.appendChild(svg("polyline", { points: ser.pts.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" "), fill: "none", stroke: ser.color, "stroke-width": 1.5, class: "curve" }));
+      for (const p of ser.pts) s.appendChild(svg("circle", { cx: sx(p[0]), cy: sy(p[1]), r: 2, fill: ser.color }));
+      for (const b of ser.bars || []) s.appendChild(svg("line", { x1: sx(b[0]), x2: sx(b[0]), y1: sy(b[1]), y2: sy(b[2]), stroke: ser.color, "stroke-width": 1, class: "interval" }));
+    }
     return s;
   }
 
+  // ---- stores, sibling diff, trajectories by step (issue 48)
+  async function loadStores() {
+    let stores = [];
+    try { stores = await api("/api/stores"); } catch (e) { stores = []; }  // a one-store export
+    state.stores = stores;
+    const sel = $("store-select");
+    clear(sel);
+    stores.forEach((s, i) => sel.appendChild(el("option", { value: i === 0 ? "" : s.name }, s.name)));
+    sel.hidden = stores.length < 2;
+  }
+  async function switchStore() {
+    state.store = $("store-select").value;
+    delete document.body.dataset.tree;
+    state.run = null; state.selectedRun = null;
+    $("tree-section").hidden = true; $("metrics-section").hidden = true; $("siblings-section").hidden = true;
+    delete document.body.dataset.store;
+    await loadSummary(); await loadRuns(); await loadTrees();
+    document.body.dataset.store = state.store || "(first)";  // lists loaded
+  }
+  function segs(parent, segments) {  // an action as runs of matching / differing tokens
+    for (const sg of segments) parent.appendChild(sg.diff ? el("span", { class: "dseg" }, sg.text) : document.createTextNode(sg.text));
+  }
+  function grid(host, columns, headOf, stepsOf, partsOf) {
+    // rows are steps, columns are continuations: a CSS grid keeps one step on one row
+    clear(host);
+    const n = Math.max(0, ...columns.map((c) => stepsOf(c).length));
+    host.style.gridTemplateColumns = `70px repeat(${columns.length}, minmax(240px, 1fr))`;
+    const frag = document.createDocumentFragment();
+    frag.appendChild(el("div", { class: "cell head rowlab" }, ""));
+    columns.forEach((c, j) => { const h = el("div", { class: "cell head", "data-col": j }); headOf(h, c); frag.appendChild(h); });
+    for (let i = 0; i < n; i++) {
+      frag.appendChild(el("div", { class: "cell rowlab" }, `step ${i}`));
+      columns.forEach((c, j) => {
+        const s = stepsOf(c)[i], cell = el("div", { class: "cell step", "data-col": j, "data-step": i });
+        if (s) {
+          const [act, out] = partsOf(c);
+          if (act === i) cell.classList.add("parts");
+          const facts = [`node ${s.node}`, `${s.tokens} tokens`];
+          if (s.reward !== null) facts.push(`reward ${fmt(s.reward)}`);
+          for (const [m, v] of Object.entries(s.credit)) facts.push(`${m} ${fmt(v)}`);
+          if (act === i) facts.push("actions part here");
+          if (out === i) facts.push("outcomes part here");
+          cell.appendChild(el("div", { class: "note" }, facts.join(" · ")));
+          const pre = el("pre", { class: "action" });
+          segs(pre, s.action);
+          cell.appendChild(pre);
+          if (s.observation) cell.appendChild(el("pre", { class: "observation" }, s.observation));
+        }
+        frag.appendChild(cell);
+      });
+    }
+    host.appendChild(frag);
+  }
+  async function loadSiblings(ref) {
+    const data = state.tree, node = state.node;
+    const res = await api("/api/siblings", { tree: data.tree.tree_id, node: String(node), ref: ref ? String(ref) : "", store: data.store });
+    const t0 = performance.now();
+    state.siblings = res;
+    $("siblings-section").hidden = false;
+    $("siblings-title").textContent = `children of node ${res.node} (tree ${res.tree_id}), aligned at the branch point`;
+    $("siblings-meta").textContent = `${res.columns.length}${res.n_children > res.columns.length ? " of " + res.n_children : ""} children · depth ${res.depth} · diffed against child ${res.reference} by ${res.unit} · first action difference at step ${fmt(res.first_action_difference)}, first outcome difference at step ${fmt(res.first_outcome_difference)}`;
+    fillSelect($("siblings-ref"), res.columns.map((c) => String(c.child)), String(res.reference));
+    grid($("siblings-grid"), res.columns, (h, c) => {
+      h.dataset.child = c.child;
+      h.appendChild(el("div", {}, `child ${c.child}`));
+      const mc = c.mc.map((r) => `Mean@${r.k} ${fmt(r.mean)}`).join(", ");
+      h.appendChild(el("div", { class: "note" }, `${c.leaves} leaves, ${c.successes} successes, mean reward ${fmt(c.reward)}` + (mc ? ` · ${mc}` : "")));
+      const credit = Object.entries(c.credit).map(([m, v]) => `${m} ${fmt(v)}`).join(" · ");
+      if (credit) h.appendChild(el("div", { class: "note credit" }, "credit " + credit));
+      h.appendChild(el("div", { class: "note" }, c.action_parts_at === null ? "same actions as the reference" : `actions part at step ${c.action_parts_at}, outcomes at ${fmt(c.outcome_parts_at)}`));
+    }, (c) => c.steps, (c) => [c.action_parts_at, c.outcome_parts_at]);
+    document.body.dataset.siblingsMs = String(performance.now() - t0);
+    $("siblings-section").scrollIntoView();
+  }
+  function drawBasket() {
+    const host = $("basket");
+    clear(host);
+    for (const [i, p] of state.basket.entries()) {
+      const li = el("li", { "data-i": i }, `${p[0] ? p[0] + ": " : ""}${p[1]} leaf ${p[2] === null ? "best" : p[2]}`);
+      host.appendChild(li);
+    }
+    $("run-compare").disabled = state.basket.length < 2;
+  }
+  async function runCompare() {
+    $("compare-error").textContent = "";
+    let res;
+    try { res = await api("/api/paths", { paths: JSON.stringify(state.basket) }); }
+    catch (e) { $("compare-error").textContent = e.message; return; }
+    $("paths-section").hidden = false;
+    $("paths-title").textContent = `${res.columns.length} trajectories by step`;
+    $("paths-meta").textContent = `diffed against the first by ${res.unit}; orange outline: the step where a trajectory's actions part from the first's`;
+    grid($("paths-grid"), res.columns, (h, c) => {
+      h.appendChild(el("div", {}, c.label));
+      h.appendChild(el("div", { class: "note" }, `run ${c.run_id || "–"} · sampler ${c.sampler || "–"} · policy ${c.policy_version || "–"} · reward ${fmt(c.reward)}`));
+      h.appendChild(el("div", { class: "note" }, c.action_parts_at === null ? "same actions as the first" : `actions part at step ${c.action_parts_at}, outcomes at ${fmt(c.outcome_parts_at)}`));
+    }, (c) => c.steps, (c) => [c.action_parts_at, c.outcome_parts_at]);
+    $("paths-section").scrollIntoView();
+  }
+
   // ---- wiring
-  window.RTREES = { state: state, api: api, openTree: openTree, selectNode: selectNode, TOKEN: TOKEN };
+  window.RTREES = { state: state, api: api, openTree: openTree, selectNode: selectNode, TOKEN: TOKEN, loadSiblings: loadSiblings, runCompare: runCompare };
   document.addEventListener("DOMContentLoaded", async () => {
     $("filter-form").addEventListener("submit", (e) => { e.preventDefault(); loadTrees(); });
     // the access token has set its cookie: keep it out of the address bar and history
@@ -386,10 +544,23 @@
     $("token-color").addEventListener("change", drawTokens);
     $("compare-a").addEventListener("change", loadCompare);
     $("compare-b").addEventListener("change", loadCompare);
+    $("store-select").addEventListener("change", switchStore);
+    $("diff-siblings").addEventListener("click", () => loadSiblings(null));
+    $("siblings-ref").addEventListener("change", () => loadSiblings($("siblings-ref").value));
+    $("add-path").addEventListener("click", () => { state.basket.push([state.tree.store || null, state.tree.tree.tree_id, state.node]); drawBasket(); });
+    $("clear-compare").addEventListener("click", () => { state.basket = []; drawBasket(); $("paths-section").hidden = true; });
+    $("run-compare").addEventListener("click", runCompare);
+    $("metrics-vs").addEventListener("change", loadMetricsDiff);
     try {
+      await loadStores();
       await loadSummary();
       await loadRuns();
       await loadTrees();
+      if (STATIC && staticKey("/api/view", {}) in STATIC) {  // rtrees compare --export
+        state.basket = JSON.parse(STATIC[staticKey("/api/view", {})].paths);
+        drawBasket();
+        await runCompare();
+      }
       document.body.dataset.ready = "1";
     } catch (e) { $("filter-error").textContent = e.message; }
   });
