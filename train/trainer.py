@@ -74,30 +74,23 @@ the rows it superseded.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import math
-import os
-import random
-import shutil
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import psutil
 import pyarrow as pa
 import torch
 
-from rollout_store.attempts import as_retry, retry_key, training_metrics
+from rollout_store.attempts import as_retry, retry_key
 from rollout_store.maintenance import record_attempt
 from rollout_store.reader import connect
-from rollout_store.schema import EVALUATIONS, metrics_table
+from rollout_store.schema import EVALUATIONS
 from rollout_store.store import CommitKeyConflictError, Store, now_utc, open_store
 from rollout_store.tree import Tree
 from train import distributed as dp
@@ -118,16 +111,11 @@ from train.batches import (
 from train.coerce import literal_value
 from train.config import (
     CONFIG_FILE,
-    RESUMABLE_FIELDS,
     UNSUPPORTED_CREDIT,
     ConfigError,
     TrainConfig,
     check_resume,
-    create_config,
-    new_run_token,
     read_config,
-    read_run_token,
-    write_config,
 )
 from train.credit.scores import GOLD
 from train.credit.store_io import resolve_method, token_score_kinds
@@ -140,34 +128,45 @@ from train.loss import (
     token_loss,
     token_weights,
 )
-from train.policies.hf import HFPolicy, check_finite, quiet_progress, state_dict_version
+from train.policies.hf import HFPolicy, state_dict_version
 from train.reuse.params import ReuseError, ReuseParams
 from train.reuse.stage import make_reuse
-from train.rundir import (
-    META_FILE,
-    CheckpointError,
-    StateBinding,
-    load_state,
-    save_state,
-    verify_checkpoint,
-    write_checkpoint,
+from train.run import (
+    OLD_STATE_FILE,
+    OWNER_METRIC,
+    OWNER_STEP,
+    STATE_FILE,
+    STATE_TENSORS,
+    Resumed,
+    RunIdTakenError,
+    RunInUseError,
+    RunLock,
+    TrainError,
+    checkpoint_dir,
+    checkpoints,
+    claim_run_id,
+    clear_staging,
+    commit_heldout,
+    commit_metrics,
+    latest_checkpoint,
+    load_checkpoint,
+    load_start_policy,
+    lock_run_dir,
+    open_run_dir,
+    read_metrics,
+    require_finite,
+    restore_state,
+    resume_checkpoint,
+    save_after_commits,
+    save_checkpoint,
+    trainer_state,
 )
-from train.sampling import SAMPLERS, CaliperSampler, CaliperState, Sampler, make_sampler
+from train.sampling import SAMPLERS, Sampler, make_sampler
 from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
 from train.sampling.evaluation import run_episodes
 from train.scoring import score_trees
 from train.writer import Writes
-
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"  # structure and scalars (train.rundir.save_state)
-STATE_TENSORS = "trainer_state.tensors"  # its tensors, safetensors format (not *.safetensors:
-#                                          loaders glob those as weights)
-OLD_STATE_FILE = "trainer_state.pt"  # the pickled format of earlier versions: never loaded
-
-
-class TrainError(RuntimeError):
-    """The run cannot start or continue (bad input, a store of another env, ...)."""
 
 
 @dataclass
@@ -290,178 +289,6 @@ def task_splits(config: TrainConfig) -> tuple[list[Task], list[Task]]:
     return train, heldout
 
 
-def load_start_policy(config: TrainConfig, checkpoint: Path | None = None) -> HFPolicy:
-    from train.policies import load_policy
-
-    spec = f"hf:{checkpoint}" if checkpoint is not None else config.policy
-    dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-    policy = load_policy(spec, config.env, device="cpu", dtype=dtype)
-    if not isinstance(policy, HFPolicy):
-        raise TrainError(f"{spec} is not a transformers policy")
-    return policy
-
-
-def checkpoint_dir(out: Path, step: int) -> Path:
-    return out / CHECKPOINTS / f"step-{step:06d}"
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """Every published checkpoint directory, oldest first (temporary ones start with '.')."""
-    root = out / CHECKPOINTS
-    found = [p for p in root.glob("step-*") if p.is_dir()
-             and p.name[5:].isdigit()] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name[5:]))
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    """The newest published checkpoint (``resume_checkpoint`` checks it before use)."""
-    found = checkpoints(out)
-    return found[-1] if found else None
-
-
-def run_fields(config: TrainConfig) -> dict[str, Any]:
-    """The run's configuration but ``RESUMABLE_FIELDS`` (run directory, store, seed, ...),
-    as JSON holds it: a checkpoint records it, so one copied from another run (or a
-    ``config.json`` edited since) is recognised, field by field."""
-    fields = {k: v for k, v in config.to_dict().items() if k not in RESUMABLE_FIELDS}
-    loaded: dict[str, Any] = json.loads(json.dumps(fields))
-    return loaded
-
-
-def require_finite(policy: HFPolicy, step: int) -> None:
-    """``TrainError`` (training diverged) unless every weight of ``policy`` is finite: the
-    weights are never published as checkpoint ``step``, nor sampled from."""
-    try:
-        check_finite(policy.model, f"the weights to publish as step-{step:06d}")
-    except CheckpointError as exc:
-        raise TrainError(f"{exc}: training diverged, checkpoint step-{step:06d} not written "
-                         "(lower lr or set grad_clip)") from None
-
-
-def save_checkpoint(out: Path, step: int, policy: HFPolicy, version: str, state: dict[str, Any],
-                    config: TrainConfig, shards: fsdp.Shards | None = None,
-                    store: Store | None = None) -> Path:
-    """Write checkpoint ``step`` atomically with a sha256 per file
-    (``train.rundir.write_checkpoint``); prune. Non-finite weights are never published.
-    ``shards`` (FSDP): called on every rank, each writes its shard of the model and
-    optimizer under ``dcp/`` and rank 0 the rest (``train.fsdp.save_sharded``); ``policy``
-    holds the full weights on every rank."""
-    require_finite(policy, step)
-
-    def fill(tmp: Path) -> None:
-        with quiet_progress():
-            policy.model.save_pretrained(tmp)
-        policy.tokenizer.save_pretrained(tmp)
-        save_state(state, tmp / STATE_FILE, tmp / STATE_TENSORS, StateBinding(  # issue 50
-            config.resolved_run_id, step, read_run_token(out), store))
-
-    meta = {"policy_version": version, "env": config.env, "step": step,
-            "run_id": config.resolved_run_id, "trained_from": config.policy,
-            "config": run_fields(config)}
-    if shards is None:
-        final = write_checkpoint(checkpoint_dir(out, step), fill, meta)
-    else:  # FSDP: the replica in ``policy`` holds the full weights: no gather for them
-        final = fsdp.save_sharded(checkpoint_dir(out, step), shards.world, shards.model,
-                                  shards.optimizer, meta, lambda tmp, _: fill(tmp),
-                                  gather_full=False)
-        if not shards.world.is_main:
-            return final
-    steps = [int(p.name[5:]) for p in checkpoints(out)]
-    for s in steps[:-config.keep_last]:
-        if s % config.save_every:
-            shutil.rmtree(checkpoint_dir(out, s), ignore_errors=True)
-    return final
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """A checkpoint that passed every check of ``resume_checkpoint``, loaded."""
-
-    path: Path
-    policy: HFPolicy
-    version: str
-    state: dict[str, Any]
-
-
-def load_checkpoint(path: Path, config: TrainConfig) -> Resumed:
-    """Checkpoint ``path`` of this run, loaded, after every check (``CheckpointError``
-    naming what failed): the file digests (``verify_checkpoint``: truncated, missing,
-    flipped or edited files), the run id, env, step and run configuration (``run_fields``) it
-    records (a checkpoint of another run), finite weights whose recomputed version
-    ``RUN-state_dict_version`` is the recorded one, and trainer state in the current
-    format (JSON and safetensors: nothing is unpickled) bound to its weights, run token and
-    the store's records (``train.rundir.StateBinding``: a forged field is named)."""
-    meta = verify_checkpoint(path, require=("config.json", STATE_FILE, STATE_TENSORS) + (
-        (f"{fsdp.DCP_DIR}/.metadata",) if config.sharded else ()))
-    step = int(path.name[5:])
-    recorded = meta.get("config")
-    if not isinstance(recorded, dict):
-        raise CheckpointError(f"{path / META_FILE} records no run configuration")
-    here = run_fields(config)  # fields added since the checkpoint was written: not compared
-    named = ("run_id", "env", "step")  # the checkpoint's own: run_id resolved ("" is not)
-    for key, want in (("run_id", config.resolved_run_id), ("env", config.env), ("step", step),
-                      *((k, here[k]) for k in sorted(recorded) if k in here and k not in named)):
-        got = meta.get(key) if key in named else recorded[key]
-        if got != want:
-            raise CheckpointError(f"{path / META_FILE} records {key} {got!r}, not this "
-                                  f"run's {want!r}: a checkpoint of another run (or "
-                                  "config.json was edited since)")
-    if not any(name.endswith(".safetensors") for name in meta.get("files", {})):
-        raise CheckpointError(f"{path / META_FILE} records no weights file")
-    policy = load_start_policy(config, path)  # digests again, finite, version recomputed
-    version = f"{config.resolved_run_id}-{state_dict_version(policy.model)}"
-    if meta.get("policy_version") != version:
-        raise CheckpointError(f"{path / META_FILE} names policy version "
-                              f"{meta.get('policy_version')!r}, but the weights are {version!r}")
-    state = load_state(path / STATE_FILE, path / STATE_TENSORS, StateBinding(  # issue 50
-        config.resolved_run_id, step, read_run_token(Path(config.out)), open_store(config.store)))
-    if not isinstance(state, dict) or state.get("iteration") != step or not all(
-            k in state for k in ("optimizer", "scheduler", "rng")):
-        raise CheckpointError(f"{path / STATE_FILE} is not the trainer state of step {step}")
-    return Resumed(path, policy, version, state)
-
-
-def resume_checkpoint(out: Path, config: TrainConfig, warn: bool = True) -> Resumed | None:
-    """The newest checkpoint of ``out`` that passes ``load_checkpoint``, loaded; None when
-    there is none at all (killed before step 0 was published).
-
-    Each newer one that fails is named in a one-line warning on stderr (``warn``), and
-    training continues from the previous one (the skipped iterations rerun; their
-    commits are keyed, so nothing lands twice). ``TrainError`` when no checkpoint is
-    usable, or the newest one is of the old pickled format (never unpickled)."""
-    found = checkpoints(out)
-    if not found:
-        return None
-    skipped: list[str] = []
-    for path in reversed(found):
-        if (path / OLD_STATE_FILE).exists() and not (path / STATE_FILE).exists():
-            raise TrainError(f"{path / OLD_STATE_FILE} is the old pickled trainer-state "
-                             "format, which is never loaded (unpickling a file can run "
-                             "code): start a new run directory")
-        try:
-            resumed = load_checkpoint(path, config)
-        except (CheckpointError, FileNotFoundError) as exc:
-            skipped.append(f"{path.name}: {exc}")
-            continue
-        if warn:
-            for why in skipped:
-                print(f"warning: checkpoint {why}; resuming from {path.name}",
-                      file=sys.stderr, flush=True)
-        return resumed
-    raise TrainError(f"no usable checkpoint in {out / CHECKPOINTS} ({'; '.join(skipped)})")
-
-
-def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-
-
 # ----------------------------------------------------------------------- credit / eval
 
 def credit_for(trees: Sequence[Tree], config: TrainConfig, scores: pa.Table | None = None,
@@ -494,156 +321,6 @@ def stored_credit_key(config: TrainConfig) -> tuple[str, str] | None:
 
     _, p = resolve_method(config.credit, {k: str(v) for k, v in config.credit_params.items()})
     return None if p.spans_trees() else (config.credit, p.params_hash())
-
-
-# ------------------------------------------------------------- the run directory
-
-LOCK_FILE = "train.lock"
-OWNER_METRIC = "run_token"
-"""Metrics row (step ``OWNER_STEP``, value = the run token of ``OUT/config.json``) that
-records which run directory owns a run id in the store; ``read_metrics`` leaves it out."""
-OWNER_STEP = -2
-
-
-class RunInUseError(TrainError):
-    """Another trainer process holds the run directory (its lock file)."""
-
-
-class RunIdTakenError(TrainError):
-    """The run id is used in the store by another run directory."""
-
-
-@dataclass
-class RunLock:
-    """An exclusive ``flock`` on ``OUT/train.lock``, held for the run's lifetime; the
-    kernel releases it when the process dies (``kill -9`` included)."""
-
-    out: Path
-    handle: Any
-    created: Path | None = None
-    """The outermost directory ``lock_run_dir`` created (``out`` or an ancestor)."""
-
-    def release(self, remove_dir: bool = False) -> None:
-        """Drop the lock; ``remove_dir``: also remove the directories this process created
-        (a run refused before it wrote anything else; a non-empty one stays)."""
-        if self.handle is None:
-            return
-        self.handle.close()
-        self.handle = None
-        if remove_dir and self.created is not None:
-            (self.out / LOCK_FILE).unlink(missing_ok=True)
-            for d in [self.out, *self.out.parents]:
-                with contextlib.suppress(OSError):  # something else is in it: leave it
-                    d.rmdir()
-                if d == self.created:
-                    break
-
-
-def lock_run_dir(out: Path) -> RunLock:
-    """Create ``out`` if needed and lock it exclusively (``RunInUseError`` naming the
-    holder's pid when another process holds it)."""
-    created = None
-    for d in [out, *out.parents]:
-        if d.exists():
-            break
-        created = d
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / LOCK_FILE, "a+")  # noqa: SIM115 - held until release()
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "pid unknown"
-        handle.close()
-        raise RunInUseError(f"{out} is in use by another trainer ({holder}); wait for it to "
-                            "end, or pass another --out") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()}\n")
-    handle.flush()
-    return RunLock(out, handle, created)
-
-
-def _run_rows(store: Store, run_id: str) -> tuple[list[int], int, str | None]:
-    """(owner tokens recorded for ``run_id``, its other rows in trees / metrics / credits,
-    the run directory its trees' ``policy_ref`` names, if any)."""
-    con = connect(store)
-    args = {"r": run_id, "n": OWNER_METRIC, "s": OWNER_STEP}
-    tokens = [int(v) for (v,) in con.execute(
-        "SELECT value FROM metrics WHERE run_id = $r AND name = $n AND step = $s "
-        "ORDER BY created_at", args).fetchall()]
-    [(rows,)] = con.execute(
-        "SELECT (SELECT count(*) FROM trees WHERE run_id = $r) + (SELECT count(*) FROM "
-        "credits WHERE run_id = $r) + (SELECT count(*) FROM metrics WHERE run_id = $r AND "
-        "NOT (name = $n AND step = $s))", args).fetchall()
-    refs = con.execute("SELECT policy_ref FROM trees WHERE run_id = $r AND policy_ref IS NOT "
-                       "NULL LIMIT 1", {"r": run_id}).fetchall()
-    ref = Path(refs[0][0]) if refs else None
-    where = str(ref.parent.parent) if ref is not None and ref.parent.name == CHECKPOINTS \
-        else None
-    return tokens, int(rows), where
-
-
-def _taken(store: Store, run_id: str, where: str | None) -> RunIdTakenError:
-    other = f" ({where})" if where else ""
-    return RunIdTakenError(f"run_id {run_id!r} is already used in store {store.path} by another "
-                           f"run directory{other}: pass --run-id NAME for this run, or "
-                           "--resume in that run's directory")
-
-
-def claim_run_id(store: Store, run_id: str, token: int, fresh: bool) -> None:
-    """Record ``token`` as the owner of ``run_id`` in the store, or refuse
-    (``RunIdTakenError``) when another run directory owns it: one whose token is recorded,
-    or, for a ``fresh`` run, any row of that run id (a run written before tokens). Two
-    claims at once commit under one key, so one row lands; the loser sees the other's."""
-    tokens, rows, where = _run_rows(store, run_id)
-    if (tokens and tokens[0] != token) or (not tokens and rows and fresh):
-        raise _taken(store, run_id, where)
-    if tokens:
-        return
-    store.append_metrics(metrics_table(run_id, OWNER_STEP, {OWNER_METRIC: float(token)},
-                                       now_utc()), key=f"{run_id}:owner")
-    tokens, _, where = _run_rows(store, run_id)
-    if not tokens or tokens[0] != token:
-        raise _taken(store, run_id, where)
-
-
-def open_run_dir(out: Path, config: TrainConfig, store: Store, resume: bool) -> RunLock:
-    """Lock ``out`` for this run (``lock_run_dir``), write ``config.json`` (a fresh run:
-    exclusively, with a new run token; ``--resume``: after checking it again under the
-    lock) and claim the run id in the store with the token (``claim_run_id``). A run
-    refused here leaves no run directory it created behind."""
-    run_id = config.resolved_run_id
-    lock = lock_run_dir(out)
-    try:
-        if resume:
-            check_resume(read_config(out), config)  # again: another process may have been
-            token = read_run_token(out)  # ... writing it before this one held the lock
-            if token is None:  # a run directory written before run tokens: adopt it
-                token = new_run_token()
-            write_config(config, out, token)
-            claim_run_id(store, run_id, token, fresh=False)
-        else:
-            exists = TrainError(f"{out} already holds a run; pass --resume to continue it")
-            if (out / CONFIG_FILE).exists():  # written while this process waited
-                raise exists
-            tokens, rows, where = _run_rows(store, run_id)
-            if tokens or rows:
-                raise _taken(store, run_id, where)
-            token = new_run_token()
-            try:
-                create_config(config, out, token)
-            except FileExistsError:
-                raise exists from None
-            try:
-                claim_run_id(store, run_id, token, fresh=True)
-            except RunIdTakenError:
-                (out / CONFIG_FILE).unlink(missing_ok=True)
-                raise
-    except BaseException:
-        lock.release(remove_dir=True)
-        raise
-    return lock
 
 
 # ------------------------------------------------------------------------------ loop
@@ -700,8 +377,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
     if world.is_main:
         if reuse is not None:
             reuse.start(out)
-        for tmp in (out / CHECKPOINTS).glob(".step-*") if (out / CHECKPOINTS).is_dir() else []:
-            shutil.rmtree(tmp, ignore_errors=True)  # a checkpoint write a kill interrupted
+        clear_staging(out)  # a checkpoint write a kill interrupted
 
     resumed = resume_checkpoint(out, config, warn=world.is_main) if resume else None
     start_ckpt = resumed.path if resumed is not None else None
@@ -737,23 +413,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
         optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     sampler = make_sampler(config.sampler, max_new_tokens=config.max_new_tokens,
                            temperature=config.temperature, **config.sampler_params)
-    start = 0
-    if resumed is not None:
-        state = resumed.state
-        try:
-            if shards is not None:  # FSDP: model and optimizer shards, any world size
-                fsdp.load_sharded(resumed.path, model, optimizer)
-            else:
-                optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            set_rng_state(state["rng"])
-            if isinstance(sampler, CaliperSampler) and state.get("sampler_state"):
-                sampler.state = CaliperState.from_dict(state["sampler_state"])
-        except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
-            raise TrainError(f"{resumed.path / STATE_FILE} does not restore this run's "
-                             f"optimizer, scheduler and RNG ({type(exc).__name__}: {exc})"
-                             ) from None
-        start = int(state["iteration"])
+    start = 0 if resumed is None else restore_state(resumed, model, optimizer, scheduler,
+                                                    sampler, shards)
     writer = None
     if config.tensorboard and world.is_main:
         from torch.utils.tensorboard import SummaryWriter
@@ -767,8 +428,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
 
     current = publish(start)
     if start_ckpt is None and (world.is_main or shards is not None):  # DDP: rank 0 writes
-        _save_after_commits(out, 0, current,  # FSDP: every rank
-                            _state(0, optimizer, scheduler, sampler, shards), store, config,
+        save_after_commits(out, 0, current,  # FSDP: every rank
+                            trainer_state(0, optimizer, scheduler, sampler, shards), store, config,
                             shards)
     elif resumed is not None:
         current = policy.published(str(resumed.path), resumed.version)
@@ -790,8 +451,8 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
     checkpointed = 0  # the ticket of the last checkpoint's write
     if start == 0 and config.eval_every and heldout and world.is_main:  # step -1
         initial, rows = _heldout(current, heldout, config, 0)
-        writes.submit(partial(_commit_heldout, store, run_id, -1, rows))
-        writes.submit(partial(_commit_metrics, store, run_id, -1, initial))
+        writes.submit(partial(commit_heldout, store, run_id, -1, rows))
+        writes.submit(partial(commit_metrics, store, run_id, -1, initial))
         report.heldout[0] = initial
     for it in range(start, config.steps):
         metrics: dict[str, float] = {}
@@ -1039,28 +700,28 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
         report.rewards.append(metrics["reward"])
         if not world.is_main:  # DDP: rank 0 evaluates, commits metrics, checkpoints
             if shards is not None:  # FSDP: every rank writes its shard of the checkpoint
-                _save_after_commits(out, it + 1, current,
-                                    _state(it + 1, optimizer, scheduler, sampler, shards),
+                save_after_commits(out, it + 1, current,
+                                    trainer_state(it + 1, optimizer, scheduler, sampler, shards),
                                     store, config, shards)
             continue
         if config.eval_every and heldout and ((it + 1) % config.eval_every == 0 or
                                               it + 1 == config.steps):
             t5 = time.perf_counter()
             rates, rows = _heldout(current, heldout, config, it + 1)
-            writes.submit(partial(_commit_heldout, store, run_id, it, rows,
+            writes.submit(partial(commit_heldout, store, run_id, it, rows,
                                   attempt if retry else 0))
             metrics.update(rates)
             metrics["seconds_eval"] = time.perf_counter() - t5
             report.heldout[it + 1] = metrics
-        writes.submit(partial(_commit_metrics, store, run_id, it, metrics,
+        writes.submit(partial(commit_metrics, store, run_id, it, metrics,
                               attempt if retry else 0))
         if writer is not None:
             for name, value in metrics.items():
                 writer.add_scalar(name, value, it)
             writer.flush()
         checkpointed = writes.submit(partial(
-            _save_after_commits, out, it + 1, current,
-            _state(it + 1, optimizer, scheduler, sampler, shards), store, config, shards))
+            save_after_commits, out, it + 1, current,
+            trainer_state(it + 1, optimizer, scheduler, sampler, shards), store, config, shards))
         if config.progress:
             extra = "".join(f" {k.split('_')[1]} {metrics[k]:.3f}" for k in
                             ("heldout_sampled", "heldout_greedy") if k in metrics)
@@ -1135,29 +796,6 @@ def _dynamic_sampling(trees: list[Tree], picks: Sequence[int], tasks: Sequence[T
     return kept, extra
 
 
-def _state(iteration: int, optimizer: torch.optim.Optimizer, scheduler: Any, sampler: Sampler,
-           shards: fsdp.Shards | None = None) -> dict[str, Any]:
-    """The trainer state of a checkpoint but its store version (``_save_after_commits``
-    adds it); with ``shards`` (FSDP) the optimizer's is in the checkpoint's DCP directory,
-    which ``optimizer`` names. The optimizer's state tensors are the live ones: written
-    before its next step."""
-    return {"iteration": iteration,
-            "optimizer": optimizer.state_dict() if shards is None else fsdp.DCP_DIR,
-            "scheduler": scheduler.state_dict(), "rng": rng_state(),
-            "sampler_state": sampler.state.to_dict() if isinstance(sampler, CaliperSampler)
-            else None}
-
-
-def _save_after_commits(out: Path, step: int, policy: HFPolicy, state: dict[str, Any],
-                        store: Store, config: TrainConfig, shards: fsdp.Shards | None
-                        ) -> None:
-    """``save_checkpoint`` of ``state`` (``_state``) with the store's version as the
-    commits before it left it: the one way the trainer writes a checkpoint, inline or as a
-    job of its ``Writes`` after the iteration's commits."""
-    state = {**state, "store_version": dict(store.version())}
-    save_checkpoint(out, step, policy, policy.policy_version, state, config, shards, store)
-
-
 def _heldout(policy: HFPolicy, heldout: Sequence[Task], config: TrainConfig, version: int
              ) -> tuple[dict[str, float], pa.Table]:
     """Held-out success after ``version`` iterations, sampled and greedy (metric step is
@@ -1189,15 +827,6 @@ def _heldout(policy: HFPolicy, heldout: Sequence[Task], config: TrainConfig, ver
     return metrics, pa.concat_tables(parts)
 
 
-def _commit_heldout(store: Store, run_id: str, step: int, rows: pa.Table,
-                    retry: int = 0) -> None:
-    """Commit one evaluation's per-task rows (idempotent per step: an exact resume that
-    repeats the evaluation writes the same rows under the same key; ``retry``: the attempt
-    that replayed the step with other trees, whose rows go under ``KEY@aN``)."""
-    plain = f"{run_id}:evaluations:{step}"
-    store.append_evaluations(rows, key=retry_key(plain, retry) if retry else plain)
-
-
 def _minibatch_parts(n_trees: int, config: TrainConfig, it: int) -> list[list[int]]:
     """The iteration's trees cut into ``minibatches`` parts (whole trees), seeded."""
     g = torch.Generator().manual_seed(mix_seed(config.seed, "parts", it))
@@ -1211,23 +840,9 @@ def _epoch_order(n_parts: int, config: TrainConfig, it: int, epoch: int) -> list
     return torch.randperm(n_parts, generator=g).tolist()
 
 
-def _commit_metrics(store: Store, run_id: str, it: int, metrics: dict[str, float],
-                    retry: int = 0) -> None:
-    finite = {k: metrics[k] for k in sorted(metrics) if math.isfinite(metrics[k])}
-    table = metrics_table(run_id, it, finite, now_utc())
-    plain = f"{run_id}:metrics:{it}"
-    store.append_metrics(table, key=retry_key(plain, retry) if retry else plain)
-
-
-def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, float]]]:
-    """``{name: [(step, value), ...]}`` of a run, from the store's ``metrics_latest`` view
-    (a value a resumed attempt re-computed replaces the earlier one) without the run token
-    nor the attempt rows (``rollout_store.attempts.training_metrics``)."""
-    return training_metrics(connect(store if isinstance(store, Store) else open_store(store)),
-                            run_id)
-
-
-__all__ = ["Resumed", "RunIdTakenError", "RunInUseError", "TrainError", "TrainReport",
-           "check_config", "checkpoints", "credit_for", "latest_checkpoint",
-           "load_checkpoint", "read_metrics", "resume_checkpoint", "stored_credit_key",
-           "task_splits", "train"]
+__all__ = ["OLD_STATE_FILE", "OWNER_METRIC", "OWNER_STEP", "STATE_FILE", "STATE_TENSORS",
+           "Resumed", "RunIdTakenError", "RunInUseError", "TrainError", "TrainReport",
+           "check_config", "checkpoint_dir", "checkpoints", "claim_run_id", "credit_for",
+           "latest_checkpoint", "load_checkpoint", "load_start_policy", "lock_run_dir",
+           "read_metrics", "require_finite", "resume_checkpoint", "save_checkpoint",
+           "stored_credit_key", "task_splits", "train"]
