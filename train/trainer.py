@@ -106,7 +106,6 @@ from train.batches import (
     micro_batches,
     rows_credit,
     tree_layout_problem,
-    tree_token_ratio,
 )
 from train.coerce import literal_value
 from train.config import (
@@ -124,7 +123,6 @@ from train.envs.registry import same_env
 from train.loss import (
     aggregate,
     denominator,
-    masked_mean,
     token_loss,
     token_weights,
 )
@@ -166,6 +164,7 @@ from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
 from train.sampling.evaluation import run_episodes
 from train.scoring import score_trees
+from train.stats import StepStats, iteration_metrics
 from train.writer import Writes
 
 
@@ -575,26 +574,20 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
             part_batches.append((mbs, d, own, n_passes - n_live))  # FSDP: zero-weight passes
             metrics["split_trees"] = metrics.get("split_trees", 0.0) + sum(
                 isinstance(u, SplitTree) for u in mbs)  # trees over tree_row_tokens
-        diffs: list[float] = []  # the logprob check's max differences (check_in_loss)
+        stats = StepStats(config.clip_low, config.check_logprobs)
         if config.check_logprobs and not check_in_loss:  # full weights (FSDP: no collective)
             with torch.no_grad():
-                diffs = [float((forward_logprobs(policy.model, mb)[0] - mb.old_logp).abs().max())
-                         for mbs, _, _, _ in part_batches for mb in mbs if mb.n_loss_tokens]
+                stats.logprob_diffs = [
+                    float((forward_logprobs(policy.model, mb)[0] - mb.old_logp).abs().max())
+                    for mbs, _, _, _ in part_batches for mb in mbs if mb.n_loss_tokens]
         writes.wait(checkpointed)  # it reads the weights and optimizer state stepped next
         model.train()
-        sums = {"loss": 0.0, "clip_low": 0.0, "clip_high": 0.0, "dual": 0.0, "kl": 0.0,
-                "entropy": 0.0, "tokens": 0.0, "wide": 0.0, "wide_clip": 0.0,
-                "wide_released": 0.0}
-        grad_norms: list[float] = []
-        n_loss_tokens = 0
-        forward_tokens = 0
         for epoch in range(config.epochs + passes - 1):  # U1: passes - 1 over stored parts
             order = (_epoch_order(n_parts, config, it, epoch) if epoch < config.epochs
                      else list(range(n_parts, len(part_batches))))
             for p in order:
                 mbs, d, part, n_dummy = part_batches[p]
                 optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
                 # a split tree (tree_row_tokens) is several pieces: its trunk forwarded
                 # once, each branch's backward before the next branch's forward
                 pieces = (piece for unit in mbs if unit.n_loss_tokens
@@ -604,8 +597,9 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
                 for piece in pieces:
                     mb, logp, entropy, ref = piece.mb, piece.logp, piece.entropy, piece.ref
                     assert entropy is not None
-                    if check_in_loss and not grad_norms:  # no optimizer step yet
-                        diffs.append(float((logp.detach() - mb.old_logp).abs().max()))
+                    if check_in_loss and not stats.stepped:  # no optimizer step yet
+                        stats.logprob_diffs.append(
+                            float((logp.detach() - mb.old_logp).abs().max()))
                     weight, old_logp = None, mb.old_logp  # G8: w = pi_prox / mu (1 fresh)
                     if reuse is not None:  # stored tokens: mb.stored
                         weight, old_logp = reuse.weight(mb, logp)
@@ -617,74 +611,31 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
                                        entropy_coef=config.entropy_coef, weight=weight)
                     w = token_weights(config.aggregation, mb.traj_count, mb.inv_len_sum,
                                       mb.action_len)
-                    mask = torch.ones_like(w, dtype=torch.bool)
-                    loss = aggregate(out_t.loss, mask, w, d)
+                    loss = aggregate(out_t.loss, torch.ones_like(w, dtype=torch.bool), w, d)
                     piece.backward(loss)
-                    step_loss += float(loss.detach())
-                    k = mb.n_loss_tokens
-                    n_loss_tokens += k
-                    forward_tokens += mb.n_tokens
-                    sums["clip_low"] += float(out_t.clipped_low.sum())
-                    sums["clip_high"] += float(out_t.clipped_high.sum())
-                    sums["dual"] += float(out_t.dual_clipped.sum())
-                    # E8/C8 tokens whose lower bound is wider than the run's clip_low: how
-                    # many, how many clipped there, how many the base bound would have clipped
-                    wide = mb.clip_low > config.clip_low + 1e-9
-                    if bool(wide.any()):
-                        below_base = (out_t.ratio < 1.0 - config.clip_low) & (mb.advantage < 0)
-                        sums["wide"] += float(wide.sum())
-                        sums["wide_clip"] += float((out_t.clipped_low & wide).sum())
-                        sums["wide_released"] += float(
-                            (below_base & wide & ~out_t.clipped_low).sum())
-                    sums["kl"] += masked_mean(out_t.kl, mask) * k
-                    sums["entropy"] += float(entropy.detach().sum())
+                    stats.add(mb, out_t, loss, entropy)
                 for _ in range(n_dummy):  # FSDP: as many passes as the rank with the most
                     fsdp.dummy_backward(model, current.pad_id)
                 if shards is None:  # FSDP reduce-scatters the gradients in backward
                     dp.all_reduce_grads(world, model.parameters())  # DDP: the part's grad
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
-                grad_norms.append(fsdp.full_value(grad_norm))
+                stats.step(fsdp.full_value(grad_norm))
                 optimizer.step()
                 scheduler.step()
-                sums["loss"] += step_loss
         model.eval()
-        if config.check_logprobs:
-            metrics["logprob_diff_max"] = dp.all_max(world, [max(diffs, default=0.0)])[0]
         fsdp.copy_full_weights(model, policy.model)  # FSDP: the replica gets the new weights
-        sums = dp.reduce_sums(world, sums)  # DDP: every rank's tokens
-        n_loss_tokens, forward_tokens = (int(v) for v in dp.all_sum(
-            world, [n_loss_tokens, forward_tokens]))
+        stats.reduce(world)  # DDP: every rank's tokens
         t4 = time.perf_counter()
-        n_steps = max(len(grad_norms), 1)
-        leaves = [n for t in trees for n in t.nodes if n.reward is not None]
         if reuse is not None:
             metrics.update(reuse.loss_metrics())
             metrics["reuse_stored_passes"] = float(passes)
             metrics["reuse_extra_optimizer_steps"] = float(
                 (passes - 1) * (len(part_batches) - n_parts))
+        metrics.update(stats.metrics(t4 - t3))
+        metrics.update(iteration_metrics(trees, seqs, 1.0, metrics.get(
+            "reuse_new_tool_steps", 0.0) + metrics.get("ds_extra_tool_steps", 0.0)))
         metrics.update({
-            "loss": sums["loss"] / n_steps,
-            "clip_frac_low": sums["clip_low"] / max(n_loss_tokens, 1),
-            "clip_frac_high": sums["clip_high"] / max(n_loss_tokens, 1),
-            "dual_clip_frac": sums["dual"] / max(n_loss_tokens, 1),
-            "wide_low_frac": sums["wide"] / max(n_loss_tokens, 1),
-            "wide_low_clip_frac": sums["wide_clip"] / max(sums["wide"], 1.0),
-            "wide_low_released_frac": sums["wide_released"] / max(sums["wide"], 1.0),
-            "kl": sums["kl"] / max(n_loss_tokens, 1),
-            "entropy": sums["entropy"] / max(n_loss_tokens, 1),
-            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-            "reward": float(np.mean([n.reward for n in leaves])) if leaves else 0.0,
-            "success": float(np.mean([(n.reward or 0.0) >= 1.0 for n in leaves]))
-            if leaves else 0.0,
-            "tokens_per_s": forward_tokens / max(t4 - t3, 1e-9),
-            "loss_tokens": float(n_loss_tokens),
-            "forward_tokens": float(forward_tokens),  # real tokens through the model
-            "tree_token_ratio": tree_token_ratio(seqs),
-            "chain_breaks": float(sum(s.breaks() for s in seqs)),
-            "env_steps": float(sum((t.meta or {}).get("env_steps", 0) for t in trees)),
-            "new_tool_steps": float(sum(n.tool_calls or 0 for t in trees for n in t.nodes))
-            + metrics.get("reuse_new_tool_steps", 0.0) + metrics.get("ds_extra_tool_steps", 0.0),
             "lr": float(scheduler.get_last_lr()[0]),
             "rss_mb": psutil.Process().memory_info().rss / 2**20,
             "seconds_sample": t1 - t0, "seconds_commit": t2 - t1,
