@@ -1,8 +1,13 @@
-"""The life of a training run's directory: lock, run id, checkpoints, resume, records.
+"""The life of a training run around its loop: checks, run directory, checkpoints, records.
 
 ``train.rundir`` writes and checks one checkpoint directory (atomic files, digests, the
 trainer state bound to its weights and the store); this module is everything the trainer
-does with the run directory ``OUT`` around it:
+does around its loop:
+
+* **before the run**: every named error that needs no heavy work (``check_config``: the
+  env, sampler, credit method, policy kind, reuse knobs and what ranks cannot share), a
+  store of another env (``check_store_env``), and the disjoint task splits
+  (``task_splits``);
 
 * **one trainer per run directory, one run directory per run id**: ``open_run_dir``
   holds an exclusive ``flock`` on ``OUT/train.lock`` for the run's lifetime
@@ -20,7 +25,8 @@ does with the run directory ``OUT`` around it:
   whose recomputed version is the recorded one, state in the current format bound to the
   run) and names each newer one it skips; ``restore_state`` puts its optimizer,
   scheduler, RNG and sampler state back;
-* **records**: the iteration's metrics rows (``commit_metrics``, ``read_metrics``) and
+* **records**: the iteration's keyed writes (``Commits``: trees, scores, credit, and an
+  attempt's retry keys), metrics rows (``commit_metrics``, ``read_metrics``) and
   held-out rows (``commit_heldout``), keyed so that a replayed iteration lands once.
 """
 
@@ -35,6 +41,7 @@ import random
 import shutil
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +52,14 @@ import torch
 from rollout_store.attempts import retry_key, training_metrics
 from rollout_store.reader import connect
 from rollout_store.schema import metrics_table
-from rollout_store.store import Store, now_utc, open_store
+from rollout_store.store import CommitKeyConflictError, Store, now_utc, open_store
+from rollout_store.tree import Tree
 from train import fsdp
+from train.coerce import literal_value
 from train.config import (
     CONFIG_FILE,
     RESUMABLE_FIELDS,
+    ConfigError,
     TrainConfig,
     check_resume,
     create_config,
@@ -58,7 +68,11 @@ from train.config import (
     read_run_token,
     write_config,
 )
+from train.credit_stage import make_credit
+from train.envs import Task, env_class
+from train.envs.registry import same_env
 from train.policies.hf import HFPolicy, check_finite, quiet_progress, state_dict_version
+from train.reuse.params import ReuseParams
 from train.rundir import (
     META_FILE,
     CheckpointError,
@@ -68,7 +82,8 @@ from train.rundir import (
     verify_checkpoint,
     write_checkpoint,
 )
-from train.sampling import CaliperSampler, CaliperState, Sampler
+from train.sampling import SAMPLERS, CaliperSampler, CaliperState, Sampler, make_sampler
+from train.writer import Writes
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"  # structure and scalars (train.rundir.save_state)
@@ -80,6 +95,81 @@ OLD_STATE_FILE = "trainer_state.pt"  # the pickled format of earlier versions: n
 class TrainError(RuntimeError):
     """The run cannot start or continue (bad input, a store of another env, ...)."""
 
+
+# ------------------------------------------------------------- before the run starts
+
+def check_config(config: TrainConfig, world_size: int = 1) -> None:
+    """Every named error that needs no heavy work (before anything is loaded or written);
+    ``world_size``: the number of data-parallel ranks (``train.distributed``)."""
+    if not config.store or not config.out:
+        raise ConfigError("store and out are required")
+    try:
+        env_class(config.env)
+    except ValueError as exc:  # EnvSpecError, in one line
+        raise ConfigError(f"env: {exc}") from None
+    if config.sampler not in SAMPLERS:
+        raise ConfigError(f"unknown sampler {config.sampler!r}; choose from {list(SAMPLERS)}")
+    make_credit(config)  # the method's needs against what the trainer gives it
+    try:
+        sampler = make_sampler(config.sampler, **config.sampler_params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(str(exc)) from exc
+    kind = config.policy.partition(":")[0]
+    if config.policy != "tiny" and kind not in ("tiny", "hf"):
+        raise ConfigError(f"the trainer trains 'tiny', 'tiny:ENV' or 'hf:PATH' policies, "
+                          f"not {config.policy!r}")
+    try:
+        ReuseParams.parse(config.reuse_params)
+    except ValueError as exc:
+        raise ConfigError(f"reuse_params: {exc}") from exc
+    if config.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError("--tensorboard needs the tensorboard package "
+                              "(pip install tensorboard)") from exc
+    if world_size > 1 and config.dynamic_sampling_on:
+        raise ConfigError("dynamic_sampling resamples a rank's trees one by one, which ranks "
+                          "cannot share yet: train with one rank")
+    if world_size > 1 and config.reuses_stored:
+        raise ConfigError(f"reuse {config.reuse!r} is not data-parallel yet (stored trees are "
+                          "drawn and refreshed by one process): train with one rank")
+    if world_size > 1 and sampler.rank_refusal is not None:
+        raise ConfigError(f"sampler {config.sampler!r} {sampler.rank_refusal}: train with "
+                          "one rank")
+
+
+def check_store_env(store: Store, env: str) -> None:
+    con = connect(store)
+    envs = [r[0] for r in con.execute("SELECT DISTINCT env FROM trees").fetchall()]
+    other = sorted(e for e in envs if not same_env(e, env))
+    if other:
+        raise TrainError(f"store {store.path} holds trees of env {other}, not {env!r}")
+
+
+def task_splits(config: TrainConfig) -> tuple[list[Task], list[Task]]:
+    """(train, held-out): the held-out split is fixed by ``heldout_seed``; training tasks
+    whose prompt occurs in it are dropped, so the two are disjoint. Both splits are drawn
+    with ``task_params`` (a bad option is a ``TrainError`` naming it)."""
+    cls = env_class(config.env)
+    generate = getattr(cls, "generate_tasks", None)
+    if generate is None:
+        raise TrainError(f"env {config.env!r} has no task generator")
+    try:
+        options = {k: literal_value(v, f"task_params.{k}") for k, v in config.task_params.items()}
+        heldout = list(generate(config.heldout_tasks, seed=config.heldout_seed, **options)) \
+            if config.heldout_tasks else []
+        drawn = generate(config.train_tasks, seed=config.seed, **options)
+    except (TypeError, ValueError) as exc:  # the generator names the bad option
+        raise TrainError(f"task_params {dict(config.task_params)}: {exc}") from None
+    seen = {t.prompt for t in heldout}
+    train = [t for t in drawn if t.prompt not in seen]
+    if not train:
+        raise TrainError("the training split is empty")
+    return train, heldout
+
+
+# ------------------------------------------------------------- checkpoints
 
 def load_start_policy(config: TrainConfig, checkpoint: Path | None = None) -> HFPolicy:
     from train.policies import load_policy
@@ -282,6 +372,28 @@ def clear_staging(out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def trainer_state(iteration: int, optimizer: torch.optim.Optimizer, scheduler: Any,
+                  sampler: Sampler, shards: fsdp.Shards | None = None) -> dict[str, Any]:
+    """The trainer state of a checkpoint but its store version (``save_after_commits``
+    adds it); with ``shards`` (FSDP) the optimizer's is in the checkpoint's DCP directory,
+    which ``optimizer`` names. The optimizer's state tensors are the live ones: written
+    before its next step."""
+    return {"iteration": iteration,
+            "optimizer": optimizer.state_dict() if shards is None else fsdp.DCP_DIR,
+            "scheduler": scheduler.state_dict(), "rng": rng_state(),
+            "sampler_state": sampler.state.to_dict() if isinstance(sampler, CaliperSampler)
+            else None}
+
+
+def save_after_commits(out: Path, step: int, policy: HFPolicy, state: dict[str, Any],
+                       store: Store, config: TrainConfig, shards: fsdp.Shards | None) -> None:
+    """``save_checkpoint`` of ``state`` (``trainer_state``) with the store's version as the
+    commits before it left it: the one way the trainer writes a checkpoint, inline or as a
+    job of its ``Writes`` after the iteration's commits."""
+    state = {**state, "store_version": dict(store.version())}
+    save_checkpoint(out, step, policy, policy.policy_version, state, config, shards, store)
+
+
 # ------------------------------------------------------------- the run directory lock
 
 LOCK_FILE = "train.lock"
@@ -432,27 +544,7 @@ def open_run_dir(out: Path, config: TrainConfig, store: Store, resume: bool) -> 
     return lock
 
 
-def trainer_state(iteration: int, optimizer: torch.optim.Optimizer, scheduler: Any,
-                  sampler: Sampler, shards: fsdp.Shards | None = None) -> dict[str, Any]:
-    """The trainer state of a checkpoint but its store version (``save_after_commits``
-    adds it); with ``shards`` (FSDP) the optimizer's is in the checkpoint's DCP directory,
-    which ``optimizer`` names. The optimizer's state tensors are the live ones: written
-    before its next step."""
-    return {"iteration": iteration,
-            "optimizer": optimizer.state_dict() if shards is None else fsdp.DCP_DIR,
-            "scheduler": scheduler.state_dict(), "rng": rng_state(),
-            "sampler_state": sampler.state.to_dict() if isinstance(sampler, CaliperSampler)
-            else None}
-
-
-def save_after_commits(out: Path, step: int, policy: HFPolicy, state: dict[str, Any],
-                       store: Store, config: TrainConfig, shards: fsdp.Shards | None) -> None:
-    """``save_checkpoint`` of ``state`` (``trainer_state``) with the store's version as the
-    commits before it left it: the one way the trainer writes a checkpoint, inline or as a
-    job of its ``Writes`` after the iteration's commits."""
-    state = {**state, "store_version": dict(store.version())}
-    save_checkpoint(out, step, policy, policy.policy_version, state, config, shards, store)
-
+# ------------------------------------------------------------- records
 
 def commit_heldout(store: Store, run_id: str, step: int, rows: pa.Table,
                    retry: int = 0) -> None:
@@ -471,6 +563,61 @@ def commit_metrics(store: Store, run_id: str, it: int, metrics: dict[str, float]
     store.append_metrics(table, key=retry_key(plain, retry) if retry else plain)
 
 
+def stored_heldout(store: Store, run_id: str) -> dict[int, dict[str, float]]:
+    """The held-out success a run stored, ``{iterations: {name: value}}`` (its metric step
+    k holds the evaluation after iteration k + 1): a finished run's result on resume."""
+    found: dict[int, dict[str, float]] = {}
+    stored = read_metrics(store, run_id)
+    for name in ("heldout_sampled", "heldout_greedy"):
+        for metric_step, value in stored.get(name, []):
+            found.setdefault(metric_step + 1, {})[name] = value
+    return found
+
+
+@dataclass
+class Commits:
+    """The keyed writes of iteration ``it`` (rank 0 queues them on ``writes``): key
+    ``RUN:NAME:IT``, or ``RUN:NAME:IT@aN`` (``retry``) when an earlier attempt committed
+    other trees for the iteration and this attempt ``N`` commits its own beside them."""
+
+    store: Store
+    writes: Writes
+    run_id: str
+    attempt: int
+    is_main: bool
+    it: int = 0
+    retry: bool = False
+
+    def key(self, name: str) -> str:
+        """The commit key of this iteration's ``name`` rows."""
+        plain = f"{self.run_id}:{name}:{self.it}"
+        return retry_key(plain, self.attempt) if self.retry else plain
+
+    def __call__(self, name: str, rows: Any) -> None:
+        """Queue this iteration's ``name`` rows (``trees``, ``scores``, ``credit``)."""
+        append = {"trees": self.store.append_trees, "scores": self.store.append_policy_scores,
+                  "credit": self.store.append_credits}[name]
+        if self.is_main:
+            self.writes.submit(partial(append, rows, key=self.key(name)))
+
+    def trees(self, it: int, trees: list[Tree]) -> bool:
+        """Start iteration ``it`` and queue its trees under the plain key; True when the
+        store holds other trees under it (an earlier attempt's, on another device): the
+        caller renames its trees and commits them as this attempt's retry. Only an
+        attempt >= 2 can meet that, and its writes are inline, so the conflict raises here
+        (a background write's would raise later)."""
+        self.it, self.retry = it, False
+        if not self.is_main:
+            return False
+        try:
+            self.writes.submit(partial(self.store.append_trees, trees, key=self.key("trees")))
+        except CommitKeyConflictError:
+            if self.attempt < 2:
+                raise
+            return True
+        return False
+
+
 def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, float]]]:
     """``{name: [(step, value), ...]}`` of a run, from the store's ``metrics_latest`` view
     (a value a resumed attempt re-computed replaces the earlier one) without the run token
@@ -479,11 +626,43 @@ def read_metrics(store: Store | str, run_id: str) -> dict[str, list[tuple[int, f
                             run_id)
 
 
-__all__ = ["CHECKPOINTS", "LOCK_FILE", "OLD_STATE_FILE", "OWNER_METRIC", "OWNER_STEP",
-           "STATE_FILE", "STATE_TENSORS", "Resumed", "RunIdTakenError", "RunInUseError",
-           "RunLock", "TrainError", "checkpoint_dir", "checkpoints", "claim_run_id",
-           "clear_staging", "commit_heldout", "commit_metrics", "latest_checkpoint",
-           "load_checkpoint", "load_start_policy", "lock_run_dir", "open_run_dir",
-           "read_metrics", "require_finite", "restore_state", "resume_checkpoint",
-           "rng_state", "run_fields", "save_after_commits", "save_checkpoint",
-           "set_rng_state", "trainer_state"]
+__all__ = [
+    "CHECKPOINTS",
+    "LOCK_FILE",
+    "OLD_STATE_FILE",
+    "OWNER_METRIC",
+    "OWNER_STEP",
+    "STATE_FILE",
+    "STATE_TENSORS",
+    "Commits",
+    "Resumed",
+    "RunIdTakenError",
+    "RunInUseError",
+    "RunLock",
+    "TrainError",
+    "check_config",
+    "check_store_env",
+    "checkpoint_dir",
+    "checkpoints",
+    "claim_run_id",
+    "clear_staging",
+    "commit_heldout",
+    "commit_metrics",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_start_policy",
+    "lock_run_dir",
+    "open_run_dir",
+    "read_metrics",
+    "require_finite",
+    "restore_state",
+    "resume_checkpoint",
+    "rng_state",
+    "run_fields",
+    "save_after_commits",
+    "save_checkpoint",
+    "set_rng_state",
+    "stored_heldout",
+    "task_splits",
+    "trainer_state",
+]

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from rollout_store.tree import Tree
 from train import distributed as dp
-from train.batches import MicroBatch, TreeSeqs, tree_token_ratio
+from train.batches import MicroBatch, TreeSeqs, Unit, forward_logprobs, tree_token_ratio
 from train.loss import TokenLoss, masked_mean
 
 _SUMS = ("loss", "clip_low", "clip_high", "dual", "kl", "entropy", "tokens", "wide",
@@ -139,4 +140,29 @@ def iteration_metrics(trees: Sequence[Tree], seqs: Sequence[TreeSeqs],
     }
 
 
-__all__ = ["StepStats", "iteration_metrics"]
+def logprob_diffs(model: torch.nn.Module, units: Sequence[Unit]) -> list[float]:
+    """The logprob check by a separate no-grad forward (a model with active dropout):
+    max |logp - old_logp| of each unit with loss tokens, before any update."""
+    with torch.no_grad():
+        return [float((forward_logprobs(model, mb)[0] - mb.old_logp).abs().max())
+                for mb in units if mb.n_loss_tokens]
+
+
+def write_scalars(writer: Any, metrics: dict[str, float], it: int) -> None:
+    """The iteration's metrics into a TensorBoard ``SummaryWriter`` at step ``it``."""
+    for name, value in metrics.items():
+        writer.add_scalar(name, value, it)
+    writer.flush()
+
+
+def progress_line(run_id: str, it: int, steps: int, metrics: dict[str, float]) -> str:
+    """One line of progress after iteration ``it`` (0-based) of ``steps``."""
+    extra = "".join(f" {k.split('_')[1]} {metrics[k]:.3f}" for k in
+                    ("heldout_sampled", "heldout_greedy") if k in metrics)
+    return (f"[{run_id}] it {it + 1}/{steps} loss {metrics['loss']:+.4f} "
+            f"reward {metrics['reward']:.3f} clip {metrics['clip_frac_low']:.3f}/"
+            f"{metrics['clip_frac_high']:.3f} ratio {metrics['tree_token_ratio']:.2f} "
+            f"{metrics['tokens_per_s']:.0f} tok/s{extra}")
+
+
+__all__ = ["StepStats", "iteration_metrics", "logprob_diffs", "progress_line", "write_scalars"]
