@@ -7,7 +7,8 @@
 train ...``).
 
 The options that set a ``TrainConfig`` field are made from the dataclass
-(``FIELD_OPTIONS``): the option is the field's name with dashes (a ``dict`` field's
+(``FIELD_OPTIONS``, read from the source of ``train/config.py`` so that ``rtrees`` starts
+without torch): the option is the field's name with dashes (a ``dict`` field's
 option is singular and repeatable, ``--sampler-param KEY=VALUE``), its type the field's,
 its help the field's documentation. Every option is optional and passed on only when
 given: the defaults live in ``train.config.TrainConfig`` alone (``--set FIELD=VALUE``
@@ -16,9 +17,11 @@ reaches any field; ``rtrees train --fields`` lists them with their documentation
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import inspect
+import itertools
 import re
-import typing
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -42,40 +45,48 @@ def _option_name(field: str, dict_field: bool) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _help(doc: str, choices: tuple[Any, ...] = ()) -> str:
+def _help(doc: str) -> str:
     """A field's documentation as option help: its first sentence (a period before a
-    capital letter ends it), inline code marks single, and its choices unless it names
-    them all."""
-    head = re.split(r"(?<=\.)\s+(?=[A-Z])", doc, maxsplit=1)[0].replace("``", "`")
-    if choices and not all(str(c) in head for c in choices):
-        head += f" One of: {', '.join(map(str, choices))}."
-    return head
+    capital letter ends it), with single inline-code marks."""
+    return re.split(r"(?<=\.)\s+(?=[A-Z])", doc, maxsplit=1)[0].replace("``", "`")
+
+
+def config_fields() -> dict[str, tuple[str, str]]:
+    """``{field: (annotation text, docstring)}`` of ``TrainConfig``, read from the source
+    of ``train/config.py`` without importing it (it imports torch, which ``rtrees`` loads
+    only for the commands that need it)."""
+    spec = importlib.util.find_spec("train.config")
+    assert spec is not None and spec.origin is not None
+    module = ast.parse(Path(spec.origin).read_text())
+    body = next(n for n in module.body
+                if isinstance(n, ast.ClassDef) and n.name == "TrainConfig").body
+    return {a.target.id: (ast.unparse(a.annotation), " ".join(str(b.value.value).split()))
+            for a, b in itertools.pairwise(body)
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+            and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
 
 
 def _field_parameters() -> list[inspect.Parameter]:
-    """One keyword parameter per ``FIELD_OPTIONS`` field, typed and documented by it."""
-    from train.config import TrainConfig, field_docs
-
-    hints = typing.get_type_hints(TrainConfig)
-    docs = field_docs()
+    """One keyword parameter per ``FIELD_OPTIONS`` field, typed and documented by it: a
+    ``bool`` field is a flag, a ``dict`` field a repeatable option, an ``int`` / ``float``
+    field an option of that type, any other a text option (the config checks choices)."""
+    found = config_fields()
     params = []
     for name in FIELD_OPTIONS:
-        hint = hints[name]
-        is_dict = typing.get_origin(hint) is dict
+        kind, doc = found[name]
+        is_dict = kind.startswith("dict")
         option = _option_name(name, is_dict)
-        literal = typing.get_origin(hint) is typing.Literal
-        doc = _help(docs[name], typing.get_args(hint) if literal else ())
         annotation: Any
-        if hint is bool:
-            annotation = Annotated[bool, typer.Option(option, help=doc)]
+        if kind == "bool":
+            annotation = Annotated[bool, typer.Option(option, help=_help(doc))]
             default: Any = False
         elif is_dict:
             annotation = Annotated[list[str] | None, typer.Option(
-                option, help=f"KEY=VALUE (repeatable): {doc}")]
+                option, help=f"KEY=VALUE (repeatable): {_help(doc)}")]
             default = None
         else:
-            base = Path if name in PATH_FIELDS else hint if hint in (int, float) else str
-            annotation = Annotated[base | None, typer.Option(option, help=doc)]
+            base = {"int": int, "float": float}.get(kind, Path if name in PATH_FIELDS else str)
+            annotation = Annotated[base | None, typer.Option(option, help=_help(doc))]
             default = None
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
                                         default=default, annotation=annotation))

@@ -70,3 +70,20 @@ def test_a_bad_typed_option_is_a_usage_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["train", "--steps", "many", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "--steps" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_the_options_are_read_from_the_config_source_without_torch() -> None:
+    """``config_fields`` reads ``TrainConfig`` from its source: the same fields as the
+    dataclass, and ``rtrees`` still starts without importing torch."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from cli.train_cmd import config_fields
+
+    assert list(config_fields()) == [f.name for f in dataclasses.fields(TrainConfig)]
+    code = "import sys, cli.main; sys.exit('torch' in sys.modules)"
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
