@@ -98,16 +98,11 @@ from train.loss import aggregate, denominator, token_loss, token_weights
 from train.policies.base import STOP_STRINGS
 from train.policies.hf import HFPolicy, state_dict_version
 from train.policies.tiny import find_checkpoint
+from train.run import commit_metrics, require_finite, save_after_commits, trainer_state
 from train.sampling import make_sampler
 from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
-from train.trainer import (
-    _commit_metrics,
-    _save_after_commits,
-    _state,
-    credit_for,
-    require_finite,
-)
+from train.trainer import credit_for
 from train.writer import Writes
 
 CORE = ("sample", "credit", "batches", "train")
@@ -228,7 +223,7 @@ class Ours:
         leaves = [n for t in trees for n in t.nodes if n.reward is not None]
         sample.reward = float(np.mean([n.reward or 0.0 for n in leaves]))
         sample.gen_tokens = sum(len(n.action_token_ids or []) for t in trees for n in t.nodes)
-        submit(partial(_commit_metrics, self.store, run_id, it, {
+        submit(partial(commit_metrics, self.store, run_id, it, {
             "loss": total, "grad_norm": grad_norm, "logprob_diff_max": diff,
             "entropy": ent_sum / max(n_tokens, 1.0), "reward": sample.reward}))
         clock.lap("store")
@@ -237,8 +232,8 @@ class Ours:
         current = self.policy.published(str(Path(cfg.out) / "checkpoints" / f"step-{it + 1}"),
                                         version)
         self.checkpointed = submit(partial(
-            _save_after_commits, Path(cfg.out), it + 1, current,
-            _state(it + 1, self.optimizer, self.scheduler, self.sampler), self.store, cfg,
+            save_after_commits, Path(cfg.out), it + 1, current,
+            trainer_state(it + 1, self.optimizer, self.scheduler, self.sampler), self.store, cfg,
             None))
         clock.lap("checkpoint")
         self.it += 1

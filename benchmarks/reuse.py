@@ -14,7 +14,7 @@ Design (the defaults; every knob is a flag):
   ``m2po``, 4 stored trees per iteration; ``--arms RULE@S,...`` picks a subset;
 * **paired**: every arm of a seed starts from the same weights, draws the same training
   tasks, and is evaluated on the same 200 held-out tasks with the same evaluation seeds at
-  each version (the trainer's ``_heldout``); seeds 0..S-1;
+  each version (the trainer's ``heldout_rows``); seeds 0..S-1;
 * **budget**: each run trains (resumably, ``eval_every`` iterations at a time) until it
   has spent ``--budget`` new tool steps (fresh trees, refreshes, dynamic-sampling extras);
 * **primary metric**: the area under held-out success against new tool steps on [0, B],

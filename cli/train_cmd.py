@@ -1,20 +1,27 @@
 """``rtrees train``: on-policy training on rollout trees (issue 11; ``train.trainer``).
 
 ``rtrees train --config FILE`` or ``rtrees train --env calc --policy tiny --sampler bel
---credit elpo --steps N --store DIR --out DIR [--resume] [--reuse none|all|transport|dsc|
-refresh|m2po|prox-interp|gap-gate --reuse-from SQL --reuse-per-step N --max-staleness V --is-cap C
---is-mode M]
-[--nproc N] [--shard none|fsdp]``; ``--nproc N`` runs N data-parallel ranks
-(``train.launch.launch``; the same run as ``torchrun --nproc-per-node N -m cli.main train
-...``); ``--shard fsdp`` shards the parameters, gradients and optimizer state over them
-(FSDP2, ``train.fsdp``; ``TrainConfig.shard``).
-Every option is optional and passed on only when given: the defaults live in
-``train.config.TrainConfig`` alone (``--set FIELD=VALUE`` reaches any field;
-``rtrees train --fields`` lists them with their documentation).
+--credit elpo --steps N --store DIR --out DIR [--resume] [--reuse MODE --reuse-from SQL
+...] [--nproc N] [--shard none|fsdp]``; ``--nproc N`` runs N data-parallel ranks
+(``train.launch.launch``; the same run as ``torchrun --nproc-per-node N -m cli.main
+train ...``).
+
+The options that set a ``TrainConfig`` field are made from the dataclass
+(``FIELD_OPTIONS``, read from the source of ``train/config.py`` so that ``rtrees`` starts
+without torch): the option is the field's name with dashes (a ``dict`` field's
+option is singular and repeatable, ``--sampler-param KEY=VALUE``), its type the field's,
+its help the field's documentation. Every option is optional and passed on only when
+given: the defaults live in ``train.config.TrainConfig`` alone (``--set FIELD=VALUE``
+reaches any field; ``rtrees train --fields`` lists them with their documentation).
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import inspect
+import itertools
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,59 +29,89 @@ import typer
 
 from cli._common import console, fail, parse_params
 
+FIELD_OPTIONS: tuple[str, ...] = (
+    "env", "policy", "sampler", "credit", "steps", "store", "out", "run_id",
+    "sampler_params", "credit_params", "task_params", "reuse", "reuse_from",
+    "reuse_per_step", "max_staleness", "is_cap", "is_mode", "reuse_params", "shard",
+    "tensorboard")
+"""``TrainConfig`` fields with an option of their own, in ``--help`` order."""
+PATH_FIELDS = ("store", "out")
+"""Fields whose option reads a path (passed on as its text)."""
 
-def train_command(
-    config: Annotated[Path | None, typer.Option("--config", help="TOML file of TrainConfig "
-                                                "fields.")] = None,
-    env: Annotated[str | None, typer.Option(help="Environment (TrainConfig.env).")] = None,
-    policy: Annotated[str | None, typer.Option(help="tiny or hf:PATH.")] = None,
-    sampler: Annotated[str | None, typer.Option(help="group, random, entropy, bel, caliper, rooted."
-                                                )] = None,
-    credit: Annotated[str | None, typer.Option(help="Credit estimator, e.g. grpo, elpo.")] = None,
-    steps: Annotated[int | None, typer.Option(help="Training iterations.")] = None,
-    store: Annotated[Path | None, typer.Option(help="Store directory (created if missing).")
-                     ] = None,
-    out: Annotated[Path | None, typer.Option(help="Run directory (config, checkpoints).")
-                   ] = None,
-    run_id: Annotated[str | None, typer.Option(help="Run id in the store (default: train- and "
-                                               "the run directory's name).")] = None,
-    set_: Annotated[list[str] | None, typer.Option(
-        "--set", help="Any TrainConfig field as FIELD=VALUE (repeatable).")] = None,
-    sampler_param: Annotated[list[str] | None, typer.Option(
-        "--sampler-param", help="Sampler option KEY=VALUE (repeatable).")] = None,
-    credit_param: Annotated[list[str] | None, typer.Option(
-        "--credit-param", help="Estimator parameter KEY=VALUE (repeatable).")] = None,
-    task_param: Annotated[list[str] | None, typer.Option(
-        "--task-param", help="Task generator option KEY=VALUE for both splits, e.g. "
-        "horizons=18 (TrainConfig.task_params; repeatable).")] = None,
-    reuse: Annotated[str | None, typer.Option(help="Stored-tree reuse: none, all, transport, "
-                                              "dsc, refresh, m2po, prox-interp, gap-gate "
-                                              "(TrainConfig.reuse).")] = None,
-    reuse_from: Annotated[str | None, typer.Option(help="SQL filter over trees choosing the "
-                                                   "stored trees (TrainConfig.reuse_from).")
-                          ] = None,
-    reuse_per_step: Annotated[int | None, typer.Option(help="Stored trees per iteration.")
-                              ] = None,
-    max_staleness: Annotated[int | None, typer.Option(help="Skip stored trees more than this "
-                                                      "many policy versions old.")] = None,
-    is_cap: Annotated[float | None, typer.Option(help="Cap of the behaviour weight "
-                                                 "pi_prox/mu (G8).")] = None,
-    is_mode: Annotated[str | None, typer.Option(help="truncate or mask above the cap.")
-                       ] = None,
-    reuse_param: Annotated[list[str] | None, typer.Option(
-        "--reuse-param", help="Gate/refresh/rule knob KEY=VALUE (TrainConfig.reuse_params).")
-                           ] = None,
-    nproc: Annotated[int | None, typer.Option(help="Data-parallel ranks on this machine "
-                                              "(train.distributed; gloo on CPU).")] = None,
-    shard: Annotated[str | None, typer.Option(help="none or fsdp: FSDP2 parameter sharding "
-                                              "over the ranks (TrainConfig.shard).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from "
-                                         "its newest checkpoint.")] = False,
-    tensorboard: Annotated[bool, typer.Option("--tensorboard", help="Also write TensorBoard "
-                                              "event files.")] = False,
-    fields: Annotated[bool, typer.Option("--fields", help="List TrainConfig's fields and "
-                                         "exit.")] = False,
-) -> None:
+
+def _option_name(field: str, dict_field: bool) -> str:
+    """``--run-id`` for ``run_id``; ``--sampler-param`` for the dict ``sampler_params``."""
+    name = field[:-1] if dict_field and field.endswith("s") else field
+    return "--" + name.replace("_", "-")
+
+
+def _help(doc: str) -> str:
+    """A field's documentation as option help: its first sentence (a period before a
+    capital letter ends it), with single inline-code marks."""
+    return re.split(r"(?<=\.)\s+(?=[A-Z])", doc, maxsplit=1)[0].replace("``", "`")
+
+
+def config_fields() -> dict[str, tuple[str, str]]:
+    """``{field: (annotation text, docstring)}`` of ``TrainConfig``, read from the source
+    of ``train/config.py`` without importing it (it imports torch, which ``rtrees`` loads
+    only for the commands that need it)."""
+    spec = importlib.util.find_spec("train.config")
+    assert spec is not None and spec.origin is not None
+    module = ast.parse(Path(spec.origin).read_text())
+    body = next(n for n in module.body
+                if isinstance(n, ast.ClassDef) and n.name == "TrainConfig").body
+    return {a.target.id: (ast.unparse(a.annotation), " ".join(str(b.value.value).split()))
+            for a, b in itertools.pairwise(body)
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+            and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+
+
+def _field_parameters() -> list[inspect.Parameter]:
+    """One keyword parameter per ``FIELD_OPTIONS`` field, typed and documented by it: a
+    ``bool`` field is a flag, a ``dict`` field a repeatable option, an ``int`` / ``float``
+    field an option of that type, any other a text option (the config checks choices)."""
+    found = config_fields()
+    params = []
+    for name in FIELD_OPTIONS:
+        kind, doc = found[name]
+        is_dict = kind.startswith("dict")
+        option = _option_name(name, is_dict)
+        annotation: Any
+        if kind == "bool":
+            annotation = Annotated[bool, typer.Option(option, help=_help(doc))]
+            default: Any = False
+        elif is_dict:
+            annotation = Annotated[list[str] | None, typer.Option(
+                option, help=f"KEY=VALUE (repeatable): {_help(doc)}")]
+            default = None
+        else:
+            base = {"int": int, "float": float}.get(kind, Path if name in PATH_FIELDS else str)
+            annotation = Annotated[base | None, typer.Option(option, help=_help(doc))]
+            default = None
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                        default=default, annotation=annotation))
+    return params
+
+
+def _given(options: dict[str, Any]) -> dict[str, Any]:
+    """The ``TrainConfig`` fields given on the command line, as ``apply_overrides`` takes
+    them: ``--set`` first, then each field option that was given (a flag only when set, a
+    repeatable option only when used)."""
+    given: dict[str, Any] = dict(parse_params(options.pop("set_"), "--set"))
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        if isinstance(value, list | tuple):  # a repeatable KEY=VALUE option
+            if value:
+                given[name] = parse_params(list(value), _option_name(name, True))
+        else:
+            given[name] = str(value) if isinstance(value, Path) else value
+    return given
+
+
+def train_command(config: Path | None = None, set_: list[str] | None = None,
+                  nproc: int | None = None, resume: bool = False, fields: bool = False,
+                  **options: Any) -> None:
     """Train a policy on-policy on rollout trees (sample, commit, credit, PPO, publish)."""
     from train.config import ConfigError, apply_overrides, field_docs, load_config, read_config
     from train.distributed import DistributedError
@@ -85,25 +122,8 @@ def train_command(
         for name, doc in field_docs().items():
             console.print(f"{name}: {doc}", highlight=False, markup=False)
         return
-    given: dict[str, Any] = dict(parse_params(set_, "--set"))
-    for name, value in (("env", env), ("policy", policy), ("sampler", sampler),
-                        ("credit", credit), ("steps", steps), ("store", store), ("out", out),
-                        ("run_id", run_id),
-                        ("reuse", reuse), ("reuse_from", reuse_from),
-                        ("reuse_per_step", reuse_per_step), ("max_staleness", max_staleness),
-                        ("is_cap", is_cap), ("is_mode", is_mode), ("shard", shard)):
-        if value is not None:
-            given[name] = str(value) if isinstance(value, Path) else value
-    if tensorboard:
-        given["tensorboard"] = True
-    if sampler_param:
-        given["sampler_params"] = parse_params(sampler_param, "--sampler-param")
-    if credit_param:
-        given["credit_params"] = parse_params(credit_param, "--credit-param")
-    if task_param:
-        given["task_params"] = parse_params(task_param, "--task-param")
-    if reuse_param:
-        given["reuse_params"] = parse_params(reuse_param, "--reuse-param")
+    out = options.get("out")
+    given = _given({"set_": set_, **options})
     try:
         if resume and config is None and out is not None:  # the run's own config
             cfg = apply_overrides(read_config(out), given)
@@ -116,6 +136,37 @@ def train_command(
         console.print(report.summary(), highlight=False, markup=False)
 
 
+def _signature() -> inspect.Signature:
+    """``train_command``'s options for typer: ``--config`` and ``--set``, the field options
+    (``FIELD_OPTIONS``), then ``--nproc``, ``--resume`` and ``--fields``."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+
+    def option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+        return inspect.Parameter(name, kw, default=default, annotation=annotation)
+
+    fields = _field_parameters()
+    cut = FIELD_OPTIONS.index("sampler_params")
+    shard = FIELD_OPTIONS.index("shard")
+    return inspect.Signature([
+        option("config", Annotated[Path | None, typer.Option(
+            "--config", help="TOML file of TrainConfig fields.")], None),
+        *fields[:cut],
+        option("set_", Annotated[list[str] | None, typer.Option(
+            "--set", help="Any TrainConfig field as FIELD=VALUE (repeatable).")], None),
+        *fields[cut:shard],
+        option("nproc", Annotated[int | None, typer.Option(
+            help="Data-parallel ranks on this machine (train.distributed; gloo on CPU).")],
+            None),
+        fields[shard],
+        option("resume", Annotated[bool, typer.Option(
+            "--resume", help="Continue the run in --out from its newest checkpoint.")], False),
+        *fields[shard + 1:],
+        option("fields", Annotated[bool, typer.Option(
+            "--fields", help="List TrainConfig's fields and exit.")], False),
+    ], return_annotation=None)
+
+
 def register(app: typer.Typer) -> None:
     """Add the ``train`` command to the ``rtrees`` app."""
+    train_command.__signature__ = _signature()  # type: ignore[attr-defined]
     app.command("train")(train_command)

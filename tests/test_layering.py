@@ -364,6 +364,36 @@ def test_trainer_names_no_reuse_mode() -> None:
     assert literals == [] and compares == [], (literals, compares)
 
 
+def _credit_names(source: str) -> list[int]:
+    """Lines of ``source`` holding a credit method's name as a string constant, or
+    comparing a ``.credit`` / ``.credit_params`` attribute (``==``, ``in``, ...)."""
+    from train.credit import ESTIMATORS
+
+    return sorted(n.lineno for n in ast.walk(ast.parse(source)) if (
+        isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in ESTIMATORS)
+        or (isinstance(n, ast.Compare) and any(
+            isinstance(x, ast.Attribute) and x.attr in ("credit", "credit_params")
+            for x in (n.left, *n.comparators))))
+
+
+def test_trainer_names_no_credit_method() -> None:
+    """No string constant of ``train/trainer.py`` is a credit method's name (issue 46): the
+    trainer holds ``make_credit(config)`` and calls ``credit.step``; what a method needs
+    (gold or token scores, trainer support) is declared on its params type. No
+    ``config.credit ==`` / ``in config.credit_params`` comparison either."""
+    assert _credit_names((ROOT / "train" / "trainer.py").read_text()) == []
+
+
+@pytest.mark.parametrize("snippet,caught", [
+    ('x = "trace"\n', True),
+    ("if config.credit == name:\n    pass\n", True),
+    ('if "ref" in config.credit_params:\n    pass\n', True),
+    ('x = "reward"\n', False),
+])
+def test_the_credit_name_check(snippet: str, caught: bool) -> None:
+    assert bool(_credit_names(snippet)) == caught
+
+
 # ---- environments are named as data, never to decide behaviour (issue 44) -------------
 
 def _builtin_env_names() -> frozenset[str]:

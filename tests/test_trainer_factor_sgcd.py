@@ -118,11 +118,14 @@ def test_credit_trees_full_returns_the_rows_batch(tmp_path: Path) -> None:
 
 def test_dynamic_sampling_resamples_or_drops_and_counts_the_budget(tmp_path: Path) -> None:
     from dataclasses import replace
+    from functools import partial
 
     from rollout_store.tree import Tree
     from train.envs import env_class, make_env
     from train.sampling import make_sampler
-    from train.trainer import _dynamic_sampling, _mixed, load_start_policy
+    from train.sampling.dynamic import dynamic_sampling
+    from train.sampling.dynamic import mixed as is_mixed
+    from train.trainer import load_start_policy
 
     cfg = load_config(None, {"dynamic_sampling": "resample", "dynamic_rounds": 2,
                              "n_total": 2, "store": str(tmp_path / "s"),
@@ -141,16 +144,17 @@ def test_dynamic_sampling_resamples_or_drops_and_counts_the_budget(tmp_path: Pat
             replace(n, reward=next(it)) if n.node_id in leaves else n for n in tree.nodes])
 
     flat, mixed = with_rewards([0.0, 0.0], "flat"), with_rewards([1.0, 0.0], "mixed")
-    assert not _mixed(flat) and _mixed(mixed)
-    kept, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, policy, cfg, 0)
+    assert not is_mixed(flat, 1.0) and is_mixed(mixed, 1.0)
+    run = partial(dynamic_sampling, env="calc", n_total=cfg.n_total, seed=cfg.seed, it=0,
+                  run_id="ds")
+    kept, ds = run([flat, mixed], tasks, sampler, policy, rounds=2)
     assert 1 <= ds["ds_extra_trees"] <= 2  # the flat tree was resampled
     # every discarded tree (each resampled one, and a last one still without both
     # outcomes, dropped) counts its 2 rollouts against the budget
     assert ds["ds_extra_rollouts"] == 2 * (ds["ds_extra_trees"] + ds["ds_dropped_trees"])
     assert len(kept) == 2 - ds["ds_dropped_trees"] and kept[-1].tree_id == "mixed"
     assert all(t.tree_id != "flat" for t in kept)
-    dropped, ds = _dynamic_sampling([flat, mixed], [0, 1], tasks, sampler, policy,
-                                    replace(cfg, dynamic_sampling="drop"), 0)
+    dropped, ds = run([flat, mixed], tasks, sampler, policy, rounds=0)
     assert [t.tree_id for t in dropped] == ["mixed"]
     assert ds == {"ds_dropped_trees": 1.0, "ds_extra_trees": 0.0, "ds_extra_rollouts": 2.0,
                   "ds_extra_tool_steps": float(sum(n.tool_calls or 0 for n in flat.nodes))}

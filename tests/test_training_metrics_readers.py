@@ -2,7 +2,7 @@
 
 A real store written by the trainer's own writers: the run-token row (``claim_run_id``,
 step -2), two recorded attempts (``record_attempt``, step -3), iterations -1, 0 and 1
-committed by attempt 1 (``_commit_metrics``), and attempt 2 re-committing iteration 1 as a
+committed by attempt 1 (``train.run.commit_metrics``), and attempt 2 re-committing iteration 1 as a
 retry (``KEY@a2``) with other values. Every reader (``training_metrics``, the viewer,
 ``analysis.table1``, the demo report, ``train.trainer.read_metrics``) must give attempt 2's
 iteration 1, attempt 1's -1 and 0, and neither the run token nor the attempt rows."""
@@ -18,7 +18,7 @@ from analysis.viewer.data import ViewerData
 from rollout_store import Store, connect
 from rollout_store.attempts import TRAINING_METRICS, training_metrics
 from rollout_store.maintenance import record_attempt
-from train.trainer import OWNER_METRIC, _commit_metrics, claim_run_id, read_metrics
+from train.run import OWNER_METRIC, claim_run_id, commit_metrics, read_metrics
 
 RUN = "r"
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -33,9 +33,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
     claim_run_id(s, RUN, token=12345, fresh=True)
     record_attempt(s, RUN, 0, started_at=T0)
     for it in (-1, 0, 1):
-        _commit_metrics(s, RUN, it, {"loss": float(it + 1), "reward": it + 1.5})
+        commit_metrics(s, RUN, it, {"loss": float(it + 1), "reward": it + 1.5})
     record_attempt(s, RUN, 1)  # attempt 2 resumes at iteration 1, now
-    _commit_metrics(s, RUN, 1, {"loss": 9.0, "reward": 9.5}, retry=2)
+    commit_metrics(s, RUN, 1, {"loss": 9.0, "reward": 9.5}, retry=2)
     return s
 
 

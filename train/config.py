@@ -32,11 +32,6 @@ from train.reuse.params import REUSE_MODES, ReuseMode, ReuseParams
 # Fields a resumed run may change: how long it runs and what it displays.
 RESUMABLE_FIELDS: frozenset[str] = frozenset({"steps", "tensorboard", "progress",
                                               "background_writes"})
-# Estimators whose inputs the trainer does not produce (yet).
-# (trace is supported: the trainer scores T2 with the frozen initial policy.)
-UNSUPPORTED_CREDIT: dict[str, str] = {
-    "dsc": "needs stored ratios and states: use --reuse dsc to gate stored trees",
-}
 # Integer fields' lower bounds (inclusive).
 MINIMA: dict[str, int] = {
     **dict.fromkeys(("steps", "tasks_per_step", "n_total", "max_new_tokens", "train_tasks",
@@ -469,7 +464,7 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
 
 
 __all__ = ["CONFIG_FILE", "MAXIMA", "MINIMA", "RESUMABLE_FIELDS", "RUN_TOKEN", "SHARD_MODES",
-           "UNSUPPORTED_CREDIT", "ConfigError", "ConfigMismatchError", "TrainConfig",
+           "ConfigError", "ConfigMismatchError", "TrainConfig",
            "apply_overrides", "check_resume", "coerce_overrides", "create_config",
            "field_docs", "field_names", "load_config", "new_run_token", "read_config",
            "read_run_token", "write_config"]

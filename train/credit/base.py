@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
-from typing import Any, Final, Generic, Literal, TypeVar
+from typing import Any, ClassVar, Final, Generic, Literal, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -176,8 +176,35 @@ class Credit:
     clip_high: np.ndarray | None = None
 
 
+ScoreKind = str
+"""A ``policy_scores`` kind: ``GOLD``, ``ACTION``, ``PLAIN``, ``HINDSIGHT`` or
+``contrast:`` + a summariser spec (``train.credit.scores``)."""
+GOLD: Final[ScoreKind] = "gold_answer"
+ACTION: Final[ScoreKind] = "action"
+PLAIN: Final[ScoreKind] = "plain"
+HINDSIGHT: Final[ScoreKind] = "hindsight"
+
+
 class Params:
-    """Mixin for estimator hyperparameter dataclasses: JSON form and stable hash."""
+    """Mixin for estimator hyperparameter dataclasses: JSON form and stable hash, and what
+    the estimator needs beyond the stored trees (class attributes, read by ``rtrees credit``
+    and by the trainer's credit stage, which never name a method)."""
+
+    node_scores: ClassVar[tuple[str, str] | None] = None
+    """(params field naming the scoring policy, ``policy_scores`` kind) of the per-node
+    scores the estimator reads: trace's gold-answer scores (``("ref", "gold_answer")``,
+    T2), dsc's action scores (``("target", "action")``, D3); None: it reads none."""
+    token_scorer: ClassVar[str | None] = None
+    """The params field naming the policy whose per-token scores the estimator reads
+    (factor, sgcd: ``teacher``; kinds by ``token_score_kinds``); None: it reads none."""
+    trainer_refusal: ClassVar[str | None] = None
+    """Why the trainer cannot train with this estimator (an input it does not produce),
+    completing ``credit NAME ...``; None: it can."""
+
+    def token_score_kinds(self) -> dict[str, str]:
+        """{extras name: ``policy_scores`` kind} of the per-token scores these params read
+        (empty: none, e.g. factor with ``eta=0``)."""
+        return {}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)  # type: ignore[call-overload]

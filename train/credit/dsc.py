@@ -44,11 +44,12 @@ baseline changes the variance of T_i, not its expectation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
 from train.credit.base import (
+    ACTION,
     Credit,
     Params,
     TreeArrays,
@@ -72,6 +73,10 @@ STATE: str = "dsc_state"
 @dataclass(frozen=True)
 class DSCParams(Params):
     """Hyperparameters of DSC credit (D4-D5)."""
+
+    node_scores: ClassVar[tuple[str, str] | None] = ("target", ACTION)
+    trainer_refusal: ClassVar[str | None] = (
+        "needs stored ratios and states: use --reuse dsc to gate stored trees")
 
     mode: DSCMode = "transport"
     """"transport": Q_T(a) = mean_i T_i(a) (D5); "reuse": Q_R(a) = mean_i R_i (c_R)."""

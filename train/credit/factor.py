@@ -23,10 +23,13 @@ Nodes with no rewarded trajectory below get NaN (stored as 0), like ``grpo``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from train.credit.base import (
+    HINDSIGHT,
+    PLAIN,
     Credit,
     GroupBy,
     Params,
@@ -54,6 +57,8 @@ STUDENT_LOGPROB: str = "student_logprob"
 @dataclass(frozen=True)
 class FactorParams(Params):
     """Hyperparameters of ``factor`` (F1-F5); F4/F5 defaults are the paper's."""
+
+    token_scorer: ClassVar[str | None] = "teacher"
 
     std: StdNorm = "unbiased"
     """F_norm of the trajectory advantage z_i (G1); ``"none"`` is the paper's G_i - b_i."""
@@ -92,6 +97,10 @@ class FactorParams(Params):
 
     def spans_trees(self) -> bool:
         return self.group == "task"
+
+    def token_score_kinds(self) -> dict[str, str]:
+        """F3: the teacher's hindsight and plain log-probabilities (none with ``eta=0``)."""
+        return {HINDSIGHT_LOGPROB: HINDSIGHT, STUDENT_LOGPROB: PLAIN} if self.eta > 0 else {}
 
 
 # ----------------------------------------------------------------- pure helpers

@@ -32,15 +32,10 @@ import pyarrow as pa
 from rollout_store.reader import connect
 from rollout_store.store import Store
 from rollout_store.tree import Node, Tree
+from train.credit.base import ACTION, GOLD, HINDSIGHT, PLAIN, ScoreKind
 from train.credit.contrast import make_summariser
 
-ScoreKind = str
-"""A ``policy_scores`` kind: ``GOLD``, ``ACTION``, ``PLAIN``, ``HINDSIGHT`` or
-``CONTRAST`` + a summariser spec (module docstring)."""
-GOLD: Final[ScoreKind] = "gold_answer"
-ACTION: Final[ScoreKind] = "action"
-PLAIN: Final[ScoreKind] = "plain"
-HINDSIGHT: Final[ScoreKind] = "hindsight"
+# The kinds live in train.credit.base, beside ``Params.node_scores`` that names them.
 CONTRAST: Final[str] = "contrast:"
 _TOKEN_KINDS: Final[tuple[str, ...]] = (PLAIN, HINDSIGHT)
 

@@ -16,10 +16,12 @@ sequence is the sampled transcript; the reference never enters it (Q5).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from train.credit.base import (
+    PLAIN,
     Credit,
     GroupBy,
     Params,
@@ -38,6 +40,8 @@ CONTRAST_LOGPROB: str = "contrast_logprob"
 @dataclass(frozen=True)
 class SgcdParams(Params):
     """Hyperparameters of ``sgcd`` (Q2-Q4; all [R] beyond the abstract)."""
+
+    token_scorer: ClassVar[str | None] = "teacher"
 
     std: StdNorm = "unbiased"
     """F_norm of the GRPO advantage (G1)."""
@@ -78,6 +82,11 @@ class SgcdParams(Params):
     def score_kind(self) -> str:
         """The ``policy_scores`` kind of the teacher scores (Q3)."""
         return f"contrast:{self.summariser}"
+
+    def token_score_kinds(self) -> dict[str, str]:
+        """Q3: the teacher's contrast and plain log-probabilities (none with ``kappa=0``)."""
+        return {CONTRAST_LOGPROB: self.score_kind, STUDENT_LOGPROB: PLAIN} \
+            if self.kappa > 0 else {}
 
 
 def reshape_weights(node_credit: np.ndarray, node_of: np.ndarray, gap: np.ndarray,

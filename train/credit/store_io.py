@@ -62,18 +62,13 @@ from train.credit.base import (
     from_tables,
     node_lists_to_tokens,
 )
-from train.credit.factor import HINDSIGHT_LOGPROB, STUDENT_LOGPROB
 from train.credit.scores import (
-    ACTION,
-    GOLD,
-    HINDSIGHT,
     PLAIN,
     ScoreKind,
     score_extras,
     stored_scores,
     token_score_lists,
 )
-from train.credit.sgcd import CONTRAST_LOGPROB
 
 _NODE_COLUMNS = [*NODE_INPUT.names, "depth", "preorder", "subtree_size"]
 _TREE_COLUMNS = ["tree_id", "run_id", "sampler", "policy_version", "task_id",
@@ -277,23 +272,25 @@ def resolve_method(method: str, params: Mapping[str, str] | Params | None = None
 
 
 # Methods whose inputs are policy scores of stored text: (params field naming the
-# scoring policy, kind of ``policy_scores`` rows) (train.credit.scores, train.scoring).
-SCORED: dict[str, tuple[str, ScoreKind]] = {"trace": ("ref", GOLD), "dsc": ("target", ACTION)}
+# scoring policy, kind of ``policy_scores`` rows) (train.credit.scores, train.scoring),
+# as each params type declares (``Params.node_scores``).
+SCORED: dict[str, tuple[str, ScoreKind]] = {
+    name: e.params_type.node_scores for name, e in sorted(ESTIMATORS.items())
+    if e.params_type.node_scores is not None}
 
 
 # Methods whose inputs are per-token policy scores (F3, Q3): the params field naming the
 # scoring policy is ``teacher``; ``token_score_kinds`` gives {extras name: kind}.
-TOKEN_SCORED: tuple[str, ...] = ("factor", "sgcd")
+TOKEN_SCORED: tuple[str, ...] = tuple(
+    name for name, e in sorted(ESTIMATORS.items()) if e.params_type.token_scorer is not None)
 
 
 def token_score_kinds(method: str, p: Any) -> dict[str, ScoreKind]:
     """{extras name: ``policy_scores`` kind} that ``method`` with params ``p`` reads
-    (empty when its teacher weight is off: factor ``eta=0``, sgcd ``kappa=0``)."""
-    if method == "factor" and p.eta > 0:
-        return {HINDSIGHT_LOGPROB: HINDSIGHT, STUDENT_LOGPROB: PLAIN}
-    if method == "sgcd" and p.kappa > 0:
-        return {CONTRAST_LOGPROB: p.score_kind, STUDENT_LOGPROB: PLAIN}
-    return {}
+    (empty when its teacher weight is off: factor ``eta=0``, sgcd ``kappa=0``), as the
+    params declare (``Params.token_score_kinds``)."""
+    kinds: dict[str, ScoreKind] = p.token_score_kinds()
+    return kinds
 
 
 def _score_source(method: str, p: Any) -> tuple[ScoreKind, str] | None:

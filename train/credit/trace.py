@@ -35,10 +35,12 @@ Tree reading (our choices, tagged [R] in METHODS' sense):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from train.credit.base import (
+    GOLD,
     Credit,
     GroupBy,
     Params,
@@ -56,6 +58,8 @@ REF_LOGPROB: str = "trace_ref_logprob"
 @dataclass(frozen=True)
 class TraceParams(Params):
     """Hyperparameters of TRACE (T3-T7); defaults are the paper's training values."""
+
+    node_scores: ClassVar[tuple[str, str] | None] = ("ref", GOLD)
 
     eps: float = 0.1
     """T3: d_k = -lbar_k + eps. epsilon_train = 0.1; the paper's worked example uses 1e-3."""

@@ -57,24 +57,37 @@ class Continuation:
 
 
 @dataclass(frozen=True)
-class SampleConfig:
-    """How to sample: ``n`` branches per transcript, length cap, temperature, seed."""
+class Decoding:
+    """How one agent step is decoded: the fields ``SampleConfig`` (one sampling call) and
+    ``train.sampling.base.SamplerConfig`` (every step of a tree) share, declared once."""
 
-    n: int = 1
     max_new_tokens: int = 128
+    """Token cap of one agent step."""
     temperature: float = 1.0
+    """Sampling temperature (> 0)."""
     top_p: float = 1.0
-    seed: int | None = None
+    """Nucleus mass (in (0, 1])."""
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature <= 0.0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class SampleConfig(Decoding):
+    """How to sample: ``n`` branches per transcript, and a seed, besides the decoding."""
+
+    n: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        super().__post_init__()
 
 
 @dataclass(frozen=True)

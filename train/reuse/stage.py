@@ -1,7 +1,9 @@
 """The reuse stage: the one object the trainer calls (docs/METHODS.md section 9).
 
-``make_reuse(config)`` is None for ``reuse none``, else a ``ReuseStage`` for the rule of
-``train.reuse.resolve.RULES``. Per iteration, ``ReuseStage.step`` takes the stored trees
+``make_reuse(config, credit_for, credit_key)`` is None for ``reuse none``, else a
+``ReuseStage`` for the rule of ``train.reuse.resolve.RULES``, with every field of the run it
+reads bound once (``RunBinding``: env, run id, seed, run directory, layout, sizes,
+temperature, the run's credit). Per iteration, ``ReuseStage.step`` takes the stored trees
 (``train.reuse.select``), scores their actions under the pre-update weights (D3; not for a
 rule with ``prox="interp"``, P1), resolves their comparisons by the rule, refreshes and
 commits what the rule refreshes, commits the stored trees' credit under
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ from train.batches import (
     rows_credit,
 )
 from train.credit.store_io import complete_credit, stored_credit
+from train.envs import make_env
 from train.loss import ISMode, behaviour_weight
 from train.policies.base import Policy
 from train.reuse.calibrate import gate_params
@@ -209,6 +213,26 @@ def interp_prox(behav_logp: torch.Tensor, logp: torch.Tensor,
     return behav_logp + alpha * (logp.detach() - behav_logp)
 
 
+@dataclass(frozen=True)
+class RunBinding:
+    """The run's fields that ``ReuseStage.step`` reads, bound once by ``make_reuse``."""
+
+    env: EnvSource
+    """An environment factory of the run's env (``make_env``)."""
+    env_name: str
+    run_id: str
+    seed: int
+    out: Path
+    """The run directory (``reuse.jsonl``, the D7 calibration record)."""
+    layout: Any
+    micro_tokens: int
+    row_tokens: int | None
+    max_new_tokens: int
+    temperature: float
+    credit_for: CreditFor
+    credit_key: tuple[str, str] | None
+
+
 @dataclass
 class StoredBatch:
     """What one iteration's stored trees add to the batch: trees (stored, then refreshed)
@@ -233,6 +257,8 @@ class ReuseStage:
     max_staleness: int
     is_cap: float
     is_mode: ISMode
+    run: RunBinding | None = None
+    """What ``step`` needs of the run besides the iteration's data (``make_reuse``)."""
     _w: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("sum", "over", "tokens", "masked"), 0.0))
 
@@ -258,42 +284,40 @@ class ReuseStage:
         """Record the knobs (and a pending or kept D7 calibration) in the run directory."""
         write_params(out, self.params)
 
-    def step(self, store: Store, model: Any, policy: Any, env: EnvSource, *, env_name: str,
-             it: int,
-             run_id: str, seed: int, out: Path, credit_for: CreditFor, layout: Any,
-             micro_tokens: int, row_tokens: int | None, max_new_tokens: int,
-             temperature: float, key: Callable[[str], str] | None = None,
-             rename: Callable[[list[Tree]], list[Tree]] | None = None,
-             credit_key: tuple[str, str] | None = None) -> StoredBatch:
-        """Iteration ``it``'s stored trees: select, score, resolve, refresh, commit their
-        credit (module docstring). ``env``: an environment factory (the refresh runs every
-        stored tree together, each in its own environment) or one environment;
-        ``key(name)``: the commit key of this iteration's ``name`` rows (default
-        ``RUN:name:it``); ``rename``: applied to refreshed trees before they are committed
-        (the trainer's retry of a differing replay); ``credit_key``: (method, params hash)
-        of ``credit_for``'s rows when they may be read back for an unchanged stored tree
-        (``credit_stored``), None to always credit."""
-        sel = select_stored(store, reuse_from=self.reuse_from, run_id=run_id, env=env_name,
+    def step(self, store: Store, model: Any, policy: Any, it: int,
+             key: Callable[[str], str] | None = None,
+             rename: Callable[[list[Tree]], list[Tree]] | None = None) -> StoredBatch:
+        """Iteration ``it``'s stored trees: select, score under ``model`` (the weights
+        before the update; ``policy`` their published policy), resolve, refresh, commit
+        their credit (module docstring); the run's env, seed, layout, sizes and credit are
+        bound at ``make_reuse`` (``RunBinding``). ``key(name)``: the commit key of this
+        iteration's ``name`` rows (default ``RUN:name:it``); ``rename``: applied to
+        refreshed trees before they are committed (the trainer's retry of a differing
+        replay)."""
+        r = self._run()
+        sel = select_stored(store, reuse_from=self.reuse_from, run_id=r.run_id, env=r.env_name,
                             iteration=it, max_staleness=self.max_staleness,
-                            per_step=self.per_step, seed=seed,
+                            per_step=self.per_step, seed=r.seed,
                             need_snapshots=self.rule.needs_snapshots,
                             tokenizer_dir=policy.policy_ref)
         if self.rule.gated:
             sel = refuse_thin(sel, self.params.min_trajectories, rule=self.rule.name,
                               iteration=it)
-        return self._after_select(sel, store, model, policy, env, it=it, run_id=run_id,
-                                  seed=seed, out=out, credit_for=credit_for, layout=layout,
-                                  micro_tokens=micro_tokens, row_tokens=row_tokens,
-                                  max_new_tokens=max_new_tokens, temperature=temperature,
-                                  key=key, rename=rename, credit_key=credit_key)
+        return self._after_select(sel, store, model, policy, it, key, rename)
 
-    def _after_select(self, sel: Selection, store: Store, model: Any, policy: Any,
-                      env: EnvSource, *, it: int, run_id: str, seed: int, out: Path,
-                      credit_for: CreditFor, layout: Any, micro_tokens: int,
-                      row_tokens: int | None, max_new_tokens: int,
-                      temperature: float, key: Callable[[str], str] | None = None,
-                      rename: Callable[[list[Tree]], list[Tree]] | None = None,
-                      credit_key: tuple[str, str] | None = None) -> StoredBatch:
+    def _run(self) -> RunBinding:
+        if self.run is None:
+            raise ReuseError("this reuse stage is not bound to a run (make_reuse)")
+        return self.run
+
+    def _after_select(self, sel: Selection, store: Store, model: Any, policy: Any, it: int,
+                      key: Callable[[str], str] | None = None,
+                      rename: Callable[[list[Tree]], list[Tree]] | None = None
+                      ) -> StoredBatch:
+        r = self._run()
+        run_id, layout, micro_tokens, row_tokens = r.run_id, r.layout, r.micro_tokens, \
+            r.row_tokens
+
         def commit_key(name: str) -> str:
             return key(name) if key is not None else f"{run_id}:{name}:{it}"
 
@@ -307,17 +331,17 @@ class ReuseStage:
                     for ts in old_seqs for n in ts.nodes}
             metrics["reuse_prox_forward_tokens_saved"] = float(
                 sum(len(n.full) for ts in old_seqs for n in ts.nodes))
-        step = resolve_stored(sel, self.rule, prox, self.params, env, policy, run_id=run_id,
-                              iteration=it, seed=seed, max_new_tokens=max_new_tokens,
-                              temperature=temperature, log=out / "reuse.jsonl")
+        step = resolve_stored(sel, self.rule, prox, self.params, r.env, policy, run_id=run_id,
+                              iteration=it, seed=r.seed, max_new_tokens=r.max_new_tokens,
+                              temperature=r.temperature, log=r.out / "reuse.jsonl")
         refreshed = step.refreshed
         if refreshed and rename is not None:
             refreshed = rename(refreshed)
         if refreshed:
             store.append_trees(refreshed, key=commit_key("refresh-trees"))
         old_rows, old_credit, read = credit_stored(store, sel.trees, step.credited,
-                                                   credit_for, credit_key, run_id)
-        new_rows, new_credit = credit_for(refreshed) if refreshed else (None, {})
+                                                   r.credit_for, r.credit_key, run_id)
+        new_rows, new_credit = r.credit_for(refreshed) if refreshed else (None, {})
         if old_rows is not None:
             store.append_credits(rename_method(old_rows, self.rule.method_suffix,
                                                policy.policy_version),
@@ -386,14 +410,23 @@ class ReuseStage:
         return out
 
 
-def make_reuse(config: Any) -> ReuseStage | None:
-    """The reuse stage of a ``TrainConfig`` (None for ``reuse none``)."""
+def make_reuse(config: Any, credit_for: CreditFor,
+               credit_key: tuple[str, str] | None = None) -> ReuseStage | None:
+    """The reuse stage of a ``TrainConfig`` (None for ``reuse none``), with every field of
+    the run its ``step`` reads bound (``RunBinding``); ``credit_for`` / ``credit_key``: the
+    run's credit stage (``train.credit_stage.CreditStage.credit`` / ``.stored_key``)."""
     if config.reuse == "none":
         return None
+    run = RunBinding(env=partial(make_env, config.env), env_name=config.env,
+                     run_id=config.resolved_run_id, seed=config.seed, out=Path(config.out),
+                     layout=config.layout, micro_tokens=config.micro_tokens,
+                     row_tokens=config.tree_row_tokens or None,
+                     max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                     credit_for=credit_for, credit_key=credit_key)
     return ReuseStage(get_rule(config.reuse), ReuseParams.parse(config.reuse_params),
                       config.reuse_from, config.reuse_per_step, config.max_staleness,
-                      config.is_cap, config.is_mode)
+                      config.is_cap, config.is_mode, run)
 
 
-__all__ = ["CreditFor", "ReuseStage", "StoredBatch", "StoredStep", "interp_prox",
+__all__ = ["CreditFor", "ReuseStage", "RunBinding", "StoredBatch", "StoredStep", "interp_prox",
            "m2po_mask", "make_reuse", "rename_method", "resolve_stored"]

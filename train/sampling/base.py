@@ -72,7 +72,7 @@ from rollout_store.snapshots import decompress
 from rollout_store.tree import Node, Tree
 from train.envs.base import Environment, StepResult, Task, parse_action
 from train.envs.registry import spec_of
-from train.policies.base import Continuation, Policy, Rows, SampleConfig, Turn
+from train.policies.base import Continuation, Decoding, Policy, Rows, SampleConfig, Turn
 from train.sampling.engine import Decode, Engine, EnvSource, Request, TreeJob, Work
 from train.sampling.segments import action_segments, head_entropy, token_char_starts
 
@@ -127,21 +127,14 @@ class Budget:
 
 
 @dataclass(frozen=True)
-class SamplerConfig:
-    """What every sampler shares: how the policy samples, and what counts as success."""
+class SamplerConfig(Decoding):
+    """What every sampler shares: how the policy samples (``Decoding``: token cap,
+    temperature, nucleus mass), and what counts as success."""
 
-    max_new_tokens: int = 128
-    """Token cap of one agent step (``SampleConfig.max_new_tokens``)."""
-    temperature: float = 1.0
-    """Sampling temperature (``SampleConfig.temperature``)."""
-    top_p: float = 1.0
-    """Nucleus mass (``SampleConfig.top_p``)."""
     success_threshold: float = 1.0
-    """A leaf succeeds when its reward is >= this (binary rewards: "reaches reward 1")."""
-
-    def __post_init__(self) -> None:
-        SampleConfig(n=1, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                     top_p=self.top_p)  # the same checks, the same messages
+    """A leaf succeeds when its reward is >= this (binary rewards: "reaches reward 1"):
+    the one success rule of a run (samplers, dynamic sampling, the trainer's success
+    metric and its held-out evaluation)."""
 
 
 # A start of rollouts: (node id to continue from, how many rollouts, phase).
@@ -661,6 +654,9 @@ class Sampler(ABC):
 
     name: ClassVar[str]
     config_class: ClassVar[type[SamplerConfig]] = SamplerConfig
+    rank_refusal: ClassVar[str | None] = None
+    """Why data-parallel ranks cannot share this sampler within an iteration (completing
+    ``sampler NAME ...``); None: they can (each samples its own trees)."""
 
     def __init__(self, config: SamplerConfig | None = None) -> None:
         self.config = config if config is not None else self.config_class()

@@ -138,6 +138,8 @@ class CaliperSampler(Sampler):
 
     name: ClassVar[str] = "caliper"
     config_class: ClassVar[type[SamplerConfig]] = CaliperConfig
+    rank_refusal: ClassVar[str | None] = ("updates its bucket statistics tree by tree within "
+                                          "an iteration, which ranks cannot share")
 
     def __init__(self, config: SamplerConfig | None = None,
                  state: CaliperState | None = None) -> None:

@@ -1,11 +1,12 @@
 """Held-out evaluation through the rollout engine: one episode per task, all together (issue 22).
 
-The one evaluation of the house (the trainer's held-out metrics, ``rtrees policy init``'s
-success report, ``success_report``, which the tiny policy's SFT receives as its held-out
-check): each task gets one episode from ``reset``, continued by the
-continuation primitive (``train.sampling.base.Continuing``) under the one step limit,
-``Task.max_steps`` (an episode cut there ends with reward 0), and the one success rule,
-final reward >= ``success_threshold``. Every episode is a program of
+The one evaluation of the house (the trainer's held-out metrics and ``evaluations`` rows,
+``heldout_rows``; ``rtrees policy init``'s success report, ``success_report``, which the
+tiny policy's SFT receives as its held-out check): each task gets one episode from
+``reset``, continued by the continuation primitive (``train.sampling.base.Continuing``)
+under the one step limit, ``Task.max_steps`` (an episode cut there ends with reward 0),
+and the one success rule, final reward >= ``success_threshold`` (the trainer passes its
+sampler's, ``SamplerConfig.success_threshold``). Every episode is a program of
 ``train.sampling.engine``, so each decode step is one token of every live episode in
 one continuously batched decoder, environment steps run in the engine's pool, and each
 environment is closed when its episode ends. Episode i's row draws from the stream keyed by
@@ -20,6 +21,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import pyarrow as pa
+
+from rollout_store.schema import EVALUATIONS
+from rollout_store.store import now_utc
 from train.envs import Environment, Task, env_class, make_env
 from train.policies.base import Policy, Rows, SampleConfig
 from train.sampling.base import Continuing, mix_seed
@@ -72,6 +77,37 @@ def run_episodes(policy: Policy, env: str | Callable[[], Environment], tasks: Se
          for i, task in enumerate(tasks)])
     rewards = [float(r) for r, _ in got]
     return Episodes(rewards, [r >= success_threshold for r in rewards], [s for _, s in got])
+
+
+def heldout_rows(policy: Policy, env: str, tasks: Sequence[Task], *, seed: int, step: int,
+                 run_id: str, max_new_tokens: int, success_threshold: float = 1.0
+                 ) -> tuple[dict[str, float], pa.Table]:
+    """The trainer's held-out evaluation: success on ``tasks``, sampled and greedy
+    (``heldout_sampled``, ``heldout_greedy``; NaN without tasks), and the per-task outcomes
+    as ``evaluations`` rows of ``run_id`` at metric ``step`` (V2 pairs arms by task). Each
+    mode runs ``run_episodes`` with ``seed``, so task i draws the same stream in every run
+    that evaluates with that seed."""
+    metrics: dict[str, float] = {}
+    parts = []
+    now = now_utc()
+    n = len(tasks)
+    for mode, greedy in (("sampled", False), ("greedy", True)):
+        ep = run_episodes(policy, env, tasks, seed=seed, max_new_tokens=max_new_tokens,
+                          greedy=greedy, success_threshold=success_threshold)
+        metrics[f"heldout_{mode}"] = ep.success_rate if n else float("nan")
+        parts.append(pa.table({
+            "run_id": pa.array([run_id] * n, pa.string()),
+            "step": pa.array([step] * n, pa.int64()),
+            "mode": pa.array([mode] * n, pa.string()),
+            "task_index": pa.array(range(n), pa.int32()),
+            "task_id": pa.array([t.task_id for t in tasks], pa.string()),
+            "eval_seed": pa.array([seed] * n, pa.int64()),
+            "reward": pa.array(ep.rewards, pa.float64()),
+            "success": pa.array(ep.successes, pa.bool_()),
+            "steps": pa.array(ep.steps, pa.int32()),
+            "created_at": pa.array([now] * n, EVALUATIONS.field("created_at").type),
+        }, schema=EVALUATIONS))
+    return metrics, pa.concat_tables(parts)
 
 
 ALL_TASKS = "all"
@@ -147,4 +183,5 @@ def success_report(policy: Policy, env_name: str, tasks: Sequence[Task], seed: i
 
 
 __all__ = ["ALL_TASKS", "GREEDY_TOP_P", "Episodes", "SuccessReport", "episode_program",
-           "group_name", "rollout_rewards", "run_episodes", "success_report", "task_group"]
+           "group_name", "heldout_rows", "rollout_rewards", "run_episodes", "success_report",
+           "task_group"]
