@@ -25,17 +25,10 @@ from train.policies.base import (
     SampleConfig,
     Transcript,
 )
+from train.policies.hf import versions
 from train.policies.hf.decode import DecodeBatch, widened
 from train.policies.hf.kvcache import BufferLayer, PrefixCache
 from train.policies.hf.render import ChatRenderer, ObservationRole
-from train.policies.hf.versions import (
-    check_finite,
-    quiet_progress,
-    recorded_version,
-    require_checkpoint_dir,
-    state_dict_version,
-    weights_version,
-)
 from train.rundir import DIGESTS_KEY, CheckpointError, read_meta, verify_checkpoint
 
 SMALL_MODEL_PARAMS = 20_000_000
@@ -137,13 +130,13 @@ class HFPolicy:
         loaded weights (``recorded_version``). Damage is a ``CheckpointError`` naming
         the file."""
         path = Path(path)
-        require_checkpoint_dir(path)
+        versions.require_checkpoint_dir(path)
         meta = read_meta(path)  # a training checkpoint names its version and digests
         if meta is not None and DIGESTS_KEY in meta:
             verify_checkpoint(path)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         try:
-            with quiet_progress():
+            with versions.quiet_progress():
                 tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True,
                                                           trust_remote_code=False)
                 model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
@@ -154,16 +147,16 @@ class HFPolicy:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise CheckpointError(f"{path} does not load as a transformers checkpoint "
                                   f"({type(exc).__name__}: {first})") from None
-        check_finite(model, path)
+        versions.check_finite(model, path)
         model = model.to(device)  # type: ignore[arg-type]  # (transformers' .to stub)
         if "version" not in kw and meta is not None:
             def as_saved() -> torch.nn.Module:
-                with quiet_progress():
+                with versions.quiet_progress():
                     return AutoModelForCausalLM.from_pretrained(
                         path, local_files_only=True, trust_remote_code=False, dtype="auto")
 
-            version = recorded_version(path, model, meta,
-                                       as_saved if dtype not in (None, "auto") else None)
+            version = versions.recorded_version(path, model, meta,
+                                                as_saved if dtype not in (None, "auto") else None)
             if version is not None:
                 kw["version"] = version
         return cls(model, tokenizer, ref=str(path.resolve()), **kw)
@@ -180,8 +173,8 @@ class HFPolicy:
     @property
     def policy_version(self) -> str:
         if self._version is None:
-            self._version = (weights_version(self._ref) if self._ref is not None
-                             else state_dict_version(self.model))
+            self._version = (versions.weights_version(self._ref) if self._ref is not None
+                             else versions.state_dict_version(self.model))
         return self._version
 
     @property
