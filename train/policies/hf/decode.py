@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -17,12 +17,39 @@ from train.policies.base import (
     Continuation,
     Rows,
     SampleConfig,
+    Transcript,
     stream_uniforms,
 )
-from train.policies.hf.kvcache import BufferLayer, buffered_cache
+from train.policies.hf.kvcache import BufferLayer, PrefixCache, buffered_cache
 
-if TYPE_CHECKING:
-    from train.policies.hf.policy import HFPolicy
+
+class DecodeHost(Protocol):
+    """What ``DecodeBatch`` uses of its policy (``HFPolicy``, in ``train.policies.hf.policy``,
+    which imports this module: the decoder names the policy by this protocol, not by
+    import)."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    pad_id: int
+    eos_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    _stop_window: int
+    prefix_cache: PrefixCache | None
+
+    def prompt_ids(self, transcript: Transcript) -> list[int]: ...
+
+    def token_texts(self) -> list[str]: ...
+
+    def cached_prefixes(self, prompts: Sequence[list[int]]
+                        ) -> list[tuple[int, list[Any] | None]]: ...
+
+    def _prefill_inputs(self, prompts: list[list[int]], cache: DynamicCache, extra: int = 0,
+                        hits: Sequence[tuple[int, list[Any] | None]] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]: ...
+
+    def _remember(self, seq: list[int], cache: DynamicCache, mask: torch.Tensor, row: int
+                  ) -> None: ...
 
 
 _MASK64 = (1 << 64) - 1
@@ -162,7 +189,7 @@ class DecodeBatch:
     numbers are the same bits.
     """
 
-    def __init__(self, policy: HFPolicy, config: SampleConfig,
+    def __init__(self, policy: DecodeHost, config: SampleConfig,
                  prompts: Sequence[list[int]] = (), ns: Sequence[int] = (),
                  seeds: Sequence[int] = (), tags: Sequence[Any] | None = None) -> None:
         self.policy = policy
