@@ -1,7 +1,7 @@
 """The main job's report (``rtrees demo``), from the store and the result files alone.
 
 ``write_demo_report(out)`` reads ``OUT/demo.json`` (the job's settings, run ids and
-phase timings, written by ``train.jobs.run_demo_job``), ``OUT/ranking/results.json``
+phase timings, written by ``train.demo.run_demo_job``), ``OUT/ranking/results.json``
 (the Mean@k ranking audit, ``analysis.ranking_report``) and the store named there (the
 collected trees, their credits and references, the training run's ``metrics``), and
 writes into ``OUT``:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from rollout_store.store import Store
 
-DEMO_STATE = "demo.json"  # train.jobs.DEMO_STATE (analysis does not import train.jobs)
+DEMO_STATE = "demo.json"  # train.demo.DEMO_STATE (analysis does not import train)
 CURVE_PNG = "learning_curve.png"
 TREE_PNG = "bel_tree.png"
 TREE_CREDIT = "elpo"  # the credit drawn on the BEL tree (ELPO is built on BEL's trees)
@@ -416,7 +416,7 @@ def render(results: Mapping[str, Any]) -> str:
 
 def choices(settings: Mapping[str, Any], collection: Mapping[str, Any]) -> list[str]:
     """The settings the job ran with and why the defaults are what they are (report
-    text; the defaults are ``train.jobs.DemoConfig``'s)."""
+    text; the defaults are ``train.demo.DemoConfig``'s)."""
     children = sum(c["referenced_children"] for c in collection.values())
     staleness = settings["max_staleness"] or settings["train_steps"]
     return [

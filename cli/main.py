@@ -332,7 +332,8 @@ def demo(
     elpo, caliper), Mean@32 ranking audit, a short training run reusing the stored trees
     (--reuse transport) with held-out success before and after; report in OUT. A rerun reuses
     everything that exists."""
-    from train.jobs import DemoConfig, JobError, run_demo_job
+    from train.demo import DemoConfig, run_demo_job
+    from train.jobs import JobError
 
     given: dict[str, Any] = {
         "store": store, "out": out, "env": env, "tasks": tasks, "n_total": n_total, "k": k,

@@ -1,4 +1,4 @@
-"""The main job (``rtrees demo``, ``train.jobs.run_demo_job``) end to end on tiny settings,
+"""The main job (``rtrees demo``, ``train.demo.run_demo_job``) end to end on tiny settings,
 its rerun, its report's arithmetic, and its one-line errors."""
 
 from __future__ import annotations
