@@ -57,8 +57,6 @@ from train.batches import (
     TreeSeqs,
     Unit,
     build_sequences,
-    forward_logprobs,
-    loss_pieces,
     make_rows,
     micro_batches,
     pack_rows,
@@ -67,6 +65,7 @@ from train.batches import (
 from train.coerce import literal_value
 from train.config import TrainConfig
 from train.envs import make_env
+from train.forward import forward_logprobs, loss_pieces
 from train.loss import aggregate, denominator, token_loss, token_weights
 from train.policies import load_policy
 from train.sampling import make_sampler

@@ -91,9 +91,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import print_table, verdict
 from rollout_store.store import Store, open_store
-from train.batches import build_sequences, forward_logprobs, make_rows, micro_batches
+from train.batches import build_sequences, make_rows, micro_batches
 from train.config import TrainConfig
 from train.envs import Task, env_class, make_env
+from train.forward import forward_logprobs
 from train.loss import aggregate, denominator, token_loss, token_weights
 from train.policies.base import STOP_STRINGS
 from train.policies.hf import HFPolicy, state_dict_version

@@ -20,9 +20,6 @@ from train.batches import (
     build_sequences,
     collate,
     dense_tree_mask,
-    forward_logprobs,
-    has_dropout,
-    loss_pieces,
     make_rows,
     micro_batches,
     node_credit,
@@ -32,6 +29,7 @@ from train.batches import (
 from train.credit import ESTIMATORS
 from train.credit.base import from_trees
 from train.envs import make_env
+from train.forward import forward_logprobs, has_dropout, loss_pieces
 from train.loss import aggregate, denominator, token_loss, token_weights
 from train.policies import load_policy
 from train.policies.hf import HFPolicy
