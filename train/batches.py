@@ -115,23 +115,11 @@ class TreeSeqs:
         return sum(1 for n in self.nodes if n.parent >= 0 and n.chain_parent < 0)
 
 
-def transcripts(tree: Tree) -> dict[int, tuple[Turn, ...]]:
-    """Each node's transcript through its observation (the root's: the prompt)."""
-    out: dict[int, tuple[Turn, ...]] = {}
-    for node in tree.preorder():
-        if node.parent_id is None:
-            out[node.node_id] = (("prompt", node.observation_text),)
-        else:
-            out[node.node_id] = (*out[node.parent_id], ("action", node.action_text),
-                                 ("observation", node.observation_text))
-    return out
-
-
 def build_sequences(tree: Tree, prompt_ids: PromptIds) -> TreeSeqs:
     """Sequences, sharing and trajectory weights of every node (module docstring)."""
     order = list(tree.preorder())
     index = {n.node_id: i for i, n in enumerate(order)}
-    turns = transcripts(tree)
+    turns = tree.transcripts()
     kids: dict[int, list[int]] = {i: [] for i in range(len(order))}
     for i, n in enumerate(order):
         if n.parent_id is not None:
@@ -780,4 +768,4 @@ def __getattr__(name: str) -> Any:
 __all__ = ["LAYOUTS", "NODE_WEIGHTS", "BatchError", "Layout", "MicroBatch", "NodeCredit",
            "NodeSeq", "NodeWeight", "ProxLogp", "Row", "SplitTree", "TreeSeqs", "Unit",
            "build_sequences", "collate", "dense_tree_mask", "make_rows", "micro_batches",
-           "node_credit", "pack_rows", "transcripts", "tree_token_ratio"]
+           "node_credit", "pack_rows", "tree_token_ratio"]
