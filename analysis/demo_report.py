@@ -58,6 +58,12 @@ METHOD_NOTES: dict[str, str] = {
     "caliper": "C4-C9: GRPO over the full trajectories plus a leave-one-out local credit "
                "inside local groups (``local`` resamples beside the failed original step), "
                "which only CALIPER trees have: on group and BEL trees it is GRPO's score.",
+    "trace": "T1-T7: TD credit from the starting policy's mean log-probability of the gold "
+             "answer after each step (the frozen reference of T2, scored from the store) plus "
+             "alpha_out times the z-scored outcome; a step that makes the gold answer more "
+             "likely scores higher whatever its sampled rollouts returned, so it orders "
+             "siblings by another signal than GRPO, and the audit shows what that signal is "
+             "worth against the Monte-Carlo references.",
 }
 
 

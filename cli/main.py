@@ -329,7 +329,7 @@ def demo(
     seed: Annotated[int | None, typer.Option(help="Seed.")] = None,
 ) -> None:
     """The main job: tiny policy, collect (group, bel, caliper), credit (grpo, tree_grpo,
-    elpo, caliper), Mean@32 ranking audit, a short training run reusing the stored trees
+    elpo, caliper, trace), Mean@32 ranking audit, a short training run reusing the stored trees
     (--reuse transport) with held-out success before and after; report in OUT. A rerun reuses
     everything that exists."""
     from train.demo import DemoConfig, run_demo_job

@@ -11,8 +11,13 @@ on embedded defaults (the tiny policy, calc, a local store, DuckDB); with
 2. **collect**: one tree per task with each sampler (``group``, ``bel``,
    ``caliper``), committed to the store (``train.sampling.collect``; idempotent per
    run id and seed);
-3. **credit**: each method (``grpo``, ``tree_grpo``, ``elpo``, ``caliper``) for every
-   collected tree lacking it;
+3. **credit**: each method (``grpo``, ``tree_grpo``, ``elpo``, ``caliper``, ``trace``)
+   for every collected tree lacking it; ``trace`` (T1-T7) first scores the gold answer
+   under the starting policy, its frozen reference (``train.scoring``, from the store).
+   On calc, grpo, tree_grpo and elpo order most siblings identically by construction
+   (the report says why); trace orders them by another signal (how much a step raises
+   the reference's probability of the gold answer), so the first table of the audit
+   shows it telling methods apart, with intervals;
 4. **references**: Mean@k for every child of a branching node of the collected trees
    (``train.sampling.references``);
 5. **audit**: ``train.jobs.ranking_job`` (E10-E11, pooled and per sampler);
@@ -57,6 +62,11 @@ collected by ``OUT/policy/step-000000`` count as version 0 of the training run, 
 starts from these very weights."""
 
 
+START_POLICY = "start"
+"""A ``DemoConfig.credit_params`` value: the starting policy (its checkpoint for scoring,
+its version in the credit's parameters, as ``train.scoring.score_for_credit`` records)."""
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     """Settings of the main job (``make demo`` = ``rtrees demo``). The defaults are meant
@@ -84,8 +94,13 @@ class DemoConfig:
     """Rollout budget per collected tree (ELPO's N_total)."""
     samplers: tuple[str, ...] = ("group", "bel", "caliper")
     """Tree samplers to collect with (one run id each)."""
-    methods: tuple[str, ...] = ("grpo", "tree_grpo", "elpo", "caliper")
+    methods: tuple[str, ...] = ("grpo", "tree_grpo", "elpo", "caliper", "trace")
     """Credit methods computed for every collected tree and audited."""
+    credit_params: tuple[tuple[str, str, str], ...] = (("trace", "ref", START_POLICY),)
+    """Parameters of the audited methods, as (method, name, value); the value ``start``
+    names the starting policy (``OUT/policy/step-000000``): trace's frozen reference (T2)
+    scores each node's gold answer with it, read from the store. Parameters of a method
+    not in ``methods`` are ignored."""
     k: int = 32
     """Rollouts behind each Mean@k reference."""
     max_new_tokens: int = 48
@@ -130,6 +145,12 @@ class DemoConfig:
         if self.reuse != "none" and self.train_steps < 2:
             raise ValueError("reuse needs train_steps >= 2: stored trees of version 0 are "
                              "historical from iteration 1 on")
+
+    def method_params(self, method: str, start: str) -> dict[str, str]:
+        """``method``'s ``credit_params`` as ``--param`` pairs, ``start`` for the starting
+        policy."""
+        return {name: start if value == START_POLICY else value
+                for m, name, value in self.credit_params if m == method}
 
     def run_id(self, sampler: str) -> str:
         """Run id of the trees collected with ``sampler``."""
@@ -232,10 +253,11 @@ def run_demo_job(config: DemoConfig, console: Console | None = None) -> DemoResu
     from rollout_store import Store
     from rollout_store.store import StoreVersion
     from train.config import ConfigError, check_resume, read_config
-    from train.credit.store_io import compute_credits, resolve_method
+    from train.credit.store_io import resolve_method
     from train.policies import load_policy
     from train.sampling.collect import collect, tree_id_for
     from train.sampling.references import ReferenceConfig, collect_references
+    from train.scoring import score_and_credit
     from train.trainer import TrainError, task_splits, train
 
     console = console or Console()
@@ -280,14 +302,18 @@ def run_demo_job(config: DemoConfig, console: Console | None = None) -> DemoResu
 
     con = _connect(store)
     con.register("_demo_trees", _id_table(tree_ids))
+    spec = str(start_dir.resolve())
     for method in config.methods:
-        params_hash = resolve_method(method)[1].params_hash()
+        # the hash of the params as stored: a scoring policy is recorded by its version
+        params_hash = resolve_method(method, config.method_params(
+            method, str(policy.policy_version)))[1].params_hash()
         [(lacking,)] = con.execute(
             "SELECT count(*) FROM _demo_trees d WHERE NOT EXISTS (SELECT 1 FROM credits c "
             "WHERE c.tree_id = d.tree_id AND c.method = $m AND c.method_params_hash = $h)",
             {"m": method, "h": params_hash}).fetchall()
-        if lacking:  # compute_credits credits every stored tree lacking it
-            credit = compute_credits(store, method)
+        if lacking:  # score_and_credit credits every stored tree lacking it
+            credit = score_and_credit(store, method, config.method_params(method, spec),
+                                      progress=True)
             console.print(f"[bold]3/7 credit[/]: {escape(credit.summary())}")
         else:
             console.print(f"[bold]3/7 credit[/]: {method} {escape(f'[{params_hash}]')}: "
@@ -429,5 +455,5 @@ def print_demo_summary(results: Mapping[str, Any], files: Sequence[Path],
     console.print("report: " + "  ".join(escape(str(f)) for f in files))
 
 
-__all__ = ["DEMO_STATE", "START_DIR", "DemoConfig", "DemoResult", "print_demo_summary",
-           "run_demo_job"]
+__all__ = ["DEMO_STATE", "START_DIR", "START_POLICY", "DemoConfig", "DemoResult",
+           "print_demo_summary", "run_demo_job"]
