@@ -91,7 +91,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import print_table, verdict
 from rollout_store.store import Store, open_store
-from train.batches import build_sequences, make_rows, micro_batches
+from train.batches import make_rows, micro_batches
 from train.config import TrainConfig
 from train.envs import Task, env_class, make_env
 from train.forward import forward_logprobs
@@ -102,6 +102,7 @@ from train.policies.tiny import find_checkpoint
 from train.sampling import make_sampler
 from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
+from train.sequences import build_sequences
 from train.trainer import (
     _commit_metrics,
     _save_after_commits,

@@ -95,8 +95,8 @@ def test_credit_reads_only() -> None:
     ``train/scoring.py``, on the rollout side."""
     assert _hits("train/credit", ("train.policies", "train.envs", "train.sampling",
                                   "train.scoring", "train.reuse", "train.trainer",
-                                  "train.batches", "train.forward", "train.jobs",
-                                  "train.demo")) == []
+                                  "train.batches", "train.forward", "train.sequences",
+                                  "train.jobs", "train.demo")) == []
 
 
 def test_only_jobs_imports_analysis() -> None:
@@ -315,7 +315,7 @@ def test_the_loop_heuristic(snippet: str, caught: bool) -> None:
 
 REUSE_FORBIDDEN = ("torch", "train.envs", "train.policies", "train.sampling",
                    "rollout_store.store", "rollout_store.reader", "train.batches",
-                   "train.forward", "train.trainer")
+                   "train.forward", "train.sequences", "train.trainer")
 
 
 def test_reuse_resolve_is_pure() -> None:

@@ -12,12 +12,13 @@ import numpy as np
 
 from rollout_store.reader import connect, read_trees
 from rollout_store.store import open_store
-from train.batches import build_sequences, make_rows
+from train.batches import make_rows
 from train.config import load_config
 from train.credit.contrast import TemplateSummariser, reference
 from train.credit.scores import HINDSIGHT, PLAIN, stored_scores
 from train.credit.store_io import credit_trees, credit_trees_full
 from train.scoring import teacher_contexts
+from train.sequences import build_sequences
 from train.trainer import credit_for, load_start_policy, read_metrics, train
 
 
