@@ -58,9 +58,10 @@ the concurrency design.
 
 Why one module (about 1,150 lines): every part above runs on the ``Store``'s own state
 (its ``Location``, the pinned table versions, the append and create locks), and the
-schema upgrade of an older store (``_add_new_tables``, ``_add_new_columns``: the tables
-and nullable columns a newer schema version added) runs inside ``_check_table`` under the
-create lock, writing through the same data-file writer and commit path. The pure parts
+schema upgrade of an older store runs as it opens, under the create lock: the tables a
+newer schema version added (``_add_new_tables``, from the constructor) and its nullable
+columns (``_add_new_columns``, from ``_check_table``), written through the same
+data-file writer and commit path. The pure parts
 already live apart: the schema and its history (``schema.py``), digests, the Delta log's
 fsyncs and checkpoints (``deltalog.py``), object storage (``objectstore.py``).
 """
