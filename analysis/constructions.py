@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from analysis.ranking import load_ranking_data, resolve_methods
+from analysis.ranking_data import load_ranking_data, resolve_methods
 from analysis.report import (
     BarSeries,
     ReportOutput,
@@ -55,7 +55,7 @@ def construction_sums(store_dir: Path, constructions: dict[str, list[str]], k: i
     """Per reference and construction the per-task ``ClusterSums``, plus coverage counts.
 
     One row per child of every branching node whose children all have a Mean@k reference
-    (``analysis.ranking.load_ranking_data``, every method's latest credit); the exact
+    (``analysis.ranking_data.load_ranking_data``, every method's latest credit); the exact
     reference joins on (tree_id, node_id)."""
     from rollout_store import Store, connect
 

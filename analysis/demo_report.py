@@ -1,7 +1,7 @@
 """The main job's report (``rtrees demo``), from the store and the result files alone.
 
 ``write_demo_report(out)`` reads ``OUT/demo.json`` (the job's settings, run ids and
-phase timings, written by ``train.jobs.run_demo_job``), ``OUT/ranking/results.json``
+phase timings, written by ``train.demo.run_demo_job``), ``OUT/ranking/results.json``
 (the Mean@k ranking audit, ``analysis.ranking_report``) and the store named there (the
 collected trees, their credits and references, the training run's ``metrics``), and
 writes into ``OUT``:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from rollout_store.store import Store
 
-DEMO_STATE = "demo.json"  # train.jobs.DEMO_STATE (analysis does not import train.jobs)
+DEMO_STATE = "demo.json"  # train.demo.DEMO_STATE (analysis does not import train)
 CURVE_PNG = "learning_curve.png"
 TREE_PNG = "bel_tree.png"
 TREE_CREDIT = "elpo"  # the credit drawn on the BEL tree (ELPO is built on BEL's trees)
@@ -58,6 +58,12 @@ METHOD_NOTES: dict[str, str] = {
     "caliper": "C4-C9: GRPO over the full trajectories plus a leave-one-out local credit "
                "inside local groups (``local`` resamples beside the failed original step), "
                "which only CALIPER trees have: on group and BEL trees it is GRPO's score.",
+    "trace": "T1-T7: TD credit from the starting policy's mean log-probability of the gold "
+             "answer after each step (the frozen reference of T2, scored from the store) plus "
+             "alpha_out times the z-scored outcome; a step that makes the gold answer more "
+             "likely scores higher whatever its sampled rollouts returned, so it orders "
+             "siblings by another signal than GRPO, and the audit shows what that signal is "
+             "worth against the Monte-Carlo references.",
 }
 
 
@@ -416,7 +422,7 @@ def render(results: Mapping[str, Any]) -> str:
 
 def choices(settings: Mapping[str, Any], collection: Mapping[str, Any]) -> list[str]:
     """The settings the job ran with and why the defaults are what they are (report
-    text; the defaults are ``train.jobs.DemoConfig``'s)."""
+    text; the defaults are ``train.demo.DemoConfig``'s)."""
     children = sum(c["referenced_children"] for c in collection.values())
     staleness = settings["max_staleness"] or settings["train_steps"]
     return [

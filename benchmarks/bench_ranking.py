@@ -11,7 +11,7 @@ starts from that file and computes the same point estimates: pairwise accuracy
 
 * ours: ``RankingData.from_table(pq.read_table(file))`` then
   ``ranking_statistics(..., n_boot=0)`` (numpy pairs within each prefix,
-  ``bincount`` per prefix; ``analysis/ranking.py``);
+  ``bincount`` per prefix; ``analysis/ranking_data.py``, ``analysis/stats.py``);
 * (a) the baseline a researcher would write: the same arrays, then a Python loop
   over groups calling ``scipy.stats.kendalltau`` (variant b) per group and a loop
   over its pairs for E10 and the pooled counts;

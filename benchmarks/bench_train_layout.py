@@ -51,25 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import Timings, mib, print_table, print_timings, timed, verdict
 from rollout_store.reader import read_trees
 from rollout_store.store import open_store
-from train.batches import (
-    MicroBatch,
-    NodeSeq,
-    TreeSeqs,
-    Unit,
-    build_sequences,
-    forward_logprobs,
-    loss_pieces,
-    make_rows,
-    micro_batches,
-    pack_rows,
-    tree_token_ratio,
-)
+from train.batches import MicroBatch, Unit, make_rows, micro_batches, pack_rows
 from train.coerce import literal_value
 from train.config import TrainConfig
 from train.envs import make_env
+from train.forward import forward_logprobs, loss_pieces
 from train.loss import aggregate, denominator, token_loss, token_weights
 from train.policies import load_policy
 from train.sampling import make_sampler
+from train.sequences import NodeSeq, TreeSeqs, build_sequences, tree_token_ratio
 from train.trainer import credit_for
 
 

@@ -91,9 +91,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import print_table, verdict
 from rollout_store.store import Store, open_store
-from train.batches import build_sequences, forward_logprobs, make_rows, micro_batches
+from train.batches import make_rows, micro_batches
 from train.config import TrainConfig
 from train.envs import Task, env_class, make_env
+from train.forward import forward_logprobs
 from train.loss import aggregate, denominator, token_loss, token_weights
 from train.policies.base import STOP_STRINGS
 from train.policies.hf import HFPolicy, state_dict_version
@@ -102,6 +103,7 @@ from train.run import commit_metrics, require_finite, save_after_commits, traine
 from train.sampling import make_sampler
 from train.sampling.base import mix_seed
 from train.sampling.engine import Engine, TreeJob
+from train.sequences import build_sequences
 from train.trainer import credit_for
 from train.writer import Writes
 

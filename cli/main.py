@@ -350,10 +350,11 @@ def demo(
     seed: Annotated[int | None, typer.Option(help="Seed.")] = None,
 ) -> None:
     """The main job: tiny policy, collect (group, bel, caliper), credit (grpo, tree_grpo,
-    elpo, caliper), Mean@32 ranking audit, a short training run reusing the stored trees
+    elpo, caliper, trace), Mean@32 ranking audit, a short training run reusing the stored trees
     (--reuse transport) with held-out success before and after; report in OUT. A rerun reuses
     everything that exists."""
-    from train.jobs import DemoConfig, JobError, run_demo_job
+    from train.demo import DemoConfig, run_demo_job
+    from train.jobs import JobError
 
     given: dict[str, Any] = {
         "store": store, "out": out, "env": env, "tasks": tasks, "n_total": n_total, "k": k,

@@ -249,12 +249,12 @@ def config_sections() -> list[str]:
         "default below (`train/config.py`). A TOML file (`--config`) sets fields by name, "
         "`--set FIELD=VALUE` any one of them; `rtrees train --fields` prints this list.")]
     try:
-        from train.jobs import DemoConfig
+        from train.demo import DemoConfig
     except ImportError:  # an older tree without the main job's config
         return out
     out.append(config_markdown(
         DemoConfig, "`DemoConfig` fields (`rtrees demo`)",
-        "The main job's settings (`train/jobs.py`); `rtrees demo` passes on only the "
+        "The main job's settings (`train/demo.py`); `rtrees demo` passes on only the "
         "options given."))
     return out
 

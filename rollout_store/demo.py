@@ -6,7 +6,7 @@ idempotent commits, the store is compacted, queried through the DuckDB views
 (``siblings`` joined to ``nodes``) and fully verified. A rerun with the same seed
 reuses what is stored (every commit key is already present). It exercises the store
 alone; the main job (``make demo`` = ``rtrees demo``: a tiny policy, collection, credit,
-the ranking audit, training with reuse) is ``train.jobs.run_demo_job``.
+the ranking audit, training with reuse) is ``train.demo.run_demo_job``.
 """
 
 from __future__ import annotations

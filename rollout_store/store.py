@@ -55,6 +55,15 @@ access to storage goes through ``self.loc`` (``objectstore.Location``): data fil
 put), the append lock as a lease lock object instead of ``flock``; fsyncs apply to local
 directories only (an object is durable once its PUT returns). ``objectstore.py`` documents
 the concurrency design.
+
+Why one module (about 1,150 lines): every part above runs on the ``Store``'s own state
+(its ``Location``, the pinned table versions, the append and create locks), and the
+schema upgrade of an older store runs as it opens, under the create lock: the tables a
+newer schema version added (``_add_new_tables``, from the constructor) and its nullable
+columns (``_add_new_columns``, from ``_check_table``), written through the same
+data-file writer and commit path. The pure parts
+already live apart: the schema and its history (``schema.py``), digests, the Delta log's
+fsyncs and checkpoints (``deltalog.py``), object storage (``objectstore.py``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -33,6 +33,19 @@ from rollout_store.validate import (
     check_columns,
     validate_nodes,
 )
+
+TurnRole = Literal["prompt", "action", "observation"]
+Turn = tuple[TurnRole, str]
+"""One turn of a transcript (``train.policies.base`` declares the same types for policies)."""
+
+
+def extend_transcript(parent: tuple[Turn, ...], node: Node) -> tuple[Turn, ...]:
+    """The transcript through step node ``node``: its parent's transcript, then
+    ``("action", action_text)`` and ``("observation", observation_text)``. The one rule
+    by which samplers build transcripts as they grow a tree and consumers rebuild them from
+    stored trees (``Tree.transcripts``)."""
+    return (*parent, ("action", node.action_text or ""),
+            ("observation", node.observation_text or ""))
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,16 @@ class Tree:
             nid = stack.pop()
             yield by_id[nid]
             stack.extend(reversed(kids[nid]))
+
+    def transcripts(self) -> dict[int, tuple[Turn, ...]]:
+        """The transcript through each node, by node id (the text its policy continued
+        there): the root's is ``(("prompt", root observation),)``, a step node's its
+        parent's extended by ``extend_transcript``."""
+        out: dict[int, tuple[Turn, ...]] = {}
+        for n in self.preorder():
+            out[n.node_id] = ((("prompt", n.observation_text or ""),) if n.parent_id is None
+                              else extend_transcript(out[n.parent_id], n))
+        return out
 
     def leaves(self) -> list[Node]:
         kids = self.children()

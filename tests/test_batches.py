@@ -12,26 +12,19 @@ import torch
 
 from rollout_store.tree import Tree
 from train.batches import (
-    BatchError,
     NodeCredit,
-    NodeSeq,
     SplitTree,
-    TreeSeqs,
-    build_sequences,
     collate,
     dense_tree_mask,
-    forward_logprobs,
-    has_dropout,
-    loss_pieces,
     make_rows,
     micro_batches,
     node_credit,
     pack_rows,
-    tree_token_ratio,
 )
 from train.credit import ESTIMATORS
 from train.credit.base import from_trees
 from train.envs import make_env
+from train.forward import forward_logprobs, has_dropout, loss_pieces
 from train.loss import aggregate, denominator, token_loss, token_weights
 from train.policies import load_policy
 from train.policies.hf import HFPolicy
@@ -42,6 +35,7 @@ from train.policies.tree_attention import (
     tree_attention_forward,
 )
 from train.sampling import make_sampler
+from train.sequences import BatchError, NodeSeq, TreeSeqs, build_sequences, tree_token_ratio
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from train.credit.store_io import CreditError, compute_credits, credit_trees
 from train.credit.trace import REF_LOGPROB, TraceParams, trace
 from train.policies import load_policy
 from train.policies.tiny import committed_checkpoint
-from train.scoring import gold_answer, score_and_credit, score_trees, transcripts
+from train.scoring import gold_answer, score_and_credit, score_trees
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_trace_and_dsc_from_the_store(tiny_store: Store) -> None:
     node = next(n for n in tree.nodes if n.parent_id is not None and not is_answer_tail(tree, n))
     gold = gold_answer(tree)
     assert gold.startswith("<answer>") and gold.endswith("</answer>")
-    want = float(policy.score([transcripts(tree)[node.node_id]], [gold])[0].mean())
+    want = float(policy.score([tree.transcripts()[node.node_id]], [gold])[0].mean())
     rows = stored_scores(store, [tree.tree_id], GOLD, version)
     got = dict(zip(rows.column("node_id").to_pylist(), rows.column("value").to_pylist(),
                    strict=True))

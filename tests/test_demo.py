@@ -1,4 +1,4 @@
-"""The main job (``rtrees demo``, ``train.jobs.run_demo_job``) end to end on tiny settings,
+"""The main job (``rtrees demo``, ``train.demo.run_demo_job``) end to end on tiny settings,
 its rerun, its report's arithmetic, and its one-line errors."""
 
 from __future__ import annotations
@@ -39,11 +39,25 @@ def test_demo_trains_reports_and_rerun_reuses_everything(tmp_path: Path) -> None
     ranking = json.loads((out / "ranking" / "results.json").read_text())
 
     # ranking: every method, the audit's own numbers, per sampler
-    assert set(results["ranking"]["methods"]) == {"grpo", "tree_grpo", "elpo", "caliper"}
+    assert set(results["ranking"]["methods"]) == {"grpo", "tree_grpo", "elpo", "caliper",
+                                                  "trace"}
     for name, m in results["ranking"]["methods"].items():
         assert m["pairwise_accuracy"] == ranking["methods"][name]["pairwise_accuracy"]
         assert m["kendall_tau_b"] == ranking["methods"][name]["kendall_tau_b"]["macro"]
         assert 0.0 <= m["pairwise_accuracy"] <= 1.0 and m["n_prefixes"] > 0
+    # the audit tells methods apart: on calc grpo and elpo order siblings identically by
+    # construction, trace (scored by the starting policy) by another signal
+    methods = results["ranking"]["methods"]
+
+    def numbers(name: str) -> tuple[float, float]:
+        return methods[name]["pairwise_accuracy"], methods[name]["kendall_tau_b"]
+
+    assert numbers("grpo") == numbers("elpo")
+    assert numbers("trace") != numbers("grpo")
+    assert ["grpo", "elpo"] in results["ranking"]["identical"]["all"]
+    assert not [pair for pair in results["ranking"]["identical"]["all"] if "trace" in pair]
+    diff = ranking["paired_differences"]["grpo-trace"]["kendall_tau_b"]["macro"]["estimate"]
+    assert diff != 0.0
     assert set(results["ranking"]["samplers"]) <= {"group", "bel", "caliper"}
     assert results["ranking"]["samplers"]
 

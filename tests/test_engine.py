@@ -355,7 +355,7 @@ def test_rows_joining_a_running_batch_decode_as_alone(calc_policy: Any, max_rows
 
     from train.policies import hf
 
-    monkeypatch.setattr(hf, "DROP_COLUMNS_FROM", drop_from)
+    monkeypatch.setattr(hf.decode, "DROP_COLUMNS_FROM", drop_from)
     monkeypatch.setattr(calc_policy, "prefix_cache", None)
     env = make_env("calc")
     prompts = [calc_policy.prompt_ids([("prompt", env.reset(t))])

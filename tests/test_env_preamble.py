@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from train.batches import build_sequences, tree_token_ratio
 from train.envs import make_env
 from train.envs.preamble import system_preamble
 from train.policies import load_policy
 from train.sampling import make_sampler
+from train.sequences import build_sequences, tree_token_ratio
 
 
 @pytest.mark.parametrize("name", ["calc", "workflow", "sgls"])

@@ -1,7 +1,8 @@
 """The import rules of the house (issue 9), checked on the source with ``ast``.
 
 Data flows one way: environments and policies -> samplers and studies -> stores and
-study files -> analysis; ``train.jobs`` is the composition root and ``cli`` parses,
+study files -> analysis; ``train.jobs`` (with ``train.demo``, the main job) is the
+composition root and ``cli`` parses,
 calls one library function and prints. Every ``import`` / ``from ... import`` of a
 module counts, wherever it sits (top level, inside a function, under
 ``TYPE_CHECKING``), since a lazy import is a dependency too.
@@ -9,7 +10,7 @@ module counts, wherever it sits (top level, inside a function, under
 * ``rollout_store`` imports nothing of ``train`` or ``analysis``;
 * ``analysis`` imports nothing of ``train.envs``, ``train.policies``,
   ``train.sampling`` or ``train.studies`` (it may call pure ``train.credit``);
-* in ``train``, only ``train/jobs.py`` imports ``analysis``;
+* in ``train``, only ``train/jobs.py`` and ``train/demo.py`` import ``analysis``;
 * ``train.credit`` imports nothing of ``train.policies``, ``train.envs``,
   ``train.sampling`` (nor the scoring job, the reuse stage, the trainer or its batches);
 * ``cli`` holds no loops over trees. The heuristic [R]: no ``for`` statement or
@@ -85,7 +86,7 @@ def test_rollout_store_imports_no_train_or_analysis() -> None:
 
 def test_analysis_reads_only() -> None:
     assert _hits("analysis", ("train.envs", "train.policies", "train.sampling",
-                              "train.studies", "train.jobs", "cli")) == []
+                              "train.studies", "train.jobs", "train.demo", "cli")) == []
 
 
 def test_credit_reads_only() -> None:
@@ -94,11 +95,12 @@ def test_credit_reads_only() -> None:
     ``train/scoring.py``, on the rollout side."""
     assert _hits("train/credit", ("train.policies", "train.envs", "train.sampling",
                                   "train.scoring", "train.reuse", "train.trainer",
-                                  "train.batches", "train.jobs")) == []
+                                  "train.batches", "train.forward", "train.sequences",
+                                  "train.jobs", "train.demo")) == []
 
 
 def test_only_jobs_imports_analysis() -> None:
-    assert _hits("train", ("analysis",), skip=("train/jobs.py",)) == []
+    assert _hits("train", ("analysis",), skip=("train/jobs.py", "train/demo.py")) == []
 
 
 # ----------------------------------------------------------------------------- circles
@@ -259,7 +261,7 @@ def test_distributed_imports_nothing_of_the_trainer() -> None:
     launcher) is what imports the trainer."""
     graph = import_graph()
     assert not [m for m in graph["train.distributed"] if m.startswith("train.trainer")
-                or m in ("train.launch", "train.jobs", "cli")]
+                or m in ("train.launch", "train.jobs", "train.demo", "cli")]
     assert "train.launch" not in graph["train.trainer"]
 
 
@@ -313,7 +315,7 @@ def test_the_loop_heuristic(snippet: str, caught: bool) -> None:
 
 REUSE_FORBIDDEN = ("torch", "train.envs", "train.policies", "train.sampling",
                    "rollout_store.store", "rollout_store.reader", "train.batches",
-                   "train.trainer")
+                   "train.forward", "train.sequences", "train.trainer")
 
 
 def test_reuse_resolve_is_pure() -> None:

@@ -1,6 +1,6 @@
 """Models whose attention code does not take the tree layout's mask (GPT-2's in
 transformers 5 reads ``attention_mask.ndim`` of a FlexAttention ``BlockMask``) train in
-the ``paths`` layout with a one-line note (``train.batches.tree_layout_problem``)."""
+the ``paths`` layout with a one-line note (``train.forward.tree_layout_problem``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.batches import tree_layout_problem
 from train.config import load_config
+from train.forward import tree_layout_problem
 from train.policies.tiny import load_tiny_policy
 from train.trainer import read_metrics, train
 

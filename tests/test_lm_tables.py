@@ -15,7 +15,6 @@ from train.envs.workflow_policy import TabularPolicy
 from train.policies import load_policy
 from train.policies.tiny import random_tiny_policy
 from train.sampling.references import ReferenceConfig, run_references
-from train.scoring import transcripts
 from train.studies.lm_tables import canonical_steps, canonical_tree, lm_tables, outcome_starts
 from train.studies.workflow_study import make_tasks, observable_keys
 
@@ -49,7 +48,7 @@ def test_the_reading_equals_the_models_own_scores() -> None:
     for task, table in zip(tasks, tables, strict=True):
         model = table.policy.model
         tree, cand = canonical_tree(model, env.reset(task), policy.encode, "x")
-        turns = transcripts(tree)
+        turns = tree.transcripts()
         for key in list(cand)[::5]:
             actions = model.valid_actions(key)
             context = turns[tree.nodes[cand[key][0]].parent_id or 0]

@@ -330,7 +330,7 @@ def _compare_compactions(monkeypatch: pytest.MonkeyPatch, hf: Any) -> None:
                 for conts in policy.sample(transcripts, config) for c in conts]
 
     lazy = draws()
-    monkeypatch.setattr(hf, "COMPACT_BELOW", 1.0)
+    monkeypatch.setattr(hf.decode, "COMPACT_BELOW", 1.0)
     eager = draws()
     assert len({len(t) for t, _, _ in eager}) > 3  # rows finish at many different steps
     assert lazy == eager

@@ -1,4 +1,4 @@
-"""``analysis.ranking.load_ranking_data`` (numpy joins on int64 node keys) against the
+"""``analysis.ranking_data.load_ranking_data`` (numpy joins on int64 node keys) against the
 plain SQL it replaced (DuckDB joins and aggregates on string ids), over real stores with
 what the fast path must get right: references pooled over several rows, at other k and
 other policy versions, children without a reference, credits rewritten (the latest
@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from analysis.ranking import RANKING_TABLES, TableSource, load_ranking_data, resolve_methods
+from analysis.ranking_data import RANKING_TABLES, TableSource, load_ranking_data, resolve_methods
 from rollout_store import Store, connect
 from rollout_store.schema import CREDITS, MC_REFERENCES
 from rollout_store.store import now_utc

@@ -22,7 +22,6 @@ from rollout_store.maintenance import compact
 from rollout_store.reader import connect, read_trees
 from rollout_store.store import CorruptFileError, Store, open_store
 from rollout_store.tree import Node, Tree
-from train.batches import build_sequences
 from train.config import ConfigError, TrainConfig, load_config
 from train.envs import make_env
 from train.policies import load_policy
@@ -42,6 +41,7 @@ from train.reuse import (
     write_params,
 )
 from train.sampling import make_sampler
+from train.sequences import build_sequences
 from train.trainer import TrainError, latest_checkpoint, read_metrics, train
 
 MU = math.log(0.5)  # every hand-made action: one token sampled with probability 0.5

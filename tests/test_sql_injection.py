@@ -259,7 +259,7 @@ def test_reuse_from_injections_via_toml_config_and_resume(box: dict[str, Path],
 
 
 def test_demo_job_filter_quotes_run_ids() -> None:
-    from train.jobs import DemoConfig
+    from train.demo import DemoConfig
 
     config = DemoConfig(env="calc", samplers=("group", "bel"))
     where = config.train_config("tiny").reuse_from

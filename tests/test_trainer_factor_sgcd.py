@@ -12,12 +12,13 @@ import numpy as np
 
 from rollout_store.reader import connect, read_trees
 from rollout_store.store import open_store
-from train.batches import build_sequences, make_rows
+from train.batches import make_rows
 from train.config import load_config
 from train.credit.contrast import TemplateSummariser, reference
 from train.credit.scores import HINDSIGHT, PLAIN, stored_scores
 from train.credit.store_io import credit_trees, credit_trees_full
-from train.scoring import teacher_contexts, transcripts
+from train.scoring import teacher_contexts
+from train.sequences import build_sequences
 from train.trainer import credit_for, load_start_policy, read_metrics, train
 
 
@@ -104,7 +105,7 @@ def test_sgcd_dynamic_sampling_and_the_clean_student(tmp_path: Path) -> None:
         assert "Hint from a solved attempt" not in text
         ref = refs[tree.tree_id]
         if ref is not None:  # the teacher did see it
-            contexts = teacher_contexts(tree, "contrast:template", transcripts(tree))
+            contexts = teacher_contexts(tree, "contrast:template", tree.transcripts())
             assert contexts and all(ref in c[0][1] for _, c in contexts)
 
 

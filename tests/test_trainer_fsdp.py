@@ -76,8 +76,8 @@ def _batch(step: int, j: int) -> types.SimpleNamespace:
 def _rank(rank: int, size: int, port: int, job: dict[str, Any]) -> None:
     """One rank: steps [start, stop) from a fresh model or ``job['load']``; optionally
     ``save_sharded`` at the end; rank 0 writes losses and full weights to ``job['out']``."""
-    from train.batches import forward_logprobs
     from train.distributed import World, all_sum, init_world, leave_process
+    from train.forward import forward_logprobs
     from train.fsdp import (
         dummy_backward,
         full_state_dict,

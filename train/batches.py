@@ -1,19 +1,7 @@
 """Token batches for the loss step, in two layouts (issue 11; METHODS.md G4, E6-E7 note).
 
-What a node's tokens are. A step node v was sampled by the policy continuing the
-transcript of v's parent: the policy rendered it to the context ids
-``C_v = policy.prompt_ids(transcript through parent)`` (template and role tokens
-included) and generated the action ids ``A_v`` (``Node.action_token_ids``, the
-sampled ids, never a retokenization). Its full sequence is ``S_v = C_v + A_v``; the
-root's is ``S_root = C`` of its children (the rendered prompt). ``build_sequences``
-computes these for every node.
-
-Sharing. v *extends* its parent p when ``S_p`` is a prefix of ``C_v`` (the template
-re-rendered the earlier turns to the same ids); then v owns the tokens
-``S_v[len(S_p):]`` (the observation's rendering, role tokens, then its action) and
-attends to its ancestors' tokens. When a re-rendering differs (a retokenized action,
-a template that drops earlier reasoning: verl #3960), v starts a new chain and owns
-all of ``S_v``: the sequence is always exactly what the policy conditioned on.
+The node sequences they are laid out from (what a node's tokens are, which it shares
+with its parent: ``build_sequences``) are ``train.sequences``.
 
 Layouts (``make_rows``):
 
@@ -41,7 +29,7 @@ once (c_t = 1, s_t = the mean of 1/n_i over its trajectories: METHODS E7 note).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,141 +37,17 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from rollout_store.tree import Tree
 from train.credit.base import Credit, TreeArrays
-from train.policies.base import Turn
-from train.policies.tree_attention import IMPLEMENTATION, KV, TreeAttention, block_mask, register
+from train.policies.tree_attention import block_mask
+from train.sequences import BatchError, TreeSeqs, _piece_ends
 
 Layout = Literal["paths", "tree"]
 LAYOUTS: tuple[Layout, ...] = ("paths", "tree")
 NodeWeight = Literal["trajectories", "once"]
 NODE_WEIGHTS: tuple[NodeWeight, ...] = ("trajectories", "once")
 
-PromptIds = Callable[[Sequence[Turn]], list[int]]
 ProxLogp = dict[tuple[str, int], np.ndarray]
 """(tree id, node id) -> log pi_prox of the node's action tokens (stored trees, G8)."""
-
-
-class BatchError(ValueError):
-    """Trees that cannot be turned into token batches (a policy without ``prompt_ids``,
-    stored action tokens that disagree with their logprobs, ...)."""
-
-
-@dataclass(frozen=True)
-class NodeSeq:
-    """One node's sequence facts (positions index ``S_v``)."""
-
-    node_id: int
-    full: tuple[int, ...]  # S_v = C_v + A_v
-    own_start: int  # v owns S_v[own_start:]
-    action_start: int  # len(C_v): A_v = S_v[action_start:]
-    chain_parent: int  # index (in TreeSeqs.nodes) of the node v extends, -1 when none
-    parent: int  # index of the tree parent, -1 at the root
-    old_logp: tuple[float, ...]  # stored sampling logprobs of A_v
-    n_leaves: int  # trajectories through v
-    inv_len_sum: float  # sum over those trajectories of 1 / n_i
-
-
-@dataclass(frozen=True)
-class TreeSeqs:
-    """A tree's nodes in preorder with their sequences (``build_sequences``)."""
-
-    tree_id: str
-    nodes: tuple[NodeSeq, ...]
-    leaves: tuple[int, ...]  # indices of the leaves
-
-    def chain(self, i: int) -> list[int]:
-        """Indices from the top of i's chain down to i."""
-        out = []
-        while i >= 0:
-            out.append(i)
-            i = self.nodes[i].chain_parent
-        return out[::-1]
-
-    def paths_tokens(self) -> int:
-        """Tokens of the ``paths`` layout (every trajectory's rows)."""
-        return sum(len(self.nodes[end].full) for leaf in self.leaves
-                   for end in _piece_ends(self, leaf))
-
-    def tree_tokens(self) -> int:
-        """Tokens of the ``tree`` layout (each node's own tokens once)."""
-        return sum(len(n.full) - n.own_start for n in self.nodes)
-
-    def breaks(self) -> int:
-        """Step nodes that could not extend their parent (re-rendering differed)."""
-        return sum(1 for n in self.nodes if n.parent >= 0 and n.chain_parent < 0)
-
-
-def transcripts(tree: Tree) -> dict[int, tuple[Turn, ...]]:
-    """Each node's transcript through its observation (the root's: the prompt)."""
-    out: dict[int, tuple[Turn, ...]] = {}
-    for node in tree.preorder():
-        if node.parent_id is None:
-            out[node.node_id] = (("prompt", node.observation_text),)
-        else:
-            out[node.node_id] = (*out[node.parent_id], ("action", node.action_text),
-                                 ("observation", node.observation_text))
-    return out
-
-
-def build_sequences(tree: Tree, prompt_ids: PromptIds) -> TreeSeqs:
-    """Sequences, sharing and trajectory weights of every node (module docstring)."""
-    order = list(tree.preorder())
-    index = {n.node_id: i for i, n in enumerate(order)}
-    turns = transcripts(tree)
-    kids: dict[int, list[int]] = {i: [] for i in range(len(order))}
-    for i, n in enumerate(order):
-        if n.parent_id is not None:
-            kids[index[n.parent_id]].append(i)
-    # trajectory lengths n_i (agent tokens on the root-to-leaf path) and leaf sets
-    path_tokens = [0] * len(order)
-    for i, n in enumerate(order):
-        p = -1 if n.parent_id is None else index[n.parent_id]
-        path_tokens[i] = len(n.action_token_ids) + (path_tokens[p] if p >= 0 else 0)
-    leaves = [i for i in range(len(order)) if not kids[i] and order[i].parent_id is not None]
-    n_leaves = [0] * len(order)
-    inv_sum = [0.0] * len(order)
-    for leaf in leaves:
-        inv = 1.0 / max(path_tokens[leaf], 1)
-        j: int | None = leaf
-        while j is not None:
-            n_leaves[j] += 1
-            inv_sum[j] += inv
-            pid = order[j].parent_id
-            j = None if pid is None else index[pid]
-    context_cache: dict[int, list[int]] = {}
-    seqs: list[NodeSeq] = []
-    for i, n in enumerate(order):
-        if n.parent_id is None:
-            first_kid = kids[i][0] if kids[i] else None
-            full = prompt_ids(turns[n.node_id]) if first_kid is not None else []
-            context_cache[i] = full
-            seqs.append(NodeSeq(n.node_id, tuple(full), 0, len(full), -1, -1, (),
-                                n_leaves[i], inv_sum[i]))
-            continue
-        p = index[n.parent_id]
-        ctx = context_cache[p] if order[p].parent_id is None else prompt_ids(turns[n.parent_id])
-        if len(n.action_logprobs) != len(n.action_token_ids):
-            raise BatchError(f"tree {tree.tree_id!r} node {n.node_id}: "
-                             f"{len(n.action_token_ids)} action tokens but "
-                             f"{len(n.action_logprobs)} logprobs")
-        parent_full = seqs[p].full
-        extends = len(parent_full) <= len(ctx) and tuple(ctx[:len(parent_full)]) == parent_full
-        seqs.append(NodeSeq(n.node_id, (*ctx, *n.action_token_ids),
-                            len(parent_full) if extends else 0, len(ctx), p if extends else -1,
-                            p, tuple(n.action_logprobs), n_leaves[i], inv_sum[i]))
-    return TreeSeqs(tree.tree_id, tuple(seqs), tuple(leaves))
-
-
-def _piece_ends(ts: TreeSeqs, leaf: int) -> list[int]:
-    """The last node of each chain piece on the path to ``leaf`` (leaf first)."""
-    ends = []
-    i = leaf
-    while i >= 0:
-        ends.append(i)
-        top = ts.chain(i)[0]
-        i = ts.nodes[top].parent
-    return ends
 
 
 @dataclass(frozen=True)
@@ -758,200 +622,6 @@ def _cut(rows: Sequence[Row], layout: Layout, max_tokens: int, pad_id: int,
     return out
 
 
-def _forward(model: Any, mb: MicroBatch, with_entropy: bool, entropy_grad: bool,
-             prefix: dict[int, KV] | None = None, capture: dict[int, KV] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    device = next(model.parameters()).device
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    if mb.tree_tout is None:
-        hidden = base(input_ids=mb.input_ids.to(device),
-                      position_ids=mb.position_ids.to(device),
-                      attention_mask=mb.attention_mask.to(device),
-                      use_cache=False).last_hidden_state  # (R, L, H)
-    else:  # through the model's own attention hook: "rtrees_tree" (tree_attention)
-        register()
-        config = base.config
-        saved = config._attn_implementation
-        config._attn_implementation = IMPLEMENTATION
-        tree = TreeAttention.of(
-            mb.tree_tout, device,
-            prefix_tin=None if prefix is None else mb.prefix_tin,
-            prefix_tout=None if prefix is None else mb.prefix_tout,
-            prefix=prefix, capture=capture)
-        try:
-            hidden = base(input_ids=mb.input_ids.to(device),
-                          position_ids=mb.position_ids.to(device),
-                          attention_mask=mb.attention_mask.to(device), use_cache=False,
-                          tree_attention=tree).last_hidden_state  # (R, L, H)
-        finally:
-            config._attn_implementation = saved
-    picked = hidden[mb.loss_row.to(device), mb.loss_col.to(device)]  # (K, H)
-    head = model.get_output_embeddings()
-    assert head is not None
-    logits = head(picked)  # (K, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32+
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(1, mb.targets.to(device)[:, None]).squeeze(1)
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
-
-
-def _probe_row(layout: Layout, branch: int) -> Row:
-    """A row of the layout probe: prompt tokens (1, 2) then one branch token per path
-    (3 or 4), each path predicting 5 after it. ``branch`` -1: the tree row of both."""
-    if layout == "tree":
-        ids, positions, token_node, tout = [1, 2, 3, 4], [0, 1, 2, 2], [0, 0, 1, 2], \
-            [4, 4, 3, 4]
-        cols, targets = [1, 1, 2, 3], [3, 4, 5, 5]
-    else:
-        ids, positions, token_node, tout = [1, 2, 3 + branch], [0, 1, 2], [0, 0, 1], []
-        cols, targets = [1, 2], [3 + branch, 5]
-    k = len(cols)
-    return Row(tree=0, ids=ids, positions=positions, token_node=token_node, cols=cols,
-               targets=targets, old_logp=[0.0] * k, advantage=[0.0] * k,
-               clip_low=[0.2] * k, clip_high=[0.2] * k, traj_count=[1.0] * k,
-               inv_len_sum=[1.0] * k, keys=[(0, 0, i) for i in range(k)], tout=tout,
-               behav_logp=[0.0] * k, action_len=[1.0] * k, stored=[False] * k,
-               staleness=[0.0] * k)
-
-
-def tree_layout_problem(model: Any) -> str | None:
-    """Why ``model`` cannot train in the tree layout, or None when it can: a two-branch
-    probe (4 tokens) through the tree attention hook must run and give the logprobs the
-    same tokens give as two plain paths (within 1e-4). A model whose attention code does
-    not take the hook's mask (GPT-2's, in transformers 5) either raises or ignores it;
-    the trainer then trains in the ``paths`` layout and says so."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            tree, _ = forward_logprobs(model, collate([_probe_row("tree", -1)], "tree"))
-            paths = [forward_logprobs(model, collate([_probe_row("paths", b)], "paths"))[0]
-                     for b in (0, 1)]
-    except Exception as exc:  # the model's attention code refusing the hook's mask
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"{type(exc).__name__}: {text}"
-    finally:
-        model.train(was_training)
-    want = torch.stack([paths[0][0], paths[1][0], paths[0][1], paths[1][1]])
-    worst = float((tree.double() - want.double()).abs().max())
-    if worst > 1e-4:
-        return f"its tree-layout logprobs differ from the paths' by {worst:.2g}"
-    return None
-
-
-def has_dropout(model: torch.nn.Module) -> bool:
-    """Whether ``model`` in training mode is random: a ``Dropout`` module with p > 0, or a
-    config ``*dropout*`` rate > 0 that its functional attention applies (HF attention
-    passes ``attention_dropout`` to SDPA only while training). The trainer checks the
-    sampling logprobs on its first training forward only when this is False."""
-    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
-           for m in model.modules()):
-        return True
-    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
-    rates: dict[str, Any] = to_dict() if callable(to_dict) else {}
-    return any("dropout" in key and isinstance(value, int | float) and value > 0
-               for key, value in rates.items())
-
-
-def forward_logprobs(model: Any, unit: Unit, with_entropy: bool = False,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(target | prefix) of every loss token, (K,), and optionally the entropy (K,)
-    of the next-token distribution there (differentiable only with ``entropy_grad``).
-    The LM head runs at the K loss columns only. A ``SplitTree``'s tokens come in
-    ``pieces`` order, in one autograd graph (``loss_pieces`` is the pass that frees each
-    branch's activations after its backward)."""
-    if not isinstance(unit, SplitTree):
-        return _forward(model, unit, with_entropy, entropy_grad)
-    capture: dict[int, KV] = {}
-    t_logp, t_ent = _forward(model, unit.trunk, with_entropy, entropy_grad, capture=capture)
-    parts = [_forward(model, mb, with_entropy, entropy_grad, prefix=capture)
-             for mb in unit.branches] + [(t_logp, t_ent)]
-    ent = [e for _, e in parts if e is not None]
-    return (torch.cat([lp for lp, _ in parts]),
-            torch.cat(ent) if with_entropy else None)
-
-
-@dataclass
-class Piece:
-    """One forward of ``loss_pieces``: the micro-batch whose loss tokens it scored, their
-    logprobs (K,), entropies (K,) and reference logprobs (K,) when asked for, and the
-    ``backward`` to call on the loss built from them (exactly once)."""
-
-    mb: MicroBatch
-    logp: torch.Tensor
-    entropy: torch.Tensor | None
-    ref: torch.Tensor | None
-    backward: Callable[[torch.Tensor], None]
-
-
-def loss_pieces(model: Any, unit: Unit, with_entropy: bool = False,
-                entropy_grad: bool = False, ref_model: Any = None) -> Iterator[Piece]:
-    """The loss step's forwards of ``unit``. A micro-batch is one piece. A ``SplitTree``
-    forwards its trunk once, keeping its graph and each layer's keys and values K_l, V_l;
-    each branch micro-batch then attends detached copies K'_l, V'_l (leaves), and its
-    ``backward`` frees the branch's activations, accumulating dL/dK'_l and dL/dV'_l;
-    the trunk's piece comes last and its ``backward`` runs once through the trunk with
-    its own loss and ``sum over branches of dL/dK'_l`` into K_l (and V_l): the gradient
-    of the one-row layout, with peak activations of the trunk plus one branch. A trunk
-    without loss tokens yields no piece; its backward runs when the branches are done."""
-    def plain(loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def ref_of(mb: MicroBatch, prefix: dict[int, KV] | None = None,
-               capture: dict[int, KV] | None = None) -> torch.Tensor | None:
-        if ref_model is None:
-            return None
-        with torch.no_grad():
-            return _forward(ref_model, mb, False, False, prefix=prefix, capture=capture)[0]
-
-    if not isinstance(unit, SplitTree):
-        logp, ent = _forward(model, unit, with_entropy, entropy_grad)
-        yield Piece(unit, logp, ent, ref_of(unit), plain)
-        return
-    grad = torch.is_grad_enabled()
-    capture: dict[int, KV] = {}
-    ref_capture: dict[int, KV] = {}
-    t_logp, t_ent = _forward(model, unit.trunk, with_entropy, entropy_grad, capture=capture)
-    t_ref = ref_of(unit.trunk, capture=ref_capture)
-    leaves = {layer: (k.detach().requires_grad_(grad), v.detach().requires_grad_(grad))
-              for layer, (k, v) in capture.items()}
-    for mb in unit.branches:
-        logp, ent = _forward(model, mb, with_entropy, entropy_grad, prefix=leaves)
-        yield Piece(mb, logp, ent, ref_of(mb, prefix=ref_capture) if ref_model is not None
-                    else None, plain)
-
-    def finish(loss: torch.Tensor | None) -> None:
-        outs: list[torch.Tensor] = []
-        grads: list[torch.Tensor | None] = []
-        if loss is not None and loss.requires_grad:
-            outs.append(loss)
-            grads.append(None)
-        for layer, pair in capture.items():
-            for cap, leaf in zip(pair, leaves[layer], strict=True):
-                if leaf.grad is not None and cap.requires_grad:
-                    outs.append(cap)
-                    grads.append(leaf.grad)
-        if outs:
-            torch.autograd.backward(outs, grads)
-
-    if unit.trunk.n_loss_tokens:
-        yield Piece(unit.trunk, t_logp, t_ent, t_ref, finish)
-    elif grad:
-        finish(None)
-
-
-def tree_token_ratio(seqs: Sequence[TreeSeqs]) -> float:
-    """paths tokens / tree tokens of a batch (>= 1; the FLOP bound of the tree layout)."""
-    tree = sum(t.tree_tokens() for t in seqs)
-    return sum(t.paths_tokens() for t in seqs) / max(tree, 1)
-
-
-__all__ = ["LAYOUTS", "NODE_WEIGHTS", "BatchError", "Layout", "MicroBatch", "NodeCredit",
-           "NodeSeq", "NodeWeight", "Piece", "ProxLogp", "Row", "SplitTree", "TreeSeqs", "Unit",
-           "build_sequences", "collate", "dense_tree_mask", "forward_logprobs", "has_dropout",
-           "loss_pieces", "make_rows", "micro_batches", "node_credit", "pack_rows",
-           "transcripts", "tree_token_ratio"]
+__all__ = ["LAYOUTS", "NODE_WEIGHTS", "Layout", "MicroBatch", "NodeCredit", "NodeWeight",
+           "ProxLogp", "Row", "SplitTree", "Unit", "collate", "dense_tree_mask", "make_rows",
+           "micro_batches", "node_credit", "pack_rows"]

@@ -21,7 +21,7 @@ The trainer (``train.trainer``) runs the same global computation on any number o
   which is the single-rank gradient up to float summation order. These are DDP's
   semantics (one all-reduce of the accumulated gradients per step). We all-reduce
   ourselves rather than wrapping the model in ``DistributedDataParallel`` because
-  ``train.batches.forward_logprobs`` calls the decoder and the LM head directly (the
+  ``train.forward.forward_logprobs`` calls the decoder and the LM head directly (the
   head runs at loss columns only), never ``model.forward``, which DDP's reducer needs;
   and because a rank may hold no tokens of a mini-batch (uneven trees), where DDP would
   need a dummy forward.

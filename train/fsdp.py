@@ -6,7 +6,7 @@ Built on ``torch.distributed.fsdp.fully_shard`` and ``torch.distributed.checkpoi
 * ``shard_model(model, world)``: every decoder layer is its own FSDP unit, the token
   embeddings and the LM head one unit (the tiny policy ties them: one parameter, so one
   unit with both modules), the decoder's remaining parameters (the final norm) the
-  outer unit. ``train.batches.forward_logprobs`` calls the decoder and the head directly
+  outer unit. ``train.forward.forward_logprobs`` calls the decoder and the head directly
   (the head at loss columns only), never ``model.forward``; each of those calls is an
   FSDP unit's forward, so its parameters are gathered there. Gradients are SUMMED over
   ranks (``set_gradient_divide_factor(1)`` with sum-only collectives: gloo has no

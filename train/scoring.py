@@ -18,7 +18,7 @@ what a method's params name (``rtrees credit --method trace --param ref=SPEC`` /
 ``train.credit.store_io.compute_credits`` on the stored scores.
 
 Transcripts are rebuilt from the stored texts exactly as the samplers built them
-(``transcripts``): ``("prompt", root observation)``, then per node
+(``rollout_store.tree.Tree.transcripts``): ``("prompt", root observation)``, then per node
 ``("action", action_text)``, ``("observation", observation_text)``; the refresh draws of
 ``train.reuse`` continue from them too. The gold answer of a tree is
 ``<answer>{env_config["answer"]}</answer>`` when the tree records its task's answer;
@@ -66,18 +66,6 @@ from train.policies.base import Policy, Transcript, Turn
 FEEDBACK: Final[str] = "\n\n[feedback of your next step] "
 """F3: what precedes the feedback appended to the teacher's last context turn [R]."""
 _TREES_PER_COMMIT = 32
-
-
-def transcripts(tree: Tree) -> dict[int, Transcript]:
-    """The transcript through each node of ``tree`` (T1: S_k for the node at depth k)."""
-    out: dict[int, Transcript] = {}
-    for n in tree.preorder():
-        if n.parent_id is None:
-            out[n.node_id] = [("prompt", n.observation_text or "")]
-        else:
-            out[n.node_id] = [*out[n.parent_id], ("action", n.action_text or ""),
-                              ("observation", n.observation_text or "")]
-    return out
 
 
 def gold_answer(tree: Tree) -> str:
@@ -157,7 +145,7 @@ def score_trees(trees: Sequence[Tree], policy: Policy, kind: ScoreKind, *,
     keys: list[tuple[str, int]] = []
     summarisers: dict[str, Summariser] = {}
     for tree in trees:
-        turns = transcripts(tree)
+        turns = tree.transcripts()  # T1: S_k for the node at depth k
         by_id = {n.node_id: n for n in tree.nodes}
         if kind == GOLD:
             y = (gold or {}).get(tree.tree_id) or gold_answer(tree)
@@ -274,4 +262,4 @@ def score_and_credit(store: Store, method: str,
 
 
 __all__ = ["FEEDBACK", "ensure_scores", "gold_answer", "score_and_credit", "score_for_credit",
-           "score_trees", "teacher_contexts", "transcripts"]
+           "score_trees", "teacher_contexts"]

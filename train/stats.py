@@ -34,8 +34,10 @@ import torch
 
 from rollout_store.tree import Tree
 from train import distributed as dp
-from train.batches import MicroBatch, TreeSeqs, Unit, forward_logprobs, tree_token_ratio
+from train.batches import MicroBatch, Unit
+from train.forward import forward_logprobs
 from train.loss import TokenLoss, masked_mean
+from train.sequences import TreeSeqs, tree_token_ratio
 
 _SUMS = ("loss", "clip_low", "clip_high", "dual", "kl", "entropy", "tokens", "wide",
          "wide_clip", "wide_released")

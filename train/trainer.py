@@ -73,22 +73,11 @@ from rollout_store.maintenance import record_attempt
 from rollout_store.store import open_store
 from train import distributed as dp
 from train import fsdp
-from train.batches import (
-    NodeCredit,
-    Piece,
-    SplitTree,
-    TreeSeqs,
-    Unit,
-    build_sequences,
-    has_dropout,
-    loss_pieces,
-    make_rows,
-    micro_batches,
-    tree_layout_problem,
-)
+from train.batches import NodeCredit, Piece, SplitTree, Unit, make_rows, micro_batches
 from train.config import CONFIG_FILE, TrainConfig, check_resume, read_config
 from train.credit_stage import credit_for, make_credit, stored_credit_key
 from train.envs import make_env
+from train.forward import has_dropout, loss_pieces, tree_layout_problem
 from train.loss import TokenLoss, aggregate, denominator, token_loss, token_weights
 from train.policies.hf import HFPolicy, state_dict_version
 from train.reuse.params import ReuseError
@@ -133,6 +122,7 @@ from train.sampling.base import mix_seed
 from train.sampling.dynamic import dynamic_sampling
 from train.sampling.engine import Engine, TreeJob
 from train.sampling.evaluation import heldout_rows
+from train.sequences import TreeSeqs, build_sequences
 from train.stats import StepStats, iteration_metrics, logprob_diffs, progress_line, write_scalars
 from train.writer import Writes
 

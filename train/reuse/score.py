@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from train.batches import NodeCredit, ProxLogp, TreeSeqs, forward_logprobs, make_rows, micro_batches
+from train.batches import NodeCredit, ProxLogp, make_rows, micro_batches
+from train.forward import forward_logprobs
+from train.sequences import TreeSeqs
 
 
 def score_actions(model: Any, seqs: Sequence[TreeSeqs], layout: Any, micro_tokens: int,

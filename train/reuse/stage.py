@@ -30,14 +30,7 @@ import torch
 
 from rollout_store.store import Store, now_utc
 from rollout_store.tree import Tree
-from train.batches import (
-    MicroBatch,
-    NodeCredit,
-    ProxLogp,
-    TreeSeqs,
-    build_sequences,
-    rows_credit,
-)
+from train.batches import MicroBatch, NodeCredit, ProxLogp, rows_credit
 from train.credit.store_io import complete_credit, stored_credit
 from train.envs import make_env
 from train.loss import ISMode, behaviour_weight
@@ -51,6 +44,7 @@ from train.reuse.score import score_actions
 from train.reuse.select import SKIP_REASONS, Selection, check_reuse, refuse_thin, select_stored
 from train.sampling.base import mix_seed
 from train.sampling.engine import EnvSource
+from train.sequences import TreeSeqs, build_sequences
 
 CreditFor = Callable[[Sequence[Tree]], tuple[pa.Table, dict[tuple[str, int], NodeCredit]]]
 """The trainer's credit: trees -> (credit rows to commit, per-node token credit)."""

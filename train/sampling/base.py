@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 
 from rollout_store.snapshots import decompress
-from rollout_store.tree import Node, Tree
+from rollout_store.tree import Node, Tree, extend_transcript
 from train.envs.base import Environment, StepResult, Task, parse_action
 from train.envs.registry import spec_of
 from train.policies.base import Continuation, Decoding, Policy, Rows, SampleConfig, Turn
@@ -420,9 +420,8 @@ class TreeBuilder:
                        reward=None, reward_parts={}, terminal=False,
                        meta={**(stored.meta or {}), "copy_of": stored.node_id})
         state = tree.snapshots.get(stored.snapshot_id or "")
-        turns = (*self._turns[parent], ("action", stored.action_text or ""),
-                 ("observation", stored.observation_text or ""))
-        self._add(node, state, self._depth[parent] + 1, turns)
+        self._add(node, state, self._depth[parent] + 1,
+                  extend_transcript(self._turns[parent], stored))
         return nid
 
     # ----- reading the tree ---------------------------------------------------------------

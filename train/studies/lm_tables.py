@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollout_store import Node, Tree
-from train.batches import build_sequences
 from train.envs.base import Task
 from train.envs.workflow import WorkflowEnv
 from train.envs.workflow_model import ACTION_TEXTS, ObsKey, State, Tool, WorkflowModel
@@ -50,6 +49,7 @@ from train.envs.workflow_policy import TabularPolicy
 from train.policies.base import Policy, Turn
 from train.reuse.score import score_actions
 from train.sampling.base import NodeStart
+from train.sequences import build_sequences
 from train.studies.workflow_study import observable_keys
 
 TREES_PER_PASS = 16
