@@ -73,11 +73,11 @@ from rollout_store.maintenance import record_attempt
 from rollout_store.store import open_store
 from train import distributed as dp
 from train import fsdp
-from train.batches import NodeCredit, Piece, SplitTree, Unit, make_rows, micro_batches
+from train.batches import NodeCredit, SplitTree, Unit, make_rows, micro_batches
 from train.config import CONFIG_FILE, TrainConfig, check_resume, read_config
 from train.credit_stage import credit_for, make_credit, stored_credit_key
 from train.envs import make_env
-from train.forward import has_dropout, loss_pieces, tree_layout_problem
+from train.forward import Piece, has_dropout, loss_pieces, tree_layout_problem
 from train.loss import TokenLoss, aggregate, denominator, token_loss, token_weights
 from train.policies.hf import HFPolicy, state_dict_version
 from train.reuse.params import ReuseError
