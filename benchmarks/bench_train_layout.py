@@ -29,7 +29,7 @@ paths for both architectures; tree's saved bytes <= paths'; linear growth in row
         [--trees 2] [--n-total 12] [--system-prompt-chars 1500] [--repeats 2]
         [--sizes 2048,8192]   # about 3-4 minutes of one core
 
-The recorded numbers (README) come from ``--repeats 3 --sizes 2048,8192,32768``.
+The recorded numbers (docs/results.md) come from ``--repeats 3 --sizes 2048,8192,32768``.
 """
 
 from __future__ import annotations

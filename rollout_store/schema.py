@@ -1,4 +1,4 @@
-"""The one schema of a rollout-tree store (README, "Store schema"), declared once.
+"""The one schema of a rollout-tree store (docs/reference/store-schema.md), declared once.
 
 Every table of a store is a Delta Lake table whose data files are Parquet
 files written with exactly the Arrow schema declared here. The schema carries a

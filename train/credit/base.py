@@ -1,4 +1,4 @@
-"""The one signature every credit estimator shares (README, "Architecture as built").
+"""The one signature every credit estimator shares (docs/architecture.md).
 
 An estimator is a pure function ``(TreeArrays, Params) -> Credit``:
 

@@ -1,4 +1,4 @@
-"""Policy backends behind one protocol (``train.policies.base``; README, "Architecture as built").
+"""Policy backends behind one protocol (``train.policies.base``; docs/architecture.md).
 
 ``load_policy(spec, env, **kw)`` builds one by spec:
 

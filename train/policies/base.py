@@ -1,4 +1,4 @@
-"""The policy protocol every backend implements (README, "Architecture as built").
+"""The policy protocol every backend implements (docs/architecture.md).
 
 A transcript is the episode so far as typed turns: the prompt (the root's
 observation), then alternating agent actions and environment observations.

@@ -196,7 +196,7 @@ def require_expert(env: str) -> type[Environment]:
 def default_config(env: str, seed: int = 0, minutes: float | None = None, **overrides: Any
                    ) -> SFTConfig:
     """``env``'s recipe: its class's ``tiny_sft`` (the measured defaults of calc, workflow
-    and sgls: module docstring and README) over ``SFTConfig``'s defaults, then
+    and sgls: module docstring) over ``SFTConfig``'s defaults, then
     ``overrides``; ``minutes`` None takes the recipe's budget (``default_minutes``)."""
     options = {**require_expert(env).tiny_sft, **overrides}
     if minutes is not None:

@@ -1,6 +1,6 @@
 """The tree builder every sampler shares: one task and a budget ``n_total`` in, one ``Tree`` out.
 
-Node model (README, "Store schema"):
+Node model (docs/reference/store-schema.md):
 
 * the root (kind ``"prompt"``) holds the prompt as ``observation_text`` and the
   snapshot of the environment right after ``reset``;

@@ -4,7 +4,7 @@ For every child c of a branching node (a node with two or more children) the
 reference q(c) is the success rate of k fresh rollouts continued from c. This
 job samples them and commits one ``mc_references`` row per child
 (``tree_id, node_id, k, successes, policy_version``); ``analysis.ranking`` reads
-them, never running anything itself (README, "Architecture as built").
+them, never running anything itself (docs/architecture.md).
 
 One reference, for a child c of a stored tree:
 

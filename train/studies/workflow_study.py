@@ -9,7 +9,7 @@ What the three audits of ``analysis.drift``, ``analysis.gates`` and
 * the *collection* side: trajectories sampled through the real environment
   step API (``rollout``), interventional trees with a forced root action per
   route (``route_tree``), and reading them back from a store
-  (``load_route_data``). The one-way data flow (README, "Architecture as built")
+  (``load_route_data``). The one-way data flow (docs/architecture.md)
   keeps analysis off environments; these helpers are the studies' collection jobs
   (they write to the store that the analysis then reads), kept here because a study
   needs its own small collection protocol. They belong in ``train.sampling`` if other
