@@ -17,7 +17,8 @@ number. ``agent:module:function`` (``agent_env_class``) is the environment of it
   return, which ends the episode with that reward. So a node is one model call, its
   action the completion, its observation what the program sent next;
 * a snapshot is the task, the answers given so far and a fingerprint of every request
-  received (``fingerprint``): canonical JSON, ``{"strategy": "agent", ...}``;
+  received (``fingerprint``): canonical JSON, ``{"strategy": "agent", ...}`` (one
+  fingerprint fewer than answers plus one when the program had returned);
 * ``restore`` continues a live program when one is parked at exactly that state (each
   branch of a tree keeps its own program thread, so lockstep rollouts re-run nothing),
   or steps a live one forward when its answers are a prefix of the state's, else
@@ -44,10 +45,11 @@ Failures. A program that raises, does not call the model or return within its ti
 returns a non-number raises ``AgentProgramError`` from ``reset``/``step``: the engine
 fails that tree by name and commits the others (``on_failure``).
 
-Tasks: ``generate_tasks(n, seed)`` draws from the program module's ``TASKS`` (task dicts
-as in a task file, ``train.envs.tools.read_task_file``, or a JSONL path relative to the
-module), in a seeded order; ``rtrees collect --agent module:function --tasks FILE`` reads
-a task file instead.
+Tools: the module's ``TOOLS`` (OpenAI function tools), when it declares them, are the
+class's ``tool_schemas()``. Tasks: ``generate_tasks(n, seed)`` draws from the program
+module's ``TASKS`` (task dicts as in a task file, ``train.envs.tools.read_task_file``, or a
+JSONL path relative to the module), in a seeded order; ``rtrees collect --agent
+module:function --tasks FILE`` reads a task file instead.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import queue
 import secrets
 import threading
@@ -73,7 +76,7 @@ from train.envs.agent.wire import (
     render_messages,
     response_body,
 )
-from train.envs.base import Environment, StepResult, Task
+from train.envs.base import Environment, StepResult, Task, error_response
 
 AGENT_PREFIX = "agent:"
 DEFAULT_TIMEOUT_S = 60.0
@@ -155,6 +158,7 @@ class _Session:
 
     def __init__(self, hub: _Hub, program: Program, task: Task) -> None:
         self.hub, self.task = hub, task
+        self.generation = _GENERATION
         self.sid = secrets.token_hex(8)
         self.key = secrets.token_urlsafe(24)
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -163,6 +167,7 @@ class _Session:
         self.fingerprints: list[dict[str, Any]] = []
         self.messages: list[dict[str, Any]] = []
         self.finished = False
+        self.reward = 0.0
         self.closed = False
         self._lock = threading.Lock()
         self._in_flight = False
@@ -245,6 +250,19 @@ class _Hub:
 
 _HUB: _Hub | None = None
 _HUB_LOCK = threading.Lock()
+_GENERATION = 0
+"""Counts forks: a forked child has neither the server thread nor the program threads of
+its parent, so the sessions it inherits are dead (``train.envs.fork``)."""
+
+
+def _after_fork_in_child() -> None:
+    global _HUB, _HUB_LOCK, _GENERATION
+    _HUB, _HUB_LOCK = None, threading.Lock()
+    _GENERATION += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def hub() -> _Hub:
@@ -272,6 +290,7 @@ class AgentEnv(Environment):
     PROGRAM: ClassVar[Program | None] = None
     PROGRAM_SPEC: ClassVar[str] = ""
     TASKS: ClassVar[Any] = None
+    TOOLS: ClassVar[list[dict[str, Any]] | None] = None
     TASKS_BASE: ClassVar[Path | None] = None
 
     def __init__(self, timeout_s: float | None = None, max_parked: int = MAX_PARKED) -> None:
@@ -283,7 +302,7 @@ class AgentEnv(Environment):
         self.timeout_s = float(timeout_s if timeout_s is not None else
                                given if isinstance(given, int | float) else DEFAULT_TIMEOUT_S)
         self.max_parked = max_parked
-        self._hub = hub()
+        hub()  # the server starts before the first episode
         self._session: _Session | None = None
         self._parked: OrderedDict[str, _Session] = OrderedDict()
         self.replayed_calls = 0
@@ -295,9 +314,13 @@ class AgentEnv(Environment):
 
     def _start(self, task: Task) -> _Session:
         self.reruns += 1
-        return _Session(self._hub, self.program, task)
+        return _Session(hub(), self.program, task)
 
     def _next(self, s: _Session) -> tuple[str, Any]:
+        if s.generation != _GENERATION:
+            raise AgentProgramError(f"{self._who()}: its program thread does not survive a "
+                                    "fork (snapshot_strategy 'fork' cannot hold an agent "
+                                    "program; its own snapshots replay it)")
         try:
             return s.events.get(timeout=self.timeout_s)
         except queue.Empty:
@@ -322,7 +345,8 @@ class AgentEnv(Environment):
                     not math.isfinite(value):
                 raise AgentProgramError(f"{self._who()} returned {str(value)[:80]!r} on task "
                                         f"{s.task.task_id!r}, not a finite number")
-            return "return", float(value)
+            s.reward = float(value)
+            return "return", s.reward
         call: _Call = value
         s.pending = call
         s.fingerprints.append(fingerprint(call.request.body))
@@ -359,6 +383,8 @@ class AgentEnv(Environment):
 
     def step(self, action_text: str) -> StepResult:
         s = self._session
+        if s is not None and s.finished:
+            return StepResult(error_response("episode is over"), True, {"reward": s.reward})
         if s is None or s.pending is None:
             raise AgentProgramError(f"{self._who()}: no model call waits (call reset() or "
                                     "restore() first, or the episode is over)")
@@ -378,9 +404,10 @@ class AgentEnv(Environment):
     def restore(self, state: bytes) -> None:
         task, answers, prints = parse_agent_snapshot(state)
         key = _key(task, answers)
+        over = len(prints) == len(answers)  # the program had returned
         cur = self._session
-        if cur is not None and cur.task == task and cur.answers == answers and \
-                cur.pending is not None:
+        if cur is not None and cur.task == task and cur.answers == answers and (
+                cur.pending is not None or (over and cur.finished)):
             return
         self._park(cur)
         self._session = None
@@ -407,8 +434,17 @@ class AgentEnv(Environment):
             self._expect(s, prints, i + 1)
 
     def _expect(self, s: _Session, prints: list[dict[str, Any]], index: int) -> None:
-        """Wait for call ``index`` (0-based) of a replay and check it against the record."""
+        """Wait for call ``index`` (0-based) of a replay and check it against the record
+        (``index == len(prints)``: the record has the program's return there)."""
         got = self._await_call(s)
+        if index == len(prints):
+            if got[0] != "return":
+                s.close()
+                raise AgentDivergenceError(
+                    f"{self._who()}: replay diverged at call {index + 1} of task "
+                    f"{s.task.task_id!r}: the program called the model where the record has "
+                    "its return", index + 1, "return")
+            return
         if got[0] == "return":
             raise AgentDivergenceError(
                 f"{self._who()}: replay diverged at call {index + 1} of task "
@@ -451,6 +487,12 @@ class AgentEnv(Environment):
         for s in self._parked.values():
             s.close()
         self._parked.clear()
+
+    @classmethod
+    def tool_schemas(cls) -> list[dict[str, Any]] | None:
+        """The program module's ``TOOLS`` (OpenAI function tools), if it declares them:
+        ``hf:`` chat templates and ``rtrees env check``'s random tool calls use them."""
+        return cls.TOOLS
 
     @classmethod
     def generate_tasks(cls, n: int, seed: int, **mix: Any) -> list[Task]:
@@ -505,7 +547,8 @@ def parse_agent_snapshot(state: bytes) -> tuple[Task, list[str], list[dict[str, 
     names = {f.name for f in dataclasses.fields(Task)}
     if not isinstance(raw, dict) or set(raw) != names or not isinstance(answers, list) or \
             not all(isinstance(a, str) for a in answers) or not isinstance(prints, list) or \
-            len(prints) != len(answers) + 1 or not all(isinstance(p, dict) for p in prints):
+            len(prints) not in (len(answers), len(answers) + 1) or \
+            not all(isinstance(p, dict) for p in prints):
         raise ValueError("not an agent snapshot: malformed task, answers or calls")
     return Task(**raw), answers, prints
 
@@ -531,7 +574,7 @@ def agent_env_class(spec: str) -> type[AgentEnv]:
     file = getattr(sys.modules.get(module_name), "__file__", None)
     return type(f"Agent_{attr}", (AgentEnv,), {
         "name": AGENT_PREFIX + path, "PROGRAM": staticmethod(program), "PROGRAM_SPEC": path,
-        "TASKS": getattr(module, "TASKS", None),
+        "TASKS": getattr(module, "TASKS", None), "TOOLS": getattr(module, "TOOLS", None),
         "TASKS_BASE": Path(file).parent if file else None,
         "__module__": __name__, "__qualname__": f"Agent_{attr}"})
 
