@@ -48,6 +48,9 @@ register_label(app)
 from cli.export_cmd import register as register_export  # noqa: E402  (issue 26)
 
 register_export(app)
+from cli.serve_cmd import register as register_serve  # noqa: E402  (issue 49)
+
+register_serve(app)
 
 if TYPE_CHECKING:
     import pyarrow as pa

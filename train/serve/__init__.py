@@ -1,0 +1,6 @@
+"""``rtrees serve``: an OpenAI-compatible chat-completions endpoint on ``127.0.0.1`` backed
+by a rollout-trees policy's continuously batched decoder (``train.serve.server``)."""
+
+from train.serve.server import Batcher, ServeHandle, messages_transcript, serve
+
+__all__ = ["Batcher", "ServeHandle", "messages_transcript", "serve"]
