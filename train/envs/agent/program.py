@@ -62,6 +62,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import lru_cache
@@ -100,6 +101,35 @@ class AgentDivergenceError(AgentProgramError):
     def __init__(self, message: str, call: int, field: str) -> None:
         super().__init__(message)
         self.call, self.field = call, field
+
+
+@dataclasses.dataclass
+class AgentStats:
+    """Process-wide counters of every agent environment (benchmarks read them): calls
+    answered live and the seconds from an answer to the program's next call or return
+    (the program's own work, HTTP and JSON), calls answered from the record by a replay
+    (no policy decoding: the answer is the recorded text) and their seconds, and program
+    runs started."""
+
+    live_calls: int = 0
+    live_seconds: float = 0.0
+    replayed_calls: int = 0
+    replay_seconds: float = 0.0
+    runs: int = 0
+
+    def reset(self) -> None:
+        self.live_calls = self.replayed_calls = self.runs = 0
+        self.live_seconds = self.replay_seconds = 0.0
+
+
+STATS = AgentStats()
+_STATS_LOCK = threading.Lock()
+
+
+def _count(**deltas: float) -> None:
+    with _STATS_LOCK:
+        for name, delta in deltas.items():
+            setattr(STATS, name, getattr(STATS, name) + delta)
 
 
 # ----- fingerprints -------------------------------------------------------------------------
@@ -314,6 +344,7 @@ class AgentEnv(Environment):
 
     def _start(self, task: Task) -> _Session:
         self.reruns += 1
+        _count(runs=1)
         return _Session(hub(), self.program, task)
 
     def _next(self, s: _Session) -> tuple[str, Any]:
@@ -388,8 +419,10 @@ class AgentEnv(Environment):
         if s is None or s.pending is None:
             raise AgentProgramError(f"{self._who()}: no model call waits (call reset() or "
                                     "restore() first, or the episode is over)")
+        start = time.perf_counter()
         s.answer(action_text)
         kind, value = self._await_call(s)
+        _count(live_calls=1, live_seconds=time.perf_counter() - start)
         if kind == "return":
             return StepResult("", True, {"reward": float(value)})  # type: ignore[arg-type]
         return StepResult(self._observation(s, value), False,  # type: ignore[arg-type]
@@ -429,9 +462,11 @@ class AgentEnv(Environment):
             self._expect(s, prints, 0)
         self._session = s
         for i in range(len(s.answers), len(answers)):
+            start = time.perf_counter()
             s.answer(answers[i])
             self.replayed_calls += 1
             self._expect(s, prints, i + 1)
+            _count(replayed_calls=1, replay_seconds=time.perf_counter() - start)
 
     def _expect(self, s: _Session, prints: list[dict[str, Any]], index: int) -> None:
         """Wait for call ``index`` (0-based) of a replay and check it against the record
@@ -579,6 +614,6 @@ def agent_env_class(spec: str) -> type[AgentEnv]:
         "__module__": __name__, "__qualname__": f"Agent_{attr}"})
 
 
-__all__ = ["AGENT_PREFIX", "DEFAULT_TIMEOUT_S", "AgentDivergenceError", "AgentEnv",
-           "AgentProgramError", "agent_env_class", "diverging_field", "fingerprint", "hub",
-           "parse_agent_snapshot"]
+__all__ = ["AGENT_PREFIX", "DEFAULT_TIMEOUT_S", "STATS", "AgentDivergenceError", "AgentEnv",
+           "AgentProgramError", "AgentStats", "agent_env_class", "diverging_field",
+           "fingerprint", "hub", "parse_agent_snapshot"]
