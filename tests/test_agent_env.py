@@ -34,10 +34,14 @@ CALL_7 = '<tool_call>{"name": "calc", "arguments": {"expr": "3+4"}}</tool_call>'
 TASK = Task("t-7", "agent:agent_programs:calc", "Compute 3+4.", "7", 4)
 
 
-def _env(program: str) -> AgentEnv:
-    env = make_env(f"agent:agent_programs:{program}")
+def _env_of(spec: str) -> AgentEnv:
+    env = make_env(spec)
     assert isinstance(env, AgentEnv)
     return env
+
+
+def _env(program: str) -> AgentEnv:
+    return _env_of(f"agent:agent_programs:{program}")
 
 
 def test_episode_steps_through_the_openai_client() -> None:
@@ -232,3 +236,29 @@ def test_env_check_passes_a_deterministic_program() -> None:
     report = check_env("agent:agent_programs:calc", prefixes=2, tasks=1)
     status = {c.name: c.status for c in report.checks}
     assert status["native"] == "ok" and status["tools"] == "ok" and report.passed
+
+
+def test_an_unmodified_framework_is_stepped_and_replayed() -> None:
+    """smolagents' ToolCallingAgent over its OpenAIServerModel: the completion's tool call
+    runs the framework's own tool, its observation reaches the policy, a ``final_answer``
+    call ends the run with the program's reward, and a fresh instance replays the
+    framework's requests byte for byte (no divergence)."""
+    pytest.importorskip("smolagents")
+    env = _env_of("agent:agent_smol:run")
+    again = _env_of("agent:agent_smol:run")
+    try:
+        prompt = env.reset(TASK)
+        assert "Compute 3+4." in prompt and "calc" in prompt  # its system prompt and task
+        step = env.step(CALL_7)
+        assert step.observation.endswith("7") and not step.done
+        state = env.snapshot()
+        final = '<tool_call>{"name": "final_answer", "arguments": {"answer": "7"}}</tool_call>'
+        assert env.step(final).reward_parts["reward"] == 1.0
+        again.restore(state)  # a fresh run of the framework, checked call by call
+        assert again.step(final).reward_parts["reward"] == 1.0
+        wrong = '<tool_call>{"name": "final_answer", "arguments": {"answer": "8"}}</tool_call>'
+        env.restore(state)
+        assert env.step(wrong).reward_parts["reward"] == 0.0
+    finally:
+        env.close()
+        again.close()
