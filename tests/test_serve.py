@@ -195,3 +195,43 @@ def test_serve_command_refuses_bad_options(tmp_path: Path) -> None:
 
     result = CliRunner().invoke(app, ["serve", "--policy", "tiny:calc", "--port", "70000"])
     assert result.exit_code != 0 and "--port" in result.output
+
+
+def test_proxy_records_and_replays_in_front_of_an_upstream(
+        server: ServeHandle, tmp_path: Path) -> None:
+    """``--upstream``: a second endpoint in front of the first (any OpenAI-compatible
+    server): calls pass through with their tool calls and logprobs, are recorded, and an
+    identical request is answered from the record without reaching the upstream."""
+    from train.serve import serve_upstream
+
+    record = tmp_path / "proxy.jsonl"
+    proxy = serve_upstream(server.url, upstream_key=server.key, model="tiny", record=record)
+    try:
+        client = _client(proxy)
+        upstream_calls = server.calls
+        first = client.chat.completions.create(model="tiny", messages=PROMPT, seed=9,
+                                               logprobs=True)
+        again = client.chat.completions.create(model="tiny", messages=PROMPT, seed=9,
+                                               logprobs=True)
+        plain = client.chat.completions.create(model="tiny", messages=PROMPT, seed=10)
+        assert first.choices[0].message == again.choices[0].message
+        assert server.calls == upstream_calls + 2  # the repeat came from the record
+        lines = [json.loads(line) for line in record.read_text().splitlines()]
+        assert [line["replayed"] for line in lines] == [False, True, False]
+        assert lines[0]["completions"][0]["logprobs"] and not \
+            lines[0]["completions"][0]["logprobs_missing"]
+        assert lines[2]["completions"][0]["logprobs_missing"]
+        assert plain.choices[0].message.content is not None or \
+            plain.choices[0].message.tool_calls
+        with pytest.raises(openai.BadRequestError, match="unknown model"):
+            client.chat.completions.create(model="other", messages=PROMPT)
+    finally:
+        proxy.close()
+    dead = serve_upstream("http://127.0.0.1:9/v1", model="tiny")
+    try:
+        with pytest.raises(openai.InternalServerError, match="unreachable"):
+            _client(dead).chat.completions.create(model="tiny", messages=PROMPT)
+    finally:
+        dead.close()
+    with pytest.raises(ValueError, match="http"):
+        serve_upstream("file:///etc/passwd")

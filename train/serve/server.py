@@ -24,6 +24,12 @@ a request holds) whose ``POST /v1/chat/completions`` samples from ``policy``:
 * every call is recorded (``record``: one JSON line per call: the request as sent, each
   completion's text, token ids and logprobs, the policy version, the seconds it took).
 
+Proxy mode (``serve_upstream``, ``rtrees serve --upstream URL``): the same endpoint in
+front of any OpenAI-compatible server (a vLLM server on a GPU box): each call is forwarded,
+recorded (logprobs when the upstream gives them, ``logprobs_missing`` when not), and a
+request byte-identical to a recorded one is answered from the record, asking nothing of
+the upstream; an upstream failure is a one-line HTTP 502.
+
 The request's ``tools`` are recorded and accepted; the policy's chat template renders the
 tools it was loaded with (``load_policy(..., env)``: the environment's ``tool_schemas``).
 """
@@ -31,6 +37,7 @@ tools it was loaded with (``load_policy(..., env)``: the environment's ``tool_sc
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import queue
 import secrets
@@ -242,6 +249,98 @@ class _PolicyEndpoint:
         return body
 
 
+class UpstreamError(WireError):
+    """The upstream server failed or answered something that is not a completion (502)."""
+
+    status = 502
+
+
+class _ProxyEndpoint:
+    """``--upstream``: forwards each request to an OpenAI-compatible server, records it, and
+    answers a request byte-identical to a recorded one (same messages, same ``seed``...)
+    from the record without asking the upstream (``replayed``)."""
+
+    def __init__(self, upstream: str, upstream_key: str | None, model: str | None,
+                 record: Path | None, timeout_s: float) -> None:
+        import urllib.parse
+
+        parsed = urllib.parse.urlsplit(upstream)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"--upstream {upstream!r}: an http(s) URL of an "
+                             "OpenAI-compatible server (e.g. http://host:8000/v1)")
+        self.upstream = upstream.rstrip("/")
+        self.upstream_key, self.model, self.record = upstream_key, model, record
+        self.timeout_s = timeout_s
+        self.calls = self.replayed = 0
+        self._seen: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def models(self) -> tuple[str, ...] | None:
+        return (self.model,) if self.model else None
+
+    def _forward(self, body: dict[str, Any]) -> dict[str, Any]:
+        import urllib.error
+        import urllib.request
+
+        headers = {"Content-Type": "application/json"}
+        if self.upstream_key:
+            headers["Authorization"] = f"Bearer {self.upstream_key}"
+        req = urllib.request.Request(f"{self.upstream}/chat/completions", method="POST",
+                                     data=json.dumps({**body, "stream": False}).encode(),
+                                     headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as response:
+                raw = response.read(LIMITS.max_body_bytes * 4 + 1)
+        except urllib.error.HTTPError as exc:
+            detail = exc.read(2000).decode("utf-8", "replace")
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                detail = str(json.loads(detail)["error"]["message"])
+            raise UpstreamError(f"upstream answered HTTP {exc.code}: "
+                                f"{detail.splitlines()[0][:200] if detail else ''}") from None
+        except (OSError, ValueError) as exc:
+            raise UpstreamError(f"upstream {self.upstream} unreachable: "
+                                f"{type(exc).__name__}") from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise UpstreamError("upstream answered something that is not JSON") from None
+        if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+            raise UpstreamError("upstream answered something that is not a chat completion")
+        return answer
+
+    def complete(self, request: ChatRequest) -> dict[str, Any]:
+        start = time.perf_counter()
+        key = json.dumps({k: v for k, v in request.body.items()
+                          if k not in ("stream", "stream_options")}, sort_keys=True)
+        with self._lock:
+            recorded = self._seen.get(key)
+        replayed = recorded is not None
+        answer = recorded if recorded is not None else self._forward(request.body)
+        with self._lock:
+            self.calls += 1
+            self.replayed += replayed
+            self._seen.setdefault(key, answer)
+            number = self.calls
+        if self.record is not None:
+            completions = []
+            for choice in answer["choices"]:
+                content = (choice.get("logprobs") or {}).get("content") \
+                    if isinstance(choice, dict) else None
+                message = choice.get("message", {}) if isinstance(choice, dict) else {}
+                completions.append({
+                    "message": message,
+                    "logprobs": [t.get("logprob") for t in content] if content else None,
+                    "logprobs_missing": not content})
+            line = json.dumps({"call": number, "request": request.body, "replayed": replayed,
+                               "policy_version": f"upstream:{self.upstream}",
+                               "seconds": round(time.perf_counter() - start, 6),
+                               "completions": completions})
+            with self._lock, self.record.open("a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        return answer
+
+
 @dataclass
 class ServeHandle:
     """A running ``serve``: its base URL (``.../v1``), its key, what it has served."""
@@ -250,8 +349,8 @@ class ServeHandle:
     key: str
     model: str
     server: LoopbackServer
-    batcher: Batcher
-    endpoint: _PolicyEndpoint
+    batcher: Batcher | None
+    endpoint: _PolicyEndpoint | _ProxyEndpoint
 
     @property
     def calls(self) -> int:
@@ -259,7 +358,38 @@ class ServeHandle:
 
     def close(self) -> None:
         self.server.close()
-        self.batcher.close()
+        if self.batcher is not None:
+            self.batcher.close()
+
+
+def serve_upstream(upstream: str, *, upstream_key: str | None = None,
+                   model: str | None = None, key: str | None = None, port: int = 0,
+                   record: str | Path | None = None, limits: Limits = LIMITS,
+                   timeout_s: float = 600.0) -> ServeHandle:
+    """Proxy mode (``rtrees serve --upstream URL``): the same loopback endpoint, its calls
+    forwarded to the OpenAI-compatible server at ``upstream`` (``.../v1``) with
+    ``upstream_key``, each recorded (logprobs when the upstream gives them, else
+    ``logprobs_missing``), a request identical to a recorded one answered from the record.
+    ``model``: the one model name accepted (None: any, passed on)."""
+    api_key = _key(key)
+    endpoint = _ProxyEndpoint(upstream, upstream_key, model,
+                              Path(record) if record is not None else None, timeout_s)
+
+    def route(path: str, given: str) -> Endpoint:
+        if path != "/v1":
+            raise KeyError(path)
+        if not same_key(given, api_key):
+            raise Unauthorized(path)
+        return endpoint
+
+    server = LoopbackServer(route, port=port, limits=limits)
+    return ServeHandle(server.url("/v1"), api_key, model or "", server, None, endpoint)
+
+
+def _key(key: str | None) -> str:
+    if key is not None and len(key) < 16:
+        raise ValueError("an API key needs at least 16 characters")
+    return key or secrets.token_urlsafe(32)
 
 
 def serve(policy: Policy, *, model: str = "policy", key: str | None = None, port: int = 0,
@@ -268,9 +398,7 @@ def serve(policy: Policy, *, model: str = "policy", key: str | None = None, port
     """Serve ``policy`` on ``127.0.0.1:port`` (0: a free port) under the model name
     ``model`` with the API key ``key`` (default: a fresh ``secrets.token_urlsafe(32)``);
     ``record``: a JSONL file every call is appended to."""
-    if key is not None and len(key) < 16:
-        raise ValueError("an API key needs at least 16 characters")
-    api_key = key or secrets.token_urlsafe(32)
+    api_key = _key(key)
     tokenizer = getattr(policy, "tokenizer", None)
 
     def token_text(token_id: int) -> str:
@@ -294,4 +422,5 @@ def serve(policy: Policy, *, model: str = "policy", key: str | None = None, port
     return ServeHandle(server.url("/v1"), api_key, model, server, batcher, endpoint)
 
 
-__all__ = ["Batcher", "ServeHandle", "messages_transcript", "serve"]
+__all__ = ["Batcher", "ServeHandle", "UpstreamError", "messages_transcript", "serve",
+           "serve_upstream"]

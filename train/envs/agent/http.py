@@ -146,7 +146,7 @@ class _Handler(BaseHTTPRequestHandler):
                                     endpoint.models, limits)
             body = endpoint.complete(request)
         except WireError as exc:
-            self._error(400, str(exc).splitlines()[0] if str(exc) else "bad request")
+            self._error(exc.status, str(exc).splitlines()[0] if str(exc) else "bad request")
             return
         except Exception as exc:  # never a traceback on the wire
             self._error(500, f"internal error: {type(exc).__name__}")

@@ -36,7 +36,10 @@ from train.envs.base import TOOL_CALL_RE, tool_response
 
 
 class WireError(ValueError):
-    """A request that breaks the format or a limit: one line, answered with HTTP 400."""
+    """A request that breaks the format or a limit: one line, answered with HTTP
+    ``status`` (400; 502 for an upstream that failed, ``rtrees serve --upstream``)."""
+
+    status: int = 400
 
 
 @dataclass(frozen=True)
