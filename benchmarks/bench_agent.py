@@ -240,6 +240,7 @@ def main() -> None:
                           f"sessions: {serve_t.seconds[-1]:.1f} s (mean reward "
                           f"{sum(rewards) / len(rewards):.2f}; {handle.calls} calls so far)",
                           flush=True)
+                assert handle.batcher is not None
                 lines = (Path(tmp) / "calls.jsonl").read_text().splitlines()
                 secs = sorted(json.loads(line)["seconds"] for line in lines)
                 print(f"serve per-call latency: median {secs[len(secs) // 2] * 1000:.1f} ms, "

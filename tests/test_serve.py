@@ -116,6 +116,7 @@ def test_every_call_is_recorded(server: ServeHandle) -> None:
 
 def test_concurrent_sessions_share_decode_steps(server: ServeHandle) -> None:
     client = _client(server)
+    assert server.batcher is not None
     steps = server.batcher.decode_steps
 
     def one(i: int) -> int:
