@@ -20,6 +20,13 @@ def default_run_id(env: str, sampler: str, policy: str, n_total: int) -> str:
     return f"{slug(env, 'env')}-{sampler}-{slug(policy, 'policy')}-n{n_total}"
 
 
+def tasks_value(text: str | int) -> int | str:
+    """``--tasks``: a count (an integer) or a task file path (anything else)."""
+    if isinstance(text, int):
+        return text
+    return int(text) if re.fullmatch(r"[+-]?\d{1,9}", text.strip()) else text
+
+
 def collect_command(
     store: Annotated[Path, typer.Option("--store", help="Store directory (created if missing).")],
     policy: Annotated[str, typer.Option(help="Policy spec for train.policies.load_policy "
@@ -33,7 +40,8 @@ def collect_command(
         help="An agent program module:function (run(task, base_url, api_key) -> reward): "
              "the same as --env agent:module:function.")] = None,
     tasks: Annotated[str, typer.Option(
-        "--tasks", help="Number of generated tasks, or a JSONL task file.")] = "64",
+        "--tasks", parser=tasks_value,
+        help="Number of generated tasks, or a JSONL task file.")] = "64",
     n_total: Annotated[int, typer.Option("--n-total", help="Rollouts per tree.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of the tasks and of the sampling.")] = 0,
     run_id: Annotated[str | None, typer.Option(
@@ -59,8 +67,8 @@ def collect_command(
     params = parse_params(param)
     require((env is None) != (agent is None), "give exactly one of --env and --agent")
     spec: str = env if env is not None else f"agent:{agent}"
-    counted = re.fullmatch(r"[+-]?\d{1,9}", tasks.strip()) is not None
-    n_tasks = int(tasks) if counted else 1
+    counted = isinstance(tasks, int)
+    n_tasks = tasks if isinstance(tasks, int) else 1
     for option, value in (("--tasks", n_tasks), ("--n-total", n_total), ("--workers", workers),
                           ("--commit-trees", commit_trees)):
         require(value >= 1, f"{option} must be at least 1, got {value}")
@@ -70,7 +78,7 @@ def collect_command(
         fail(f"--{'env' if agent is None else 'agent'}: {exc}")
     if not counted:
         try:
-            from_file = read_task_file(tasks, spec)
+            from_file = read_task_file(str(tasks), spec)
         except ValueError as exc:
             fail(f"--tasks: a count or a JSONL task file: {exc}")
     try:
