@@ -168,6 +168,24 @@ def test_collect_in_process_commits_good_trees_and_names_failures(
     assert all(t.env == "agent:agent_programs:calc" for t in bel)
 
 
+def test_collect_reports_a_non_deterministic_tool_by_name(
+        tmp_path: Path, tiny_calc: Policy) -> None:
+    """BEL branches from inner nodes, which re-runs the program: a random tool result is a
+    divergence at call 2, reported per tree, and no such tree is committed."""
+    from train.sampling.collect import collect
+
+    store = Store(tmp_path / "st", create=True)
+    tasks = [Task(f"n-{i}", "agent", str(t["prompt"]), str(t["answer"]), 4)
+             for i, t in enumerate(agent_programs.TASKS)]
+    report = collect(store, "agent:agent_programs:noisy", tiny_calc, "bel", tasks, 8, 0,
+                     "noisy", progress=False)
+    assert report.failed, "a branch below the root re-ran the program"
+    assert all("AgentDivergenceError" in why and "messages[2].content" in why
+               for why in report.failed.values())
+    assert "AgentDivergenceError" in report.summary()
+    assert report.trees + len(report.failed) == len(tasks)
+
+
 @pytest.mark.slow
 def test_collect_credit_audit_agent_trees(tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
