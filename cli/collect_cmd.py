@@ -20,15 +20,28 @@ def default_run_id(env: str, sampler: str, policy: str, n_total: int) -> str:
     return f"{slug(env, 'env')}-{sampler}-{slug(policy, 'policy')}-n{n_total}"
 
 
+def tasks_value(text: str | int) -> int | str:
+    """``--tasks``: a count (an integer) or a task file path (anything else)."""
+    if isinstance(text, int):
+        return text
+    return int(text) if re.fullmatch(r"[+-]?\d{1,9}", text.strip()) else text
+
+
 def collect_command(
     store: Annotated[Path, typer.Option("--store", help="Store directory (created if missing).")],
-    env: Annotated[str, typer.Option(
-        help="Environment: calc, python, workflow, sgls, a name an installed package "
-             "registers (entry points 'rollout_trees.envs'), or module:Class.")],
     policy: Annotated[str, typer.Option(help="Policy spec for train.policies.load_policy "
                                              "(tiny, hf:PATH, vllm:PATH, tabular).")],
     sampler: Annotated[str, typer.Option(help="group, random, entropy, bel or caliper.")],
-    tasks: Annotated[int, typer.Option("--tasks", help="Number of generated tasks.")] = 64,
+    env: Annotated[str | None, typer.Option(
+        help="Environment: calc, python, workflow, sgls, a name an installed package "
+             "registers (entry points 'rollout_trees.envs'), module:Class, or "
+             "agent:module:function.")] = None,
+    agent: Annotated[str | None, typer.Option(
+        help="An agent program module:function (run(task, base_url, api_key) -> reward): "
+             "the same as --env agent:module:function.")] = None,
+    tasks: Annotated[str, typer.Option(
+        "--tasks", parser=tasks_value,
+        help="Number of generated tasks, or a JSONL task file.")] = "64",
     n_total: Annotated[int, typer.Option("--n-total", help="Rollouts per tree.")] = 16,
     seed: Annotated[int, typer.Option(help="Seed of the tasks and of the sampling.")] = 0,
     run_id: Annotated[str | None, typer.Option(
@@ -47,22 +60,32 @@ def collect_command(
     """Sample one rollout tree per task with a sampler and a policy, commit them to a store."""
     from rollout_store import SchemaMismatchError, Store, StoreError
     from train.envs import env_class
+    from train.envs.tools import read_task_file
     from train.policies import PolicyUnavailableError
     from train.sampling.collect import collect
 
     params = parse_params(param)
-    for option, value in (("--tasks", tasks), ("--n-total", n_total), ("--workers", workers),
+    require((env is None) != (agent is None), "give exactly one of --env and --agent")
+    spec: str = env if env is not None else f"agent:{agent}"
+    counted = isinstance(tasks, int)
+    n_tasks = tasks if isinstance(tasks, int) else 1
+    for option, value in (("--tasks", n_tasks), ("--n-total", n_total), ("--workers", workers),
                           ("--commit-trees", commit_trees)):
         require(value >= 1, f"{option} must be at least 1, got {value}")
     try:
-        env_cls = env_class(env)
+        env_cls = env_class(spec)
     except ValueError as exc:  # EnvSpecError: unknown name, module that does not import
-        fail(f"--env: {exc}")
+        fail(f"--{'env' if agent is None else 'agent'}: {exc}")
+    if not counted:
+        try:
+            from_file = read_task_file(str(tasks), spec)
+        except ValueError as exc:
+            fail(f"--tasks: a count or a JSONL task file: {exc}")
     try:
-        generated = env_cls.generate_tasks(tasks, seed)
+        generated = env_cls.generate_tasks(n_tasks, seed) if counted else from_file
         s = Store(store, create=True)
-        report = collect(s, env, policy, sampler, generated, n_total, seed,
-                         run_id or default_run_id(env, sampler, policy, n_total),
+        report = collect(s, spec, policy, sampler, generated, n_total, seed,
+                         run_id or default_run_id(spec, sampler, policy, n_total),
                          workers=workers, commit_trees=commit_trees, progress=progress,
                          sampler_params=params, ray=ray)
     except (ValueError, RuntimeError, StoreError, SchemaMismatchError, OSError,

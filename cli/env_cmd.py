@@ -234,8 +234,13 @@ def play(
 
 @env_app.command("check")
 def check(
-    spec: Annotated[str, typer.Argument(help=f"Environment: {', '.join(ENVIRONMENTS)}, an "
-                                             "installed name or module:Class.")],
+    spec: Annotated[str | None, typer.Argument(
+        help=f"Environment: {', '.join(ENVIRONMENTS)}, an installed name, module:Class or "
+             "agent:module:function.")] = None,
+    agent: Annotated[str | None, typer.Option(
+        "--agent", help="An agent program module:function instead of SPEC (the same as "
+                        "agent:module:function): a replay that diverges names the first "
+                        "divergent call and the field that differed.")] = None,
     prefixes: Annotated[int, typer.Option(
         min=1, help="Random prefixes per snapshot strategy (restore-then-step determinism).")
                         ] = 20,
@@ -253,8 +258,11 @@ def check(
     def show(result: CheckResult) -> None:
         typer.echo(result.line())
 
+    if (spec is None) == (agent is None):
+        raise _error("give exactly one of SPEC and --agent", 2)
     try:
-        report = check_env(spec, prefixes=prefixes, seed=seed, tasks=tasks,
+        report = check_env(spec if spec is not None else f"agent:{agent}",
+                           prefixes=prefixes, seed=seed, tasks=tasks,
                            samplers=list(SAMPLERS), on_result=None if as_json else show)
     except EnvSpecError as exc:
         raise _error(str(exc), 2) from None

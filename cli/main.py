@@ -51,6 +51,9 @@ register_export(app)
 from cli.compare_cmd import register as register_compare  # noqa: E402  (issue 48)
 
 register_compare(app)
+from cli.serve_cmd import register as register_serve  # noqa: E402  (issue 49)
+
+register_serve(app)
 
 if TYPE_CHECKING:
     import pyarrow as pa

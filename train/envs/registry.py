@@ -13,6 +13,8 @@ in any process:
   ``[project.entry-points."rollout_trees.envs"] myenv = "mypkg.env:MyEnv"``; once installed,
   ``--env myenv`` works in every process;
 * ``module:Class`` (``mypkg.env:MyEnv``): importable wherever the module is;
+* ``agent:module:function``: an agent program that talks to an OpenAI-compatible endpoint,
+  branched call by call (``train.envs.agent.program``);
 * a name given to ``register_env(name, target)`` in this process (a notebook): workers
   started with ``fork`` inherit it; spawned ones and Ray actors do not, so prefer an entry
   point or ``module:Class`` there. A class registered by object whose module is importable
@@ -148,6 +150,16 @@ def resolve_env(spec: str) -> type[Environment]:
     """The ``Environment`` class of ``spec`` (module docstring: order and trust)."""
     if not isinstance(spec, str) or not spec:
         raise EnvSpecError(f"environment spec {spec!r}: a name or 'module:Class'")
+    if spec.startswith("agent:"):  # an agent program (train.envs.agent.program)
+        if not SPEC_RE.fullmatch(spec[6:]):
+            raise EnvSpecError(f"environment spec {spec!r}: an agent program is "
+                               "'agent:module:function'")
+        from train.envs.agent.program import agent_env_class
+
+        try:
+            return agent_env_class(spec)
+        except ValueError as exc:
+            raise EnvSpecError(str(exc)) from None
     target: str | type[Environment] | None = _REGISTERED.get(spec) or BUILTIN.get(spec)
     if target is None and NAME_RE.fullmatch(spec):
         target = _entry_points().get(spec)
