@@ -292,6 +292,22 @@ def load_snapshot(state: bytes, fmt: str) -> dict[str, Any]:
     return data
 
 
+class SnapshotDivergence(RuntimeError):
+    """Restoring a snapshot did not reach the recorded state: a replayed step or model call
+    came out other than when it was recorded (the environment is not deterministic given
+    the task and what it was answered). ``where`` names the first difference, JSON-able
+    (``{"step": 3}`` for a replayed step; ``{"call": 2, "field": "messages[2].content"}``
+    for an agent program's model call).
+
+    Consumers catch this class, never an environment's own: the tree builder drops the
+    rollout that would have started from the restored state and marks the node
+    (``train.sampling.base.TreeBuilder``)."""
+
+    def __init__(self, message: str, **where: Any) -> None:
+        super().__init__(message)
+        self.where: dict[str, Any] = dict(where)
+
+
 SnapshotStrategy = Literal["native", "replay", "fork"]
 """How an environment's states are saved and restored (``train.envs.strategies``)."""
 

@@ -26,8 +26,12 @@ number. ``agent:module:function`` (``agent_env_class``) is the environment of it
   match its fingerprint field by field: a program that sends anything else before the
   branch point (a non-deterministic tool, a clock, a seed it does not take from the
   task) raises ``AgentDivergenceError`` naming the call and the field, and the branch
-  is never attached to the recorded prefix (the tree fails by name; ``rtrees env check
-  --agent SPEC`` reports the first divergent call).
+  is never attached to the recorded prefix: the tree builder drops that rollout, marks
+  the node it would have started from (``meta["diverged"]``) and goes on with the rest
+  of the tree (``train.sampling.base``); ``rtrees env check --agent SPEC`` reports the
+  first divergent call. A parked program is found by the task, the answers *and* the
+  fingerprints of its calls: another run that was given the same answers but sent other
+  requests (a random tool) is never continued in the recorded one's place.
 
 Why not the generic ``replay`` strategy (``ReplayEnv``): it digests step outcomes only,
 so a first request that differs (the prompt) goes unseen, it cannot say which field
@@ -77,7 +81,13 @@ from train.envs.agent.wire import (
     render_messages,
     response_body,
 )
-from train.envs.base import Environment, StepResult, Task, error_response
+from train.envs.base import (
+    Environment,
+    SnapshotDivergence,
+    StepResult,
+    Task,
+    error_response,
+)
 
 AGENT_PREFIX = "agent:"
 DEFAULT_TIMEOUT_S = 60.0
@@ -94,12 +104,14 @@ class AgentProgramError(RuntimeError):
     """The agent program failed its episode (raised, hung, returned a non-number)."""
 
 
-class AgentDivergenceError(AgentProgramError):
+class AgentDivergenceError(AgentProgramError, SnapshotDivergence):
     """A re-run program sent a request other than the recorded one before the branch
-    point. ``call`` (1-based) and ``field`` name the first difference."""
+    point. ``call`` (1-based) and ``field`` name the first difference (also ``where``,
+    as every ``SnapshotDivergence``: the tree builder drops the branch and marks the
+    node)."""
 
     def __init__(self, message: str, call: int, field: str) -> None:
-        super().__init__(message)
+        SnapshotDivergence.__init__(self, message, call=call, field=field)
         self.call, self.field = call, field
 
 
@@ -441,10 +453,11 @@ class AgentEnv(Environment):
 
     def restore(self, state: bytes) -> None:
         task, answers, prints = parse_agent_snapshot(state)
-        key = _key(task, answers)
+        key = _key(task, answers, prints)
         over = len(prints) == len(answers)  # the program had returned
         cur = self._session
-        if cur is not None and cur.task == task and cur.answers == answers and (
+        if cur is not None and cur.task == task and cur.answers == answers and \
+                cur.fingerprints == prints and (
                 cur.pending is not None or (over and cur.finished)):
             return
         self._park(cur)
@@ -456,11 +469,12 @@ class AgentEnv(Environment):
         # the live program furthest along a prefix of the answers, else a fresh run
         best: _Session | None = None
         for cand in self._parked.values():
-            if cand.task == task and cand.answers == answers[:len(cand.answers)] and (
+            if cand.task == task and cand.answers == answers[:len(cand.answers)] and \
+                    cand.fingerprints == prints[:len(cand.fingerprints)] and (
                     best is None or len(cand.answers) > len(best.answers)):
                 best = cand
         if best is not None:
-            del self._parked[_key(best.task, best.answers)]
+            del self._parked[_key(best.task, best.answers, best.fingerprints)]
             s = best
         else:
             s = self._start(task)
@@ -508,7 +522,7 @@ class AgentEnv(Environment):
         if s.pending is None or s.closed:
             s.close()
             return
-        key = _key(s.task, s.answers)
+        key = _key(s.task, s.answers, s.fingerprints)
         old = self._parked.pop(key, None)
         if old is not None:
             old.close()
@@ -564,8 +578,9 @@ class AgentEnv(Environment):
         return helper.generate_tasks(n, seed)
 
 
-def _key(task: Task, answers: list[str]) -> str:
-    return _digest([dataclasses.asdict(task), answers])
+def _key(task: Task, answers: list[str], prints: list[dict[str, Any]]) -> str:
+    """A parked program's key: the state a snapshot records (task, answers, requests)."""
+    return _digest([dataclasses.asdict(task), answers, prints])
 
 
 def _dump(task: Task, answers: list[str], prints: list[dict[str, Any]]) -> bytes:
