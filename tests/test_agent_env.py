@@ -26,6 +26,7 @@ from train.envs.agent.program import (
     AgentProgramError,
     parse_agent_snapshot,
 )
+from train.envs.agent.wire import completion_message
 from train.envs.base import Task
 from train.policies.base import Policy
 
@@ -53,6 +54,13 @@ def test_episode_steps_through_the_openai_client() -> None:
         first = env.step(CALL_7)
         assert first.observation == "<tool_response>7</tool_response>"
         assert not first.done
+        # the call it answered, for its tree node (the viewer shows it), taken once
+        call = env.step_meta()["call"]  # type: ignore[index]
+        assert (call["index"], call["first"]) == (1, 0)
+        assert call["messages"] == [{"role": "user", "content": "Compute 3+4."}]
+        assert [(c["name"], json.loads(c["arguments"])) for c in call["tool_calls"]] == \
+            [("calc", {"expr": "3+4"})]
+        assert env.step_meta() is None
         last = env.step("<answer>7</answer>")
         assert last.done and last.reward_parts["reward"] == 1.0
         over = env.step("<answer>7</answer>")
@@ -200,6 +208,19 @@ def test_collect_drops_divergent_branches_and_commits_the_tree(
         kids = tree.children()
         assert all(kids[n.node_id] or n.reward is not None for n in tree.nodes)
         lost += sum(by_phase.values())
+        # every step node carries its model call: call k at depth k, its new messages
+        # start where the previous call's ended, its tool calls parsed from the action
+        depth = {0: 0}
+        for n in tree.preorder():
+            if n.parent_id is None:
+                continue
+            depth[n.node_id] = depth[n.parent_id] + 1
+            call = (n.meta or {})["call"]
+            assert call["index"] == depth[n.node_id] and call["messages"]
+            assert call["messages"][-1]["role"] in ("user", "tool")
+            sent = completion_message(n.action_text)[0].get("tool_calls", [])  # as sent
+            assert [(c["name"], c["arguments"]) for c in call["tool_calls"]] == \
+                [(c["function"]["name"], c["function"]["arguments"]) for c in sent]
     assert lost == report.diverged
 
 

@@ -331,7 +331,9 @@ class Environment(ABC):
     Optional: ``expert_action`` (a scripted expert: ``rtrees policy init``, ``env check``),
     ``reseed(key)`` (a fresh random stream after ``restore``, so siblings branched from one
     state do not share tool outcomes), ``tool_schemas()`` (the tools in the OpenAI function
-    format: every policy's chat template gets them), ``close()``.
+    format: every policy's chat template gets them), ``step_meta()`` (JSON-able facts
+    about the step just taken, merged into its tree node's ``meta`` by the tree builder:
+    an agent program's model call, ``{"call": {...}}``), ``close()``.
 
     Threads: the engine builds, steps, snapshots and closes each instance on its
     tool-pool threads, one call at a time per instance but not always on the same thread.

@@ -727,6 +727,10 @@ class TreeBuilder:
             tool_calls=int(parse_action(cont.text).kind == "tool_call"),
             phase=br.phase, meta={"truncated": True} if truncated else None,
         )
+        step_meta = getattr(self.env, "step_meta", None)  # optional (``Environment``)
+        extra = step_meta() if callable(step_meta) else None
+        if extra:
+            node.meta = {**(node.meta or {}), **extra}
         self._add(node, self.env.snapshot(), depth, tuple(rollout.turns))
         self._env_at = node.node_id
         return node

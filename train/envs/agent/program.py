@@ -15,7 +15,9 @@ number. ``agent:module:function`` (``agent_env_class``) is the environment of it
   hermes parser does: ``wire.completion_message``), then waits for the program's next
   call, whose new messages (tool results, user turns) are the observation, or for its
   return, which ends the episode with that reward. So a node is one model call, its
-  action the completion, its observation what the program sent next;
+  action the completion, its observation what the program sent next, and its
+  ``meta["call"]`` the call itself (``step_meta``, ``call_meta``: the request's new
+  messages and the completion's parsed tool calls, which the viewer shows);
 * a snapshot is the task, the answers given so far and a fingerprint of every request
   received (``fingerprint``): canonical JSON, ``{"strategy": "agent", ...}`` (one
   fingerprint fewer than answers plus one when the program had returned);
@@ -78,6 +80,7 @@ from train.envs.agent.wire import (
     ChatRequest,
     Choice,
     WireError,
+    completion_message,
     render_messages,
     response_body,
 )
@@ -208,6 +211,7 @@ class _Session:
         self.answers: list[str] = []
         self.fingerprints: list[dict[str, Any]] = []
         self.messages: list[dict[str, Any]] = []
+        self.new_from = 0  # where the pending call's messages new since the last one start
         self.finished = False
         self.reward = 0.0
         self.closed = False
@@ -354,6 +358,7 @@ class AgentEnv(Environment):
         self._parked: OrderedDict[str, _Session] = OrderedDict()
         self.replayed_calls = 0
         self.reruns = 0
+        self._call_meta: dict[str, Any] | None = None
 
     # --- helpers
     def _who(self) -> str:
@@ -405,6 +410,7 @@ class AgentEnv(Environment):
         new = call.request.messages
         prev = s.messages
         s.messages = list(new)
+        s.new_from = len(prev)
         if not prev:
             return render_messages(new)
         k = len(prev)
@@ -437,6 +443,7 @@ class AgentEnv(Environment):
             raise AgentProgramError(f"{self._who()}: no model call waits (call reset() or "
                                     "restore() first, or the episode is over)")
         start = time.perf_counter()
+        self._call_meta = {"call": call_meta(s, action_text)}
         s.answer(action_text)
         kind, value = self._await_call(s)
         _count(live_calls=1, live_seconds=time.perf_counter() - start)
@@ -444,6 +451,12 @@ class AgentEnv(Environment):
             return StepResult("", True, {"reward": float(value)})  # type: ignore[arg-type]
         return StepResult(self._observation(s, value), False,  # type: ignore[arg-type]
                           {"reward": 0.0})
+
+    def step_meta(self) -> dict[str, Any] | None:
+        """The model call the last ``step`` answered, for its tree node's ``meta``
+        (``call_meta``; None after it was taken once)."""
+        meta, self._call_meta = self._call_meta, None
+        return meta
 
     def snapshot(self) -> bytes:
         s = self._session
@@ -578,6 +591,19 @@ class AgentEnv(Environment):
         return helper.generate_tasks(n, seed)
 
 
+def call_meta(s: _Session, completion: str) -> dict[str, Any]:
+    """What a tree node stores of its model call (``meta["call"]``; the viewer shows it):
+    ``index`` (1-based call number), the request's ``messages`` from index ``first`` on
+    (those new since the previous call: the earlier ones are on the node's path, so a
+    path stores each message once), and the completion's ``tool_calls`` as the program
+    received them (``wire.completion_message``: id, name, arguments as JSON text)."""
+    message, _ = completion_message(completion)
+    calls = [{"id": c["id"], "name": c["function"]["name"],
+              "arguments": c["function"]["arguments"]} for c in message.get("tool_calls", [])]
+    return {"index": len(s.answers) + 1, "first": s.new_from,
+            "messages": s.messages[s.new_from:], "tool_calls": calls}
+
+
 def _key(task: Task, answers: list[str], prints: list[dict[str, Any]]) -> str:
     """A parked program's key: the state a snapshot records (task, answers, requests)."""
     return _digest([dataclasses.asdict(task), answers, prints])
@@ -635,5 +661,5 @@ def agent_env_class(spec: str) -> type[AgentEnv]:
 
 
 __all__ = ["AGENT_PREFIX", "DEFAULT_TIMEOUT_S", "STATS", "AgentDivergenceError", "AgentEnv",
-           "AgentProgramError", "AgentStats", "agent_env_class", "diverging_field",
+           "AgentProgramError", "AgentStats", "agent_env_class", "call_meta", "diverging_field",
            "fingerprint", "hub", "parse_agent_snapshot"]
