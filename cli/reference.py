@@ -324,7 +324,8 @@ COLUMN_DOCS: dict[str, str] = {
     "trees.critical_node_id": "BEL: the localized first irrecoverable step",
     "trees.n_nodes": "number of nodes, so streaming readers know when a tree is whole",
     "trees.meta": "JSON of anything source-specific (ground truth, import origin, refresh "
-                  "lineage)",
+                  "lineage, rollouts lost to a divergent replay by phase: "
+                  "diverged_rollouts)",
     "nodes.parent_id": "parent node (null at the root)",
     "nodes.kind": "prompt, decision, or feedback_response (a step right after tool feedback)",
     "nodes.phase": "sampler phase that spent the rollout (explore, probe, ...)",
@@ -341,7 +342,9 @@ COLUMN_DOCS: dict[str, str] = {
     "nodes.snapshot_id": "the environment state after this step (`snapshots`)",
     "nodes.n_gen_tokens": "tokens the policy generated for this step",
     "nodes.tool_calls": "tool calls the step made",
-    "nodes.meta": "JSON of step details (truncation, workflow state, ...)",
+    "nodes.meta": "JSON of step details (truncation, workflow state, an agent program's "
+                  "model call: call; rollouts dropped here because a replay diverged: "
+                  "diverged, ...)",
     "nodes.depth": "derived: depth below the root (root 0)",
     "nodes.preorder": "derived: preorder index; leaves below v have preorder in "
                       "[v.preorder, v.preorder + v.subtree_size)",

@@ -24,8 +24,9 @@ def serve_command(
              "its key from $RTREES_UPSTREAM_API_KEY), record every call, answer a repeated "
              "identical request from the record.")] = None,
     env: Annotated[str, typer.Option(
-        help="Environment whose tools the policy's chat template renders (and whose "
-             "tiny checkpoint 'tiny' loads).")] = "calc",
+        help="Environment whose tools the policy's chat template renders for a request "
+             "without tools (a request's own tools replace them), and whose tiny "
+             "checkpoint 'tiny' loads.")] = "calc",
     port: Annotated[int, typer.Option(help="Port on 127.0.0.1 (0: a free one).")] = 0,
     model: Annotated[str | None, typer.Option(
         "--model", help="The model name clients must send (default: policy; with "

@@ -2,9 +2,10 @@
 
 ``rtrees train --config FILE`` or ``rtrees train --env calc --policy tiny --sampler bel
 --credit elpo --steps N --store DIR --out DIR [--resume] [--reuse MODE --reuse-from SQL
-...] [--nproc N] [--shard none|fsdp]``; ``--nproc N`` runs N data-parallel ranks
-(``train.launch.launch``; the same run as ``torchrun --nproc-per-node N -m cli.main
-train ...``).
+...] [--nproc N] [--shard none|fsdp]``; ``--agent module:function`` says ``--env
+agent:module:function`` (an agent program, ``train.envs.agent``), as in ``rtrees
+collect``; ``--nproc N`` runs N data-parallel ranks (``train.launch.launch``; the same run
+as ``torchrun --nproc-per-node N -m cli.main train ...``).
 
 The options that set a ``TrainConfig`` field are made from the dataclass
 (``FIELD_OPTIONS``, read from the source of ``train/config.py`` so that ``rtrees`` starts
@@ -93,11 +94,22 @@ def _field_parameters() -> list[inspect.Parameter]:
     return params
 
 
+AGENT_PREFIX = "agent:"
+"""``--agent SPEC`` is ``--env agent:SPEC`` (``train.envs.agent.program.AGENT_PREFIX``; not
+imported, so that ``rtrees`` starts without the agent modules)."""
+
+
 def _given(options: dict[str, Any]) -> dict[str, Any]:
     """The ``TrainConfig`` fields given on the command line, as ``apply_overrides`` takes
     them: ``--set`` first, then each field option that was given (a flag only when set, a
-    repeatable option only when used)."""
+    repeatable option only when used); ``--agent SPEC`` sets ``env`` to ``agent:SPEC``
+    (with ``--env`` or ``--set env=...`` too: a one-line error)."""
     given: dict[str, Any] = dict(parse_params(options.pop("set_"), "--set"))
+    agent = options.pop("agent", None)
+    if agent is not None:
+        if options.get("env") is not None or "env" in given:
+            fail("give one of --env and --agent (--agent SPEC is --env agent:SPEC)")
+        options["env"] = AGENT_PREFIX + agent
     for name, value in options.items():
         if value is None or value is False:
             continue
@@ -138,7 +150,8 @@ def train_command(config: Path | None = None, set_: list[str] | None = None,
 
 def _signature() -> inspect.Signature:
     """``train_command``'s options for typer: ``--config`` and ``--set``, the field options
-    (``FIELD_OPTIONS``), then ``--nproc``, ``--resume`` and ``--fields``."""
+    (``FIELD_OPTIONS``; ``--agent`` after ``--env``), then ``--nproc``, ``--resume`` and
+    ``--fields``."""
     kw = inspect.Parameter.KEYWORD_ONLY
 
     def option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
@@ -147,10 +160,15 @@ def _signature() -> inspect.Signature:
     fields = _field_parameters()
     cut = FIELD_OPTIONS.index("sampler_params")
     shard = FIELD_OPTIONS.index("shard")
+    env = FIELD_OPTIONS.index("env")
     return inspect.Signature([
         option("config", Annotated[Path | None, typer.Option(
             "--config", help="TOML file of TrainConfig fields.")], None),
-        *fields[:cut],
+        *fields[:env + 1],
+        option("agent", Annotated[str | None, typer.Option(
+            "--agent", help="An agent program module:function (run(task, base_url, api_key) "
+                            "-> reward): the same as --env agent:module:function.")], None),
+        *fields[env + 1:cut],
         option("set_", Annotated[list[str] | None, typer.Option(
             "--set", help="Any TrainConfig field as FIELD=VALUE (repeatable).")], None),
         *fields[cut:shard],

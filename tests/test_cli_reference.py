@@ -58,7 +58,8 @@ def test_every_command_and_option_is_documented() -> None:
         for param in command.params:
             if param.param_type_name == "option":
                 assert f"`{param.opts[0]}" in text, f"{' '.join(path)} {param.opts[0]}"
-    assert "| `--tasks <str>` | `64` | Number of generated tasks, or a JSONL task file. |" in text  # collect
+    assert "| `--tasks <str>` | `64` | Number of generated tasks, or a JSONL task file. |" \
+        in text  # collect
     assert "| `--store <path>` | `required` |" in text
 
 

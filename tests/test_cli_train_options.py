@@ -38,7 +38,7 @@ def test_every_field_option_exists_with_the_field_type() -> None:
             assert type(value).__name__ == kinds[name], name
     # the options of the run (not fields) are still there, each once
     flags = [p.opts[0] for p in command.params if p.param_type_name == "option"]
-    for flag in ("--config", "--set", "--nproc", "--resume", "--fields"):
+    for flag in ("--config", "--set", "--agent", "--nproc", "--resume", "--fields"):
         assert flags.count(flag) == 1
 
 
@@ -64,6 +64,20 @@ def test_given_options_set_their_fields_and_nothing_else(tmp_path: Path) -> None
     assert (cfg.steps, cfg.is_mode, cfg.sampler_params, cfg.tensorboard) == \
         (3, "mask", {"b_max": "2"}, True)
     assert _parse([]) == {}  # every default stays TrainConfig's
+
+
+def test_agent_is_an_alias_of_an_agent_env() -> None:
+    """``--agent module:function`` parses to the config ``--env agent:module:function``
+    gives (as in ``rtrees collect``); with ``--env`` too it is a one-line error."""
+    alias = _parse(["--agent", "myagent:run", "--steps", "2"])
+    assert alias == _parse(["--env", "agent:myagent:run", "--steps", "2"]) == \
+        {"env": "agent:myagent:run", "steps": 2}
+    assert apply_overrides(TrainConfig(), alias) == \
+        apply_overrides(TrainConfig(), {"env": "agent:myagent:run", "steps": 2})
+    for other in (["--env", "calc"], ["--set", "env=calc"]):
+        result = CliRunner().invoke(app, ["train", "--agent", "myagent:run", *other])
+        assert result.exit_code != 0 and "give one of --env and --agent" in result.output
+        assert "Traceback" not in result.output
 
 
 def test_a_bad_typed_option_is_a_usage_error(tmp_path: Path) -> None:

@@ -59,6 +59,8 @@ def test_the_guide_runs(tmp_path: Path) -> None:
     text = "".join(out)
     assert "ok    native" in text and "replay diverged at call 2" in text
     assert "messages[2].content" in (tmp_path / "noisy-check.txt").read_text()
+    assert re.search(r"[1-9][0-9]* rollouts diverged on replay", text)  # and committed
+    assert "2 trees committed" in " ".join((tmp_path / "noisy-collect.txt").read_text().split())
     audit = json.loads((tmp_path / "agent-audit" / "results.json").read_text())
     assert audit["coverage"]["n_pairs"] > 0
     assert "reward" in text and (tmp_path / "calls.jsonl").is_file()

@@ -114,6 +114,57 @@ def test_every_call_is_recorded(server: ServeHandle) -> None:
     assert last["policy_version"] and last["seconds"] >= 0
 
 
+TOOLS_TEMPLATE = (
+    "{%- if tools -%}{{- '<|system|>' -}}{%- for t in tools -%}"
+    "{{- t['function']['name'] + ': ' + t['function']['description'] + ' ('"
+    " + t['function']['parameters']['type'] + ')\\n' -}}{%- endfor -%}{%- endif -%}"
+    "{%- for message in messages -%}{{- '<|' + message['role'] + '|>' + message['content'] -}}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}")
+"""The tiny checkpoint's template with a tool list in front, as chat templates that take
+``tools`` (Qwen's, Llama 3's) put them in the system turn."""
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_a_requests_tools_reach_its_prompt(policy: Policy, tmp_path: Path) -> None:
+    """The request's ``tools`` are rendered by the policy's chat template in place of the
+    ones it was loaded with (recorded prompt ids, decoded by the policy's tokenizer); a
+    request without tools gets the loaded ones; tools the template cannot render are a
+    one-line 400 and the server goes on."""
+    import copy
+
+    from train.policies import env_tools
+    from train.policies.hf import HFPolicy
+
+    assert isinstance(policy, HFPolicy)
+    tokenizer = copy.deepcopy(policy.tokenizer)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    with_tools = HFPolicy(policy.model, tokenizer, tools=env_tools("calc"), version="tools")
+    record = tmp_path / "calls.jsonl"
+    handle = serve(with_tools, model="tiny", record=record)
+    try:
+        client = _client(handle)
+        for tools in (WEATHER, None):
+            kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+            client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=8,
+                                           seed=0, **kwargs)
+        bad = [{"type": "function", "function": {"name": "now", "description": "time"}}]
+        with pytest.raises(openai.BadRequestError, match="do not render"):
+            client.chat.completions.create(model="tiny", messages=PROMPT, tools=bad)
+        client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=4,
+                                       tools=WEATHER)
+    finally:
+        handle.close()
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(lines) == 3
+    prompts = [tokenizer.decode(line["prompt_ids"]) for line in lines]
+    assert prompts[0] == ("<|system|>get_weather: Weather in a city (object)\n"
+                          "<|user|>Compute 3+4.<|assistant|>")
+    assert prompts[0] == prompts[2] and lines[0]["request"]["tools"] == WEATHER
+    assert prompts[1].startswith("<|system|>calc: ") and "get_weather" not in prompts[1]
+
+
 def test_concurrent_sessions_share_decode_steps(server: ServeHandle) -> None:
     client = _client(server)
     assert server.batcher is not None

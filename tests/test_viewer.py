@@ -231,15 +231,26 @@ def test_stored_text_never_becomes_markup(tmp_path: Path) -> None:
     from rollout_store.tree import Node, Tree
 
     evil = "</script><script>alert(1)</script><img src=x onerror=alert(2)>"
+    # an agent program's model call (node meta "call", ``train.envs.agent.program``): its
+    # messages, their tool call ids and its parsed tool calls are a program's text too
+    call = {"index": 1, "first": 0, "messages": [
+        {"role": evil, "content": evil},
+        {"role": "tool", "tool_call_id": evil, "content": [{"type": "text", "text": evil}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": evil, "function": {"name": evil, "arguments": evil}}]}],
+        "tool_calls": [{"id": evil, "name": evil, "arguments": evil}]}
     store = Store(tmp_path / "s", create=True)
     store.append_trees([Tree("evil", [
         Node(0, None, "prompt", observation_text=evil),
-        Node(1, 0, action_text=evil, terminal=True, reward=1.0),
+        Node(1, 0, action_text=evil, terminal=True, reward=1.0, meta={"call": call}),
         Node(2, 0, action_text=evil + "!", observation_text=evil, terminal=True,
-             reward=0.0)])])
+             reward=0.0, meta={"call": call, "diverged": {"call": 2, "field": evil}})])])
     html = export_static(store, tmp_path / "out").path.read_text()
     assert evil not in html and "\\u003c/script>\\u003cscript>alert(1)" in html
     assert html.count("<script>") == 2  # the data and the inlined viewer.js, nothing more
+    assert '"tool_call_id": "\\u003c/script>' in html  # the call travels, as data
+    viewer = static_text("viewer.js")
+    assert "function drawCall(call)" in viewer and "n.meta.call" in viewer
     # the comparison views (issue 48): the N-way compare export embeds the same way
     from analysis.viewer.export import export_compare
 

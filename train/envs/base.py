@@ -292,6 +292,22 @@ def load_snapshot(state: bytes, fmt: str) -> dict[str, Any]:
     return data
 
 
+class SnapshotDivergence(RuntimeError):
+    """Restoring a snapshot did not reach the recorded state: a replayed step or model call
+    came out other than when it was recorded (the environment is not deterministic given
+    the task and what it was answered). ``where`` names the first difference, JSON-able
+    (``{"step": 3}`` for a replayed step; ``{"call": 2, "field": "messages[2].content"}``
+    for an agent program's model call).
+
+    Consumers catch this class, never an environment's own: the tree builder drops the
+    rollout that would have started from the restored state and marks the node
+    (``train.sampling.base.TreeBuilder``)."""
+
+    def __init__(self, message: str, **where: Any) -> None:
+        super().__init__(message)
+        self.where: dict[str, Any] = dict(where)
+
+
 SnapshotStrategy = Literal["native", "replay", "fork"]
 """How an environment's states are saved and restored (``train.envs.strategies``)."""
 
@@ -315,7 +331,9 @@ class Environment(ABC):
     Optional: ``expert_action`` (a scripted expert: ``rtrees policy init``, ``env check``),
     ``reseed(key)`` (a fresh random stream after ``restore``, so siblings branched from one
     state do not share tool outcomes), ``tool_schemas()`` (the tools in the OpenAI function
-    format: every policy's chat template gets them), ``close()``.
+    format: every policy's chat template gets them), ``step_meta()`` (JSON-able facts
+    about the step just taken, merged into its tree node's ``meta`` by the tree builder:
+    an agent program's model call, ``{"call": {...}}``), ``close()``.
 
     Threads: the engine builds, steps, snapshots and closes each instance on its
     tool-pool threads, one call at a time per instance but not always on the same thread.

@@ -904,7 +904,7 @@ class ForkEnv(Environment):
                     f"{self.name}: replay diverged at step {at} of task {task.task_id!r} "
                     f"(the action {entry[1][:60]!r} gave another observation or reward than "
                     "when it was recorded): the fork copy was gone and its reset and step "
-                    "are not deterministic given the task")
+                    "are not deterministic given the task", step=at)
             self._log.append(list(entry))
 
     def _replay_to(self, task: Task, log: list[list[Any]]) -> None:

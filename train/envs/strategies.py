@@ -29,13 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from train.envs.base import Environment, StepResult, Task
+from train.envs.base import Environment, SnapshotDivergence, StepResult, Task
 
 REPLAY = "replay"
 
 
-class ReplayDivergenceError(RuntimeError):
-    """A replayed action gave another outcome than when it was recorded."""
+class ReplayDivergenceError(SnapshotDivergence):
+    """A replayed action gave another outcome than when it was recorded (``where``:
+    ``{"step": k}``, the first diverging step, 1-based)."""
 
 
 def outcome_digest(result: StepResult) -> str:
@@ -136,7 +137,7 @@ class ReplayEnv(Environment):
                     f"{self.name}: replay diverged at step {at} of task {task.task_id!r} "
                     f"(the action {entry[1][:60]!r} gave another "
                     "observation or reward than when it was recorded): its reset and step are "
-                    "not deterministic given the task")
+                    "not deterministic given the task", step=at)
             self._log.append(entry)
 
 

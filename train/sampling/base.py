@@ -32,6 +32,24 @@ costs 1 against ``n_total`` under the phase that spent it (``Budget``);
 ``Budget.spend`` refuses to overspend, so no sampler can. A node's ``phase`` is
 the phase of the rollout that created it.
 
+Divergence drops the branch, never the tree. When restoring a snapshot does not
+reach the recorded state (the environment raises ``train.envs.base.SnapshotDivergence``:
+a replayed step or an agent program's model call came out otherwise, e.g. a random
+tool), the rollout that needed it is dropped: it is never attached to the shared
+prefix, and what it had added below its start (its chain, when a restore of its own
+last node diverged) is pruned when the tree is finished, with every node left without
+a leaf below it. The node it started from gets ``meta["diverged"]`` (the first
+divergence's ``where``, e.g. ``{"call": 2, "field": "messages[2].content"}``, and
+``"rollouts"``, how many were dropped there; the nearest kept ancestor when that node
+was pruned), and the rest of the tree is sampled and committed as usual. The dropped
+rollout stays *spent*: it is recorded as lost (``Budget.lost``, the tree's
+``meta["diverged_rollouts"]`` by phase) rather than refunded, so the budget a sampler
+sees, the reseed keys and row seeds every other rollout draws, and so the rest of the
+tree, stay a function of seed, task, policy, sampler and where the environment
+diverged (a refund would make the sampler respend, and its later draws depend on the
+divergence twice). Such a tree holds one leaf per rollout that was not lost; one whose
+rollouts were all lost has no leaf and fails by name with the first divergence.
+
 Branching never replays: a rollout that starts at v restores the environment
 from v's snapshot, calls the environment's optional ``reseed(key)`` hook (a
 fresh outcome stream per rollout, so sibling rollouts of a stochastic world
@@ -70,7 +88,7 @@ import numpy as np
 
 from rollout_store.snapshots import decompress
 from rollout_store.tree import Node, Tree, extend_transcript
-from train.envs.base import Environment, StepResult, Task, parse_action
+from train.envs.base import Environment, SnapshotDivergence, StepResult, Task, parse_action
 from train.envs.registry import spec_of
 from train.policies.base import Continuation, Decoding, Policy, Rows, SampleConfig, Turn
 from train.sampling.engine import Decode, Engine, EnvSource, Request, TreeJob, Work
@@ -100,10 +118,14 @@ class BudgetError(RuntimeError):
 
 @dataclass
 class Budget:
-    """``n_total`` rollouts; ``by_phase`` counts what each phase spent so far."""
+    """``n_total`` rollouts; ``by_phase`` counts what each phase spent so far, ``lost``
+    the spent rollouts of each phase that were dropped without a leaf (a snapshot
+    restore diverged: module docstring). Lost rollouts stay spent (``used`` counts
+    them), so ``by_phase[p] - lost.get(p, 0)`` leaves of phase ``p`` are in the tree."""
 
     n_total: int
     by_phase: dict[str, int] = field(default_factory=dict)
+    lost: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.n_total < 1:
@@ -124,6 +146,13 @@ class Budget:
             raise BudgetError(f"phase {phase!r} asked for {n} rollouts, {self.remaining} of "
                               f"{self.n_total} left")
         self.by_phase[phase] = self.by_phase.get(phase, 0) + n
+
+    def lose(self, phase: str, n: int = 1) -> None:
+        """Record ``n`` rollouts of ``phase``, already spent, as dropped without a leaf."""
+        if n < 1 or self.lost.get(phase, 0) + n > self.by_phase.get(phase, 0):
+            raise BudgetError(f"phase {phase!r} cannot lose {n} rollouts: it spent "
+                              f"{self.by_phase.get(phase, 0)}, lost {self.lost.get(phase, 0)}")
+        self.lost[phase] = self.lost.get(phase, 0) + n
 
 
 @dataclass(frozen=True)
@@ -148,6 +177,7 @@ class _Branch:
     node: int  # the branch's last node
     phase: str
     rollout: Continuing  # the continuation (its env is the builder's one env)
+    origin: int  # the node it started from
 
 
 # ----- the continuation primitive ---------------------------------------------------------
@@ -360,6 +390,7 @@ class TreeBuilder:
         self.snapshots: dict[str, bytes] = {}
         self._n_rollouts = 0
         self._draws: dict[int, int] = {}  # node -> rows drawn from it so far
+        self._divergence: SnapshotDivergence | None = None  # the first one (module doc)
         if root is None:
             prompt = env.reset(task)
             state: bytes = env.snapshot()
@@ -488,7 +519,8 @@ class TreeBuilder:
         step node and may return more starts, charged at once (so the next call sees
         the budget left) and run from the next lockstep round on (entropy branching).
         Returns the leaf ids of each start, in ``starts`` order, then the extra starts
-        in the order they were returned.
+        in the order they were returned; a rollout dropped because a restore diverged
+        (module docstring) has no leaf, so a start can return fewer than its n.
 
         ``forced[i]`` (when given and not None) is the first step of start i, taken as
         it is instead of sampled (its tokens and logprobs kept: a stored action replayed,
@@ -539,8 +571,15 @@ class TreeBuilder:
                 live: list[_Branch] = []
                 for owner, cont_list in zip(owners, conts, strict=True):
                     for cont in cont_list:
-                        br = owner if isinstance(owner, _Branch) else self._begin(*owner)
-                        child = self._step(br, cont)
+                        try:
+                            br = owner if isinstance(owner, _Branch) else self._begin(*owner)
+                            child = self._step(br, cont)
+                        except SnapshotDivergence as exc:  # the env is not deterministic
+                            if isinstance(owner, _Branch):
+                                self._drop(owner.origin, owner.phase, exc)
+                            else:
+                                self._drop(owner[0], owner[1], exc)
+                            continue
                         if child.reward is not None:
                             leaves[br.start].append(child.node_id)
                         else:
@@ -555,7 +594,15 @@ class TreeBuilder:
         return leaves
 
     def finish(self) -> Tree:
-        """The finished tree (validated by the store when committed; ``Tree.validate``)."""
+        """The finished tree (validated by the store when committed; ``Tree.validate``):
+        the chains of dropped rollouts pruned (module docstring), and the first
+        ``SnapshotDivergence`` raised when no rollout reached a leaf."""
+        self._prune()
+        if not self._children[0]:
+            assert self._divergence is not None  # a spent budget gives the root a child
+            raise self._divergence
+        if self.budget.lost:
+            self.meta["diverged_rollouts"] = dict(self.budget.lost)
         policy_ref = getattr(self.policy, "policy_ref", None)
         return Tree(
             tree_id=self.tree_id, nodes=self.nodes, run_id=self.run_id,
@@ -581,7 +628,48 @@ class TreeBuilder:
                                    self.task.max_steps)
         self.restores += 1
         self._env_at = node_id
-        return _Branch(start, node_id, phase, rollout)
+        return _Branch(start, node_id, phase, rollout, node_id)
+
+    def _drop(self, origin: int, phase: str, exc: SnapshotDivergence) -> None:
+        """Drop a rollout of ``phase`` from ``origin`` whose restore diverged: it stays
+        spent (``Budget.lose``) and ``origin`` is marked (module docstring)."""
+        self.budget.lose(phase)
+        self._env_at = None  # the environment is at no node: the next step restores
+        if self._divergence is None:
+            self._divergence = exc
+        self._mark(self._nodes[origin], {**exc.where, "rollouts": 1})
+
+    @staticmethod
+    def _mark(node: Node, diverged: dict[str, Any]) -> None:
+        """Add ``diverged`` to the node's ``meta["diverged"]`` (the first ``where`` kept,
+        ``rollouts`` summed)."""
+        meta = dict(node.meta or {})
+        old = meta.get("diverged")
+        meta["diverged"] = ({**old, "rollouts": old["rollouts"] + diverged["rollouts"]}
+                            if old else diverged)
+        node.meta = meta
+
+    def _prune(self) -> None:
+        """Remove every step node without a leaf below it (what dropped rollouts left:
+        each one's chain ends in a node with neither a child nor a reward); a pruned
+        node's ``diverged`` mark moves to its nearest kept ancestor. Node ids of the
+        kept nodes do not change."""
+        dangling = [nid for nid, kids in self._children.items()
+                    if nid != 0 and not kids and self._nodes[nid].reward is None]
+        while dangling:
+            nid = dangling.pop()
+            node = self._nodes.pop(nid)
+            parent = node.parent_id
+            assert parent is not None
+            del self._children[nid], self._depth[nid], self._turns[nid]
+            if node.snapshot_id is not None:
+                self.snapshots.pop(node.snapshot_id, None)
+            self._children[parent].remove(nid)
+            if node.meta and "diverged" in node.meta:
+                self._mark(self._nodes[parent], node.meta["diverged"])
+            if parent != 0 and not self._children[parent] and \
+                    self._nodes[parent].reward is None:
+                dangling.append(parent)
 
     @property
     def _sample_config(self) -> SampleConfig:
@@ -639,6 +727,10 @@ class TreeBuilder:
             tool_calls=int(parse_action(cont.text).kind == "tool_call"),
             phase=br.phase, meta={"truncated": True} if truncated else None,
         )
+        step_meta = getattr(self.env, "step_meta", None)  # optional (``Environment``)
+        extra = step_meta() if callable(step_meta) else None
+        if extra:
+            node.meta = {**(node.meta or {}), **extra}
         self._add(node, self.env.snapshot(), depth, tuple(rollout.turns))
         self._env_at = node.node_id
         return node

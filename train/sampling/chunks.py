@@ -53,6 +53,9 @@ class ChunkResult:
     by_phase: dict[str, int]
     already_stored: bool = False  # a rerun found the chunk committed by its dead first run
     attempt: int = 0  # 0: first run of the chunk; k: its k-th rerun
+    diverged: int = 0
+    """Rollouts dropped because a snapshot restore diverged (the trees'
+    ``meta["diverged_rollouts"]``, ``train.sampling.base``): spent, without a leaf."""
 
     @property
     def trees(self) -> int:
@@ -61,11 +64,14 @@ class ChunkResult:
     @classmethod
     def of(cls, trees: Sequence[Tree], already_stored: bool = False) -> ChunkResult:
         by_phase: dict[str, int] = {}
+        diverged = 0
         for t in trees:
             for phase, n in t.rollouts_by_phase.items():
                 by_phase[phase] = by_phase.get(phase, 0) + n
+            lost = (t.meta or {}).get("diverged_rollouts") or {}
+            diverged += sum(int(n) for n in lost.values())
         return cls([t.tree_id for t in trees], sum(len(t.nodes) for t in trees), by_phase,
-                   already_stored)
+                   already_stored, diverged=diverged)
 
 
 def stored_tree_ids(store: Store, run_id: str) -> set[str]:

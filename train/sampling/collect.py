@@ -85,6 +85,10 @@ class CollectReport:
     failed: dict[str, str] = field(default_factory=dict)
     """Trees not committed because their environment failed: tree id -> one line (a
     rerun retries them; the other trees of their chunk are committed)."""
+    diverged: int = 0
+    """Rollouts of the committed trees dropped because restoring a snapshot diverged (a
+    non-deterministic environment or agent program): spent without a leaf, the node they
+    would have started from marked ``meta["diverged"]`` (``train.sampling.base``)."""
 
     def add(self, chunk: ChunkResult) -> None:
         """Count one committed chunk."""
@@ -92,6 +96,7 @@ class CollectReport:
         self.trees += chunk.trees
         self.nodes += chunk.nodes
         self.retries += chunk.attempt
+        self.diverged += chunk.diverged
         for phase, n in chunk.by_phase.items():
             self.by_phase[phase] = self.by_phase.get(phase, 0) + n
             self.rollouts += n
@@ -108,6 +113,8 @@ class CollectReport:
                 f"{self.seconds:.1f} s, {self.trees_per_minute:.1f} trees/min"
                 + (f"; {self.retries} chunks retried after a worker died" if self.retries
                    else "")
+                + (f"; {self.diverged} rollouts diverged on replay (dropped, their start "
+                   "nodes marked meta.diverged)" if self.diverged else "")
                 + (f"; {len(self.failed)} trees FAILED (not committed): "
                    + "; ".join(f"{t}: {e}" for t, e in sorted(self.failed.items())[:3])
                    + (" ..." if len(self.failed) > 3 else "") if self.failed else ""))

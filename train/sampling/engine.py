@@ -202,7 +202,9 @@ class Engine:
         returns their return values in order. ``on_done(i, value)`` is called as each
         one ends. An exception in a program closes the others and is raised; with
         ``on_failure``, an ``Exception`` escaping program ``i`` (its environment raised,
-        a replay diverged, its budget was not spent) is passed to ``on_failure(i, exc)``
+        every rollout of its tree diverged on replay, its budget was not spent; a tree
+        builder drops a single divergent rollout itself, ``train.sampling.base``) is
+        passed to ``on_failure(i, exc)``
         instead, its result stays None and the others go on. A failure of the policy
         (outside any program) is always raised."""
         factories = list(programs)

@@ -30,14 +30,21 @@ recorded (logprobs when the upstream gives them, ``logprobs_missing`` when not),
 request byte-identical to a recorded one is answered from the record, asking nothing of
 the upstream; an upstream failure is a one-line HTTP 502.
 
-The request's ``tools`` are recorded and accepted; the policy's chat template renders the
-tools it was loaded with (``load_policy(..., env)``: the environment's ``tool_schemas``).
+Tools. A request's ``tools`` are rendered into its prompt by the policy's chat template
+(the policy's ``renderer``, ``train.policies.hf.render.ChatRenderer``, with the request's
+tools in place of the ones it was loaded with: ``load_policy(..., env)``, the
+environment's ``tool_schemas``); a request without ``tools`` gets the loaded ones. The
+prompt is rendered on the decoding thread (the tokenizer is the policy's, so one thread
+uses it), once per request, and recorded as ``prompt_ids``; rows with different tools
+share the decoding batch. Tools the template cannot render are that request's one-line
+400. A policy without a chat template (``tabular``) renders no tools.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import json
 import queue
 import secrets
@@ -108,8 +115,14 @@ def messages_transcript(messages: Sequence[dict[str, Any]]) -> list[Turn]:
 class _Job:
     rows: Rows
     config: SampleConfig
+    tools: list[dict[str, Any]] | None = None
     future: cf.Future[list[Continuation]] = field(default_factory=cf.Future)
     got: list[Continuation | None] = field(default_factory=list)
+    prompt_ids: list[int] | None = None  # as rendered (policies with a chat template)
+
+
+RENDERERS_KEPT = 32
+"""Chat renderers kept per server, one per distinct ``tools`` list (least recent out)."""
 
 
 class Batcher:
@@ -118,6 +131,7 @@ class Batcher:
 
     def __init__(self, policy: Policy, max_rows: int = 128) -> None:
         self.policy, self.max_rows = policy, max_rows
+        self._renderers: dict[str, Any] = {}
         self.inbox: queue.Queue[_Job | None] = queue.Queue()
         self.decode_steps = 0
         self.rows_decoded = 0
@@ -126,10 +140,45 @@ class Batcher:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, rows: Rows, config: SampleConfig) -> cf.Future[list[Continuation]]:
-        job = _Job(rows, replace(config, n=1, seed=None), got=[None] * rows.n)
+    def submit(self, rows: Rows, config: SampleConfig,
+               tools: list[dict[str, Any]] | None = None) -> _Job:
+        """Sample ``rows``, its prompt rendered with ``tools`` (None: the policy's own;
+        module docstring): the job's ``future`` gets the continuations, and its
+        ``prompt_ids`` are set before it does (None: a policy without a chat renderer)."""
+        job = _Job(rows, replace(config, n=1, seed=None), tools, got=[None] * rows.n)
         self.inbox.put(job)
-        return job.future
+        return job
+
+    def _renderer(self, tools: list[dict[str, Any]] | None) -> Any:
+        """The policy's chat renderer with ``tools`` (None: as loaded; no renderer: None)."""
+        base = getattr(self.policy, "renderer", None)
+        if base is None or tools is None or isinstance(base, type) or \
+                not dataclasses.is_dataclass(base):
+            return base
+        base_renderer: Any = base
+        key = json.dumps(tools, sort_keys=True)
+        found = self._renderers.pop(key, None)
+        if found is None:
+            found = dataclasses.replace(base_renderer, tools=tools)
+        self._renderers[key] = found  # most recent last
+        while len(self._renderers) > RENDERERS_KEPT:
+            del self._renderers[next(iter(self._renderers))]
+        return found
+
+    def _render(self, job: _Job) -> bool:
+        """Render the job's prompt ids (``job.prompt_ids``); False when its tools do not
+        render (the job's future then holds a ``WireError``)."""
+        renderer = self._renderer(job.tools)
+        if renderer is None:
+            return True
+        try:
+            job.prompt_ids = list(renderer.prompt_ids(job.rows.transcript))
+        except Exception as exc:  # the request's tools against the policy's template
+            job.future.set_exception(WireError(
+                "the request's messages or tools do not render with the policy's chat "
+                f"template: {type(exc).__name__}: {str(exc)[:200]}"))
+            return False
+        return True
 
     def close(self) -> None:
         self.inbox.put(None)
@@ -180,22 +229,42 @@ class Batcher:
 
     def _admit(self, decoder: Any, waiting: list[_Job]) -> list[_Job]:
         left: list[_Job] = []
+        admit = getattr(decoder, "admit", None)  # prompt ids in (HF's ``DecodeBatch``)
         for job in waiting:
             free = self.max_rows - decoder.live
             if not decoder.accepting or (job.rows.n > max(free, 0) and decoder.live):
                 left.append(job)
                 continue
-            decoder.add([job.rows], [job], job.config)
+            if job.prompt_ids is None and not self._render(job):
+                continue
+            if job.prompt_ids is not None and callable(admit):
+                admit([job.prompt_ids], [job.rows.n], [job.rows.seed], [job], job.config)
+            else:
+                decoder.add([job.rows], [job], job.config)
             self._running[id(job)] = job
             self.rows_decoded += job.rows.n
         return left
 
     def _whole_calls(self, waiting: list[_Job]) -> None:
-        by_config: dict[SampleConfig, list[_Job]] = {}
+        """One ``sample_rows`` call per sampling config and tools list; a policy with a
+        renderer samples a tools group with the renderer of those tools in place (this
+        thread alone uses the policy)."""
+        by_config: dict[tuple[SampleConfig, str], list[_Job]] = {}
         for job in waiting:
-            by_config.setdefault(job.config, []).append(job)
-        for config, jobs in by_config.items():
-            got = sample_rows(self.policy, [j.rows for j in jobs], config)
+            if not self._render(job):
+                continue
+            key = json.dumps(job.tools, sort_keys=True) if job.tools is not None else ""
+            by_config.setdefault((job.config, key), []).append(job)
+        for (config, _), jobs in by_config.items():
+            base = getattr(self.policy, "renderer", None)
+            renderer = self._renderer(jobs[0].tools)
+            try:
+                if renderer is not base:
+                    self.policy.renderer = renderer  # type: ignore[attr-defined]
+                got = sample_rows(self.policy, [j.rows for j in jobs], config)
+            finally:
+                if renderer is not base:
+                    self.policy.renderer = base  # type: ignore[attr-defined]
             self.decode_steps += 1
             self.rows_decoded += sum(j.rows.n for j in jobs)
             for job, conts in zip(jobs, got, strict=True):
@@ -226,8 +295,10 @@ class _PolicyEndpoint:
             temperature=1.0 if greedy else request.temperature,
             top_p=GREEDY_TOP_P if greedy else request.top_p)
         seed = request.seed if request.seed is not None else secrets.randbits(62)
-        conts = self.batcher.submit(Rows(transcript, request.n, seed & ((1 << 62) - 1)),
-                                    config).result()
+        job = self.batcher.submit(Rows(transcript, request.n, seed & ((1 << 62) - 1)),
+                                  config, request.tools)
+        conts = job.future.result()
+        prompt_ids = job.prompt_ids
         choices = [Choice(c.text, tuple(c.token_ids), tuple(c.logprobs), c.finished)
                    for c in conts]
         texts = [[self.token_text(t) for t in c.token_ids] for c in conts] \
@@ -239,7 +310,7 @@ class _PolicyEndpoint:
                              f"chatcmpl-{number}-{secrets.token_hex(4)}", texts)
         if self.record is not None:
             line = json.dumps({"call": number, "request": request.body,
-                               "policy_version": self.version,
+                               "policy_version": self.version, "prompt_ids": prompt_ids,
                                "seconds": round(time.perf_counter() - start, 6),
                                "completions": [{"text": c.text, "token_ids": list(c.token_ids),
                                                 "logprobs": list(c.logprobs),

@@ -252,7 +252,10 @@
     for (const [k, v] of Object.entries(n.reward_parts || {})) facts.push(`${k} ${fmt(v)}`);
     if (n.tool_calls !== null) facts.push(`tool calls ${n.tool_calls}`);
     if (data.tree.critical_node_id === n.id) facts.push("BEL critical step");
-    if (n.meta) facts.push("meta " + JSON.stringify(n.meta));
+    const call = n.meta && typeof n.meta.call === "object" ? n.meta.call : null;
+    const rest = Object.assign({}, n.meta || {});
+    delete rest.call;  // shown as the model call below
+    if (Object.keys(rest).length) facts.push("meta " + JSON.stringify(rest));
     $("node-facts").textContent = facts.join(" · ");
     const kids = data.nodes.filter((m) => m.parent === n.id).length;
     $("diff-siblings").hidden = kids < 2 || (STATIC && !(staticKey("/api/siblings", { node: String(n.id), store: data.store, tree: data.tree.tree_id }) in STATIC));
@@ -260,6 +263,7 @@
     $("add-path").hidden = kids > 0 || STATIC !== null;
     $("action-text").textContent = n.action_text || "";
     $("observation-text").textContent = n.observation_text || "";
+    drawCall(call);
     drawTokens();
     const body = $("credit-table").tBodies[0];
     clear(body);
@@ -283,6 +287,40 @@
       sn.appendChild(el("pre", {}, s.preview + (s.truncated ? "\n…" : "")));
     }
     drawLabels();
+  }
+  function drawCall(call) {  // an agent program's model call (node meta "call"): text nodes only
+    const host = $("call"), head = $("call-title");
+    clear(host);
+    head.hidden = host.hidden = !call;
+    if (!call) return;
+    const messages = Array.isArray(call.messages) ? call.messages : [];
+    const first = Number.isInteger(call.first) ? call.first : 0;
+    host.appendChild(el("div", { class: "note" }, `call ${fmt(call.index)} · messages ${first}..${first + messages.length - 1} (new in this request; earlier ones are on the path above)`));
+    messages.forEach((m, i) => {
+      const box = el("div", { class: "message" });
+      const role = m && typeof m === "object" ? String(m.role || "?") : "?";
+      const facts = [`[${first + i}] ${role}`];
+      if (m && m.tool_call_id) facts.push(`tool_call_id ${m.tool_call_id}`);
+      if (m && m.name) facts.push(`name ${m.name}`);
+      box.appendChild(el("div", { class: "note" }, facts.join(" · ")));
+      let content = m && typeof m === "object" ? m.content : m;
+      if (Array.isArray(content)) content = content.map((p) => (p && p.text !== undefined ? p.text : JSON.stringify(p))).join("");
+      if (content !== null && content !== undefined && content !== "") box.appendChild(el("pre", {}, typeof content === "string" ? content : JSON.stringify(content)));
+      for (const c of (m && Array.isArray(m.tool_calls) ? m.tool_calls : [])) {
+        const fn = (c && c.function) || {};
+        box.appendChild(el("pre", {}, `→ ${fn.name || "?"}(${typeof fn.arguments === "string" ? fn.arguments : JSON.stringify(fn.arguments)})`));
+      }
+      host.appendChild(box);
+    });
+    const calls = Array.isArray(call.tool_calls) ? call.tool_calls : [];
+    host.appendChild(el("div", { class: "note" }, calls.length ? `the completion's tool calls (${calls.length}):` : "the completion has no tool call"));
+    for (const c of calls) {
+      const row = el("div", { class: "tool-call" });
+      row.appendChild(el("code", {}, String(c.name)));
+      row.appendChild(el("span", { class: "note" }, ` ${c.id || ""}`));
+      row.appendChild(el("pre", {}, typeof c.arguments === "string" ? c.arguments : JSON.stringify(c.arguments)));
+      host.appendChild(row);
+    }
   }
   function drawLabels() {
     const data = state.tree, host = $("labels-section");

@@ -15,7 +15,9 @@ number. ``agent:module:function`` (``agent_env_class``) is the environment of it
   hermes parser does: ``wire.completion_message``), then waits for the program's next
   call, whose new messages (tool results, user turns) are the observation, or for its
   return, which ends the episode with that reward. So a node is one model call, its
-  action the completion, its observation what the program sent next;
+  action the completion, its observation what the program sent next, and its
+  ``meta["call"]`` the call itself (``step_meta``, ``call_meta``: the request's new
+  messages and the completion's parsed tool calls, which the viewer shows);
 * a snapshot is the task, the answers given so far and a fingerprint of every request
   received (``fingerprint``): canonical JSON, ``{"strategy": "agent", ...}`` (one
   fingerprint fewer than answers plus one when the program had returned);
@@ -26,8 +28,12 @@ number. ``agent:module:function`` (``agent_env_class``) is the environment of it
   match its fingerprint field by field: a program that sends anything else before the
   branch point (a non-deterministic tool, a clock, a seed it does not take from the
   task) raises ``AgentDivergenceError`` naming the call and the field, and the branch
-  is never attached to the recorded prefix (the tree fails by name; ``rtrees env check
-  --agent SPEC`` reports the first divergent call).
+  is never attached to the recorded prefix: the tree builder drops that rollout, marks
+  the node it would have started from (``meta["diverged"]``) and goes on with the rest
+  of the tree (``train.sampling.base``); ``rtrees env check --agent SPEC`` reports the
+  first divergent call. A parked program is found by the task, the answers *and* the
+  fingerprints of its calls: another run that was given the same answers but sent other
+  requests (a random tool) is never continued in the recorded one's place.
 
 Why not the generic ``replay`` strategy (``ReplayEnv``): it digests step outcomes only,
 so a first request that differs (the prompt) goes unseen, it cannot say which field
@@ -74,10 +80,17 @@ from train.envs.agent.wire import (
     ChatRequest,
     Choice,
     WireError,
+    completion_message,
     render_messages,
     response_body,
 )
-from train.envs.base import Environment, StepResult, Task, error_response
+from train.envs.base import (
+    Environment,
+    SnapshotDivergence,
+    StepResult,
+    Task,
+    error_response,
+)
 
 AGENT_PREFIX = "agent:"
 DEFAULT_TIMEOUT_S = 60.0
@@ -94,12 +107,14 @@ class AgentProgramError(RuntimeError):
     """The agent program failed its episode (raised, hung, returned a non-number)."""
 
 
-class AgentDivergenceError(AgentProgramError):
+class AgentDivergenceError(AgentProgramError, SnapshotDivergence):
     """A re-run program sent a request other than the recorded one before the branch
-    point. ``call`` (1-based) and ``field`` name the first difference."""
+    point. ``call`` (1-based) and ``field`` name the first difference (also ``where``,
+    as every ``SnapshotDivergence``: the tree builder drops the branch and marks the
+    node)."""
 
     def __init__(self, message: str, call: int, field: str) -> None:
-        super().__init__(message)
+        SnapshotDivergence.__init__(self, message, call=call, field=field)
         self.call, self.field = call, field
 
 
@@ -196,6 +211,7 @@ class _Session:
         self.answers: list[str] = []
         self.fingerprints: list[dict[str, Any]] = []
         self.messages: list[dict[str, Any]] = []
+        self.new_from = 0  # where the pending call's messages new since the last one start
         self.finished = False
         self.reward = 0.0
         self.closed = False
@@ -342,6 +358,7 @@ class AgentEnv(Environment):
         self._parked: OrderedDict[str, _Session] = OrderedDict()
         self.replayed_calls = 0
         self.reruns = 0
+        self._call_meta: dict[str, Any] | None = None
 
     # --- helpers
     def _who(self) -> str:
@@ -393,6 +410,7 @@ class AgentEnv(Environment):
         new = call.request.messages
         prev = s.messages
         s.messages = list(new)
+        s.new_from = len(prev)
         if not prev:
             return render_messages(new)
         k = len(prev)
@@ -425,6 +443,7 @@ class AgentEnv(Environment):
             raise AgentProgramError(f"{self._who()}: no model call waits (call reset() or "
                                     "restore() first, or the episode is over)")
         start = time.perf_counter()
+        self._call_meta = {"call": call_meta(s, action_text)}
         s.answer(action_text)
         kind, value = self._await_call(s)
         _count(live_calls=1, live_seconds=time.perf_counter() - start)
@@ -432,6 +451,12 @@ class AgentEnv(Environment):
             return StepResult("", True, {"reward": float(value)})  # type: ignore[arg-type]
         return StepResult(self._observation(s, value), False,  # type: ignore[arg-type]
                           {"reward": 0.0})
+
+    def step_meta(self) -> dict[str, Any] | None:
+        """The model call the last ``step`` answered, for its tree node's ``meta``
+        (``call_meta``; None after it was taken once)."""
+        meta, self._call_meta = self._call_meta, None
+        return meta
 
     def snapshot(self) -> bytes:
         s = self._session
@@ -441,10 +466,11 @@ class AgentEnv(Environment):
 
     def restore(self, state: bytes) -> None:
         task, answers, prints = parse_agent_snapshot(state)
-        key = _key(task, answers)
+        key = _key(task, answers, prints)
         over = len(prints) == len(answers)  # the program had returned
         cur = self._session
-        if cur is not None and cur.task == task and cur.answers == answers and (
+        if cur is not None and cur.task == task and cur.answers == answers and \
+                cur.fingerprints == prints and (
                 cur.pending is not None or (over and cur.finished)):
             return
         self._park(cur)
@@ -456,11 +482,12 @@ class AgentEnv(Environment):
         # the live program furthest along a prefix of the answers, else a fresh run
         best: _Session | None = None
         for cand in self._parked.values():
-            if cand.task == task and cand.answers == answers[:len(cand.answers)] and (
+            if cand.task == task and cand.answers == answers[:len(cand.answers)] and \
+                    cand.fingerprints == prints[:len(cand.fingerprints)] and (
                     best is None or len(cand.answers) > len(best.answers)):
                 best = cand
         if best is not None:
-            del self._parked[_key(best.task, best.answers)]
+            del self._parked[_key(best.task, best.answers, best.fingerprints)]
             s = best
         else:
             s = self._start(task)
@@ -508,7 +535,7 @@ class AgentEnv(Environment):
         if s.pending is None or s.closed:
             s.close()
             return
-        key = _key(s.task, s.answers)
+        key = _key(s.task, s.answers, s.fingerprints)
         old = self._parked.pop(key, None)
         if old is not None:
             old.close()
@@ -564,8 +591,22 @@ class AgentEnv(Environment):
         return helper.generate_tasks(n, seed)
 
 
-def _key(task: Task, answers: list[str]) -> str:
-    return _digest([dataclasses.asdict(task), answers])
+def call_meta(s: _Session, completion: str) -> dict[str, Any]:
+    """What a tree node stores of its model call (``meta["call"]``; the viewer shows it):
+    ``index`` (1-based call number), the request's ``messages`` from index ``first`` on
+    (those new since the previous call: the earlier ones are on the node's path, so a
+    path stores each message once), and the completion's ``tool_calls`` as the program
+    received them (``wire.completion_message``: id, name, arguments as JSON text)."""
+    message, _ = completion_message(completion)
+    calls = [{"id": c["id"], "name": c["function"]["name"],
+              "arguments": c["function"]["arguments"]} for c in message.get("tool_calls", [])]
+    return {"index": len(s.answers) + 1, "first": s.new_from,
+            "messages": s.messages[s.new_from:], "tool_calls": calls}
+
+
+def _key(task: Task, answers: list[str], prints: list[dict[str, Any]]) -> str:
+    """A parked program's key: the state a snapshot records (task, answers, requests)."""
+    return _digest([dataclasses.asdict(task), answers, prints])
 
 
 def _dump(task: Task, answers: list[str], prints: list[dict[str, Any]]) -> bytes:
@@ -620,5 +661,5 @@ def agent_env_class(spec: str) -> type[AgentEnv]:
 
 
 __all__ = ["AGENT_PREFIX", "DEFAULT_TIMEOUT_S", "STATS", "AgentDivergenceError", "AgentEnv",
-           "AgentProgramError", "AgentStats", "agent_env_class", "diverging_field",
+           "AgentProgramError", "AgentStats", "agent_env_class", "call_meta", "diverging_field",
            "fingerprint", "hub", "parse_agent_snapshot"]
