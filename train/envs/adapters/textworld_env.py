@@ -59,6 +59,7 @@ import random
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -272,7 +273,10 @@ class TextWorldEnv(Environment):
         path = game_file(task)
         if path != self._game_path:
             self.close()
-            self._game = textworld.start(str(path), request_infos=_INFOS)
+            with warnings.catch_warnings():  # jericho: "not fully supported" (it cannot
+                # read a TextWorld game's score; TextWorld's own tracker does, which we use)
+                warnings.simplefilter("ignore")
+                self._game = textworld.start(str(path), request_infos=_INFOS)
             self._game_path = path
         self._last = self._game.reset()
         self._state = _State(task=task, max_score=int(self._last.max_score or 0))
