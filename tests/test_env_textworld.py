@@ -61,7 +61,7 @@ def test_tasks_are_seeded_prefix_stable_and_carry_the_game_digest(
                                     "game_sha256"}
     with pytest.raises(ValueError, match="unknown textworld task option"):
         tw.TextWorldEnv.generate_tasks(1, 0, nb_rooms=3)
-    with pytest.raises(ValueError, match="rooms 1..20"):
+    with pytest.raises(ValueError, match=r"rooms 1\.\.20"):
         tw.TextWorldEnv.generate_tasks(1, 0, rooms=0)
 
 
