@@ -8,7 +8,8 @@ one policy (``policy``), the same BEL trees for every estimator:
    task with ``n_total`` rollouts (``train.sampling.collect.collect``, run id
    ``third-party-<seed>``) into ``out/store``;
 2. credit by every estimator of ``methods`` (``train.scoring.score_and_credit``, default
-   params: ``factor`` and ``sgcd`` score the stored actions with the trees' policy first).
+   params but for the scoring policy: trace's ``ref`` and factor's and sgcd's ``teacher``
+   are the study's ``policy``, which scores the stored trees first, ``scorer_params``).
    An estimator that cannot run on these trees (``slca`` needs segment labels an env
    without them lacks) is recorded with its one-line reason under ``dropped`` and left
    out of the audit;
@@ -84,6 +85,17 @@ class ThirdPartyAuditConfig:
             raise ValueError(f"delta must lie in (0, 1), got {self.delta}")
 
 
+def scorer_params(method: str, policy: str) -> dict[str, str]:
+    """The params that name the policy scoring ``method``'s inputs (trace's ``ref``, the
+    token-scored methods' ``teacher``: ``train.credit.store_io``), set to the study's
+    policy, so that every estimator reads scores of the policy that sampled the trees."""
+    from train.credit.store_io import SCORED, TOKEN_SCORED
+
+    if method in SCORED:
+        return {SCORED[method][0]: policy}
+    return {"teacher": policy} if method in TOKEN_SCORED else {}
+
+
 def run_third_party_study(out_dir: str | Path, config: ThirdPartyAuditConfig | None = None,
                           log: Log | None = None) -> Path:
     """Steps 1-2 (trees and credit) into ``out_dir``; returns the path of ``study.json``.
@@ -113,7 +125,8 @@ def run_third_party_study(out_dir: str | Path, config: ThirdPartyAuditConfig | N
     for method in config.methods:
         t0 = time.perf_counter()
         try:
-            score_and_credit(store, method, progress=False)
+            score_and_credit(store, method, scorer_params(method, config.policy),
+                             progress=False)
         except (ValueError, RuntimeError, NotImplementedError) as exc:
             if method == config.baseline:
                 raise
@@ -132,4 +145,5 @@ def run_third_party_study(out_dir: str | Path, config: ThirdPartyAuditConfig | N
     return write_study(out / "study.json", doc)
 
 
-__all__ = ["KIND", "METHODS", "ThirdPartyAuditConfig", "run_third_party_study"]
+__all__ = ["KIND", "METHODS", "ThirdPartyAuditConfig", "run_third_party_study",
+           "scorer_params"]
