@@ -190,6 +190,7 @@ def test_fork_snapshots_branch_and_fall_back_to_replay(tw: ModuleType,
         fresh.close()
 
 
+@pytest.mark.slow  # about 25 s: random episodes and prefixes through three strategies
 def test_env_check_passes_with_fork_and_replay(tw: ModuleType) -> None:
     from train.envs.check import check_env
 
