@@ -14,7 +14,9 @@ difference
 with its interval, judged by ``analysis.verdicts.verdict`` ("d_m > 0", the config's
 pre-registered ``delta``, V1) at the Bonferroni level of the study's claims (V4:
 ``1 - 0.10 / K`` for K estimators besides the baseline): superior, inferior, equivalent
-within delta, or underpowered with the minimum detectable effect beside it.
+within delta, or underpowered with the minimum detectable effect beside it. A claim whose
+estimators ranked fewer than ``MIN_RANKED_PREFIXES`` prefixes is underpowered, its
+interval printed in the note but not judged.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ from analysis.report import (
 from analysis.verdicts import verdict, verdict_counts, verdict_lines
 
 KIND = "third-party-audit"
+MIN_RANKED_PREFIXES = 5
+"""Fewest prefixes with references not all tied (``n_prefixes`` of both estimators) for a
+claim to be judged [R]; below it the claim is underpowered whatever its interval. Added
+after the first reasoning-gym run, where 7 child pairs at one prefix of one tree gave every
+estimator a zero-width tree-bootstrap interval [1.000, 1.000], which the rule V1 would call
+"equivalent" to grpo on the evidence of one prefix."""
 
 
 def _difference(diffs: dict[str, Any], a: str, b: str) -> tuple[float, list[float]] | None:
@@ -77,11 +85,17 @@ def third_party_results(study_dir: str | Path, out_dir: str | Path | None = None
             continue
         estimate, ci = found  # NaN where no child pair had distinct references
         rows[labels[method]]["difference"] = {"estimate": estimate, "ci": ci}
+        ranked = min(rows[labels[method]]["n_prefixes"], rows[labels[base]]["n_prefixes"])
+        note = ""
+        if ranked < MIN_RANKED_PREFIXES:  # judged as no data: an interval, not a verdict
+            note = (f"only {ranked} ranked prefix(es): the interval {fmt_ci(estimate, ci)} is "
+                    "not judged")
+            ci = [math.nan, math.nan]
         v = verdict(f"{study['config']['env']}: {method} ranks children better than {base} "
                     f"(pairwise accuracy vs Mean@{config['k']})",
                     f"paired difference {method} - {base} of pairwise accuracy",
                     estimate, ci, 0.0, "above", "none (no paper runs this audit)",
-                    delta=float(config["delta"]), level=level).to_json()
+                    note=note, delta=float(config["delta"]), level=level).to_json()
         rows[labels[method]]["verdict"] = v["verdict"]
         verdicts.append(v)
     results: dict[str, Any] = {
@@ -143,5 +157,5 @@ def build_third_party_report(study_dir: Path, out: Path) -> ReportOutput:
                         verdict_counts(res["verdicts"]), (out / "report.md",))
 
 
-__all__ = ["KIND", "build_third_party_report", "command", "third_party_report",
-           "third_party_results"]
+__all__ = ["KIND", "MIN_RANKED_PREFIXES", "build_third_party_report", "command",
+           "third_party_report", "third_party_results"]

@@ -18,21 +18,23 @@ def _est(estimate: float | None, lo: float | None, hi: float | None) -> dict[str
     return {"estimate": estimate, "ci": [lo, hi]}
 
 
-def _method(pa: float | None) -> dict[str, Any]:
+def _method(pa: float | None, prefixes: int = 6) -> dict[str, Any]:
     return {"pairwise_accuracy": pa, "kendall_tau_b": {"macro": pa, "pooled": pa},
             "ci": {"pairwise_accuracy": [pa, pa], "kendall_tau_b": {"macro": [pa, pa],
                                                                     "pooled": [pa, pa]}},
-            "n_prefixes": 3, "n_pairs": 5}
+            "n_prefixes": prefixes, "n_pairs": 5}
 
 
-def _study(tmp_path: Path, diffs: dict[str, Any], methods: list[str]) -> Path:
+def _study(tmp_path: Path, diffs: dict[str, Any], methods: list[str],
+           prefixes: dict[str, int] | None = None) -> Path:
     config = {"env": "gym-frozenlake", "policy": "tiny", "n_tasks": 12, "n_total": 8, "k": 32,
               "seed": 0, "methods": methods, "baseline": "grpo", "delta": 0.05,
               "max_new_tokens": 64, "n_boot": 2000}
     (tmp_path / "audit").mkdir()
     (tmp_path / "audit" / "results.json").write_text(json.dumps({
         "coverage": {"n_trees": 12, "n_prefixes_audited": 30, "n_pairs": 40},
-        "methods": {m: _method(0.6) for m in methods}, "paired_differences": diffs}))
+        "methods": {m: _method(0.6, (prefixes or {}).get(m, 6)) for m in methods},
+        "paired_differences": diffs}))
     (tmp_path / "study.json").write_text(json.dumps({
         "study": "third-party-audit", "config": config, "store": "store", "audit": "audit",
         "env_class": "x:Y", "exact_values": False, "methods": methods,
@@ -48,18 +50,22 @@ def test_verdicts_follow_the_paired_interval_and_its_orientation(tmp_path: Path)
         "caliper-grpo": {"pairwise_accuracy": _est(0.0, -0.02, 0.03)},  # inside +-0.05
         "grpo-tree_grpo": {"pairwise_accuracy": _est(0.01, -0.2, 0.1)},  # wide
         "factor-grpo": {"pairwise_accuracy": _est(None, None, None)},   # no pair ranked
+        "sgcd-grpo": {"pairwise_accuracy": _est(0.0, 0.0, 0.0)},        # one prefix only
     }
-    methods = ["grpo", "tree_grpo", "elpo", "caliper", "trace", "factor"]
-    res = third_party_results(_study(tmp_path, diffs, methods))
+    methods = ["grpo", "tree_grpo", "elpo", "caliper", "trace", "factor", "sgcd"]
+    res = third_party_results(_study(tmp_path, diffs, methods, {"sgcd": 1}))
     got = {m.split("@")[0]: r.get("verdict") for m, r in res["methods"].items()}
     assert got == {"grpo": None, "elpo": "superior", "trace": "inferior",
                    "caliper": "equivalent", "tree_grpo": "underpowered",
-                   "factor": "underpowered"}
+                   "factor": "underpowered", "sgcd": "underpowered"}
     trace = res["methods"]["trace"]["difference"]
     assert trace["estimate"] == pytest.approx(-0.2) and trace["ci"] == pytest.approx(
         [-0.3, -0.1])
     assert math.isnan(res["methods"]["factor"]["difference"]["estimate"])
-    assert len(res["verdicts"]) == 5 and all(v["level"] == 0.975 for v in res["verdicts"])
+    assert len(res["verdicts"]) == 6 and all(v["level"] == 0.975 for v in res["verdicts"])
+    # a zero-width interval from one ranked prefix is printed, not judged equivalent
+    sgcd = next(v for v in res["verdicts"] if "sgcd" in v["claim"])
+    assert "only 1 ranked prefix" in sgcd["note"]
     report = (tmp_path / "report.md").read_text()
     assert "slca: ValueError: no segments" in report
     assert command(res["config"]) in report
