@@ -159,7 +159,7 @@ def test_fork_snapshots_branch_and_fall_back_to_replay(tw: ModuleType,
     env = make_env(SPEC)
     fresh = make_env(SPEC)
     try:
-        assert isinstance(env, ForkEnv)
+        assert isinstance(env, ForkEnv) and isinstance(fresh, ForkEnv)
         env.reset(task)
         env.step(tw.act_text("look"))
         snap = env.snapshot()
