@@ -1,7 +1,9 @@
-"""``rtrees policy init`` keeps its held-out tasks out of training by task, not by prompt:
+"""``rtrees policy init`` and ``rtrees train`` keep their held-out tasks out of training by
+task (``task_identity``), not by prompt:
 every gymnasium lake of one size shares one prompt (the map is in the config and the first
-observation), so filtering by prompt dropped all 40,000 training tasks and the documented
-``rtrees policy init --env gym-frozenlake`` failed."""
+observation), so filtering by prompt dropped every training task: the documented
+``rtrees policy init --env gym-frozenlake`` failed, and ``rtrees train`` on it would stop
+with "the training split is empty"."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import dataclasses
 
 import pytest
 
-from train.policies.tiny_train import EVAL_SEED_OFFSET, TEST_SEED_OFFSET, make_tasks, task_key
+from train.envs.base import task_identity as task_key
+from train.policies.tiny_train import EVAL_SEED_OFFSET, TEST_SEED_OFFSET, make_tasks
 
 
 def test_lakes_sharing_a_prompt_stay_in_training_and_held_out_ones_do_not() -> None:
@@ -24,3 +27,14 @@ def test_lakes_sharing_a_prompt_stay_in_training_and_held_out_ones_do_not() -> N
     # a held-out task that reappears in training (another id, same prompt and config) goes
     again = dataclasses.replace(held[0], task_id="copy")
     assert task_key(again) in excluded
+
+
+def test_the_trainer_split_keeps_lakes_that_share_a_prompt() -> None:
+    pytest.importorskip("gymnasium")
+    from train.config import TrainConfig
+    from train.trainer import task_splits
+
+    config = TrainConfig(env="gym-frozenlake", train_tasks=100, heldout_tasks=20)
+    train, heldout = task_splits(config)
+    assert len(heldout) == 20 and len(train) >= 95
+    assert not {task_key(t) for t in train} & {task_key(t) for t in heldout}

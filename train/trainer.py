@@ -132,6 +132,7 @@ from train.config import (
 from train.credit.scores import GOLD
 from train.credit.store_io import resolve_method, token_score_kinds
 from train.envs import Task, env_class, make_env
+from train.envs.base import task_identity
 from train.envs.registry import same_env
 from train.loss import (
     aggregate,
@@ -270,7 +271,8 @@ def check_store_env(store: Store, env: str) -> None:
 
 def task_splits(config: TrainConfig) -> tuple[list[Task], list[Task]]:
     """(train, held-out): the held-out split is fixed by ``heldout_seed``; training tasks
-    whose prompt occurs in it are dropped, so the two are disjoint. Both splits are drawn
+    that occur in it (same prompt and config, ``task_identity``) are dropped, so the two
+    are disjoint. Both splits are drawn
     with ``task_params`` (a bad option is a ``TrainError`` naming it)."""
     cls = env_class(config.env)
     generate = getattr(cls, "generate_tasks", None)
@@ -283,8 +285,8 @@ def task_splits(config: TrainConfig) -> tuple[list[Task], list[Task]]:
         drawn = generate(config.train_tasks, seed=config.seed, **options)
     except (TypeError, ValueError) as exc:  # the generator names the bad option
         raise TrainError(f"task_params {dict(config.task_params)}: {exc}") from None
-    seen = {t.prompt for t in heldout}
-    train = [t for t in drawn if t.prompt not in seen]
+    seen = {task_identity(t) for t in heldout}
+    train = [t for t in drawn if task_identity(t) not in seen]
     if not train:
         raise TrainError("the training split is empty")
     return train, heldout

@@ -77,6 +77,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from train.envs import Environment, Task, env_class
+from train.envs.base import task_identity
 from train.envs.sgls import SglsEnv
 from train.policies.base import Policy, Transcript, Turn
 from train.policies.errors import PolicyUnavailableError
@@ -342,19 +343,13 @@ class Dataset:
         return ids, attention, loss_mask
 
 
-def task_key(task: Task) -> tuple[str, str]:
-    """What makes two tasks the same task: the prompt and the config (a gymnasium lake's
-    prompt is the same for every map; its map is in the config)."""
-    return task.prompt, json.dumps(task.config, sort_keys=True, default=str)
-
-
 def build_dataset(config: SFTConfig, tokenizer: Any, exclude: set[tuple[str, str]]
                   ) -> Dataset:
     """The expert's episodes on ``config.train_tasks`` tasks, minus those whose
-    ``task_key`` is in ``exclude`` (the held-out tasks)."""
+    ``task_identity`` is in ``exclude`` (the held-out tasks)."""
     tasks = [t for t in make_tasks(config.env, config.train_tasks, config.seed,
                                    **config.task_params)
-             if task_key(t) not in exclude]
+             if task_identity(t) not in exclude]
     rng = random.Random(config.seed)
     ids, targets = [], []
     for task in tasks:
@@ -452,7 +447,7 @@ def _train(config: SFTConfig, out: Path, evaluate: Evaluate, log: Log, start: fl
                             **config.task_params)
     test_tasks = make_tasks(config.env, config.test_tasks, TEST_SEED_OFFSET + config.seed,
                             **config.task_params)
-    data = build_dataset(config, tokenizer, {task_key(t) for t in (*eval_tasks, *test_tasks)})
+    data = build_dataset(config, tokenizer, {task_identity(t) for t in (*eval_tasks, *test_tasks)})
     if not data.ids:
         raise ValueError(f"{config.env}: none of the {config.train_tasks} training tasks is "
                          "left once the held-out tasks (same prompt and config) are removed; "
