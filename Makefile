@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and exactly this version: any other spec pulls a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,ray,s3,gym,reasoning-gym,docs,agent]'
+	$(BIN)/python -m pip install -q -e '.[dev,ray,s3,gym,reasoning-gym,textworld,docs,agent]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -7,7 +7,8 @@ is pure arithmetic on stated assumptions, printed with them:
 
 * ``table1``: the paired seed x task design of V5 (``analysis.verdicts.Design``), S seeds
   and T held-out tasks, its claims judged at the Bonferroni level of V4;
-* the task-resampled studies (``dsc-l1``, ``elpo-fig3``, ``dsc-table2``, ``elpo-fig1``):
+* the task-resampled studies (``dsc-l1``, ``elpo-fig3``, ``dsc-table2``, ``elpo-fig1``,
+  ``credit-exact``, ``third-party-audit``):
   a normal approximation over tasks, MDE = (z_0.975 + z_0.8) * sd / sqrt(n) at their 95%
   intervals, with the per-task sd of each claim's statistic taken from the last measured
   run of that study (benchmarks/README.md, the rows of the round of issues 9-16): the
@@ -39,9 +40,13 @@ PILOT_SD: dict[str, tuple[str, float, str]] = {
                   "48 workflow tasks at H 12/18/24, 4 trajectories each: first "
                   "irrecoverable - first error +0.038 [0.006, 0.072], the widest of its "
                   "exact differences"),
+    "third-party-audit": ("pairwise-accuracy difference of two estimators on the same trees",
+                          0.19, "elpo-fig3's pilot (the same statistic, 48 workflow tasks); "
+                          "a new env or policy changes it"),
 }
 TASK_FIELD = {"dsc-l1": "n_tasks", "elpo-fig3": "n_tasks", "dsc-table2": "n_eval",
-              "elpo-fig1": "n_tasks", "credit-exact": "n_tasks"}
+              "elpo-fig1": "n_tasks", "credit-exact": "n_tasks",
+              "third-party-audit": "n_tasks"}
 TASK_LEVEL = 0.95
 
 

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 AUDIT_MODULES: tuple[str, ...] = ("analysis.constructions", "analysis.drift",
                                    "analysis.exact_credit", "analysis.gates",
                                    "analysis.localization", "analysis.ranking_report",
-                                   "analysis.recovery", "analysis.table1")
+                                   "analysis.recovery", "analysis.table1",
+                                   "analysis.third_party")
 
 
 @dataclass(frozen=True)

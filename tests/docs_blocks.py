@@ -9,7 +9,7 @@ The convention (``docs/writing-docs.md``), by the fence's info string:
   app (for commands that need a GPU, a Ray cluster, S3, or hours);
 * ``text``: output, not run; ``toml`` and ``json``: parsed (``tomllib``, ``json``);
 * ``python EXTRA`` and ``bash EXTRA``, where EXTRA names an optional extra in ``EXTRAS``
-  (e.g. ``trl``): run only where that extra is installed, skipped (and said so) elsewhere.
+  (``trl``, ``textworld``): run only where that extra is installed, skipped (and said so) elsewhere.
 
 A page's runnable blocks run in document order as one bash script (``set -euo pipefail``)
 in one directory, so later blocks see the files earlier ones made.
@@ -32,7 +32,7 @@ KINDS = {("bash", ""), ("bash", "runnable"), ("bash", "checked"), ("python", "")
          ("text", ""), ("toml", ""), ("json", "")}
 RUN = {("bash", ""), ("bash", "runnable"), ("python", "")}
 # Optional extras a block may need, by marker: the module whose presence means installed.
-EXTRAS = {"trl": "trl"}
+EXTRAS = {"trl": "trl", "textworld": "textworld"}
 KINDS |= {(lang, extra) for lang in ("bash", "python") for extra in EXTRAS}
 
 

@@ -332,6 +332,31 @@ def _table1(out: Path, config: Any, log: StudyLog) -> dict[str, Any]:
     return table1_results(run_table1_study(out, config, log=log).parent)
 
 
+def third_party_audit(out: Path, config: Any, log: StudyLog = None) -> dict[str, Any]:
+    """``rtrees study third-party-audit``: trees and credit (``train.studies.third_party``),
+    then the Mean@k ranking audit of the estimators that ran, at the Bonferroni level of
+    their claims against the baseline (V4), then the report (``analysis.third_party``)."""
+    from analysis.third_party import third_party_results
+    from analysis.verdicts import family_level
+    from train.studies.third_party import run_third_party_study
+    from train.studies.workflow_study import write_study
+
+    path = run_third_party_study(out, config, log)
+    study = json.loads(path.read_text())
+    level = family_level(max(int(study["claims"]), 1))
+    start = time.perf_counter()
+    ranking_job(out / study["store"], out / study["audit"], RankingJobConfig(
+        methods=tuple(study["methods"]), k=config.k, n_boot=config.n_boot, level=level,
+        seed=config.seed, max_new_tokens=config.max_new_tokens), progress=log is not None)
+    seconds = time.perf_counter() - start
+    if log is not None:
+        log(f"audit: Mean@{config.k} references and ranking in {seconds:.0f} s")
+    study["level"] = level
+    study["seconds"]["audit"] = round(seconds, 1)
+    write_study(path, study)
+    return third_party_results(out)
+
+
 def _register_studies() -> None:
     from train.studies.table1 import SMALL as TABLE1_SMALL
 
@@ -367,6 +392,11 @@ def _register_studies() -> None:
         "table1", "Table 1 in miniature: held-out success after equal training budgets",
         "train.studies.table1:Table1Config", _table1,
         small=dict(TABLE1_SMALL)))
+    register_study(StudySpec(
+        "third-party-audit", "Mean@k ranking audit of every estimator on a third-party env",
+        "train.studies.third_party:ThirdPartyAuditConfig", third_party_audit,
+        small={"n_tasks": 3, "n_total": 4, "k": 4, "n_boot": 50,
+               "methods": ("grpo", "tree_grpo", "elpo")}))
 
 
 _register_studies()

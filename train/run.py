@@ -70,6 +70,7 @@ from train.config import (
 )
 from train.credit_stage import make_credit
 from train.envs import Task, env_class
+from train.envs.base import task_identity
 from train.envs.registry import same_env
 from train.policies.hf import HFPolicy, check_finite, quiet_progress, state_dict_version
 from train.reuse.params import ReuseParams
@@ -149,7 +150,8 @@ def check_store_env(store: Store, env: str) -> None:
 
 def task_splits(config: TrainConfig) -> tuple[list[Task], list[Task]]:
     """(train, held-out): the held-out split is fixed by ``heldout_seed``; training tasks
-    whose prompt occurs in it are dropped, so the two are disjoint. Both splits are drawn
+    that occur in it (same prompt and config, ``task_identity``) are dropped, so the two
+    are disjoint. Both splits are drawn
     with ``task_params`` (a bad option is a ``TrainError`` naming it)."""
     cls = env_class(config.env)
     generate = getattr(cls, "generate_tasks", None)
@@ -162,8 +164,8 @@ def task_splits(config: TrainConfig) -> tuple[list[Task], list[Task]]:
         drawn = generate(config.train_tasks, seed=config.seed, **options)
     except (TypeError, ValueError) as exc:  # the generator names the bad option
         raise TrainError(f"task_params {dict(config.task_params)}: {exc}") from None
-    seen = {t.prompt for t in heldout}
-    train = [t for t in drawn if t.prompt not in seen]
+    seen = {task_identity(t) for t in heldout}
+    train = [t for t in drawn if task_identity(t) not in seen]
     if not train:
         raise TrainError("the training split is empty")
     return train, heldout

@@ -181,6 +181,13 @@ def require_state(state: EpisodeT | None, env: str) -> EpisodeT:
     return state
 
 
+def task_identity(task: Task) -> tuple[str, str]:
+    """What makes two tasks the same task whatever their ids: the prompt and the config
+    (canonical JSON). A prompt alone is not enough: every gymnasium lake of one size
+    shares one prompt, its map is in the config."""
+    return task.prompt, json.dumps(task.config, sort_keys=True, default=str)
+
+
 def episode_parts(s: ToolEpisode) -> dict[str, float]:
     """``reward_parts`` of a one-tool episode: the reward (0 until the end), the tool calls
     and errors so far, and whether the step limit truncated it."""

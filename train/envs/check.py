@@ -370,6 +370,8 @@ class _Checker:
 
     def made(self) -> Environment:
         """A fresh instance with the class's own strategy (what ``make_env`` returns)."""
+        if self.declared == "fork":  # as make_env does: the module registers the strategy
+            import train.envs.fork  # noqa: F401
         return with_snapshots(self.raw())
 
     # ----- build, tasks, tools, expert, episodes -----------------------------------------

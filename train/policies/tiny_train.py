@@ -77,6 +77,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from train.envs import Environment, Task, env_class
+from train.envs.base import task_identity
 from train.envs.sgls import SglsEnv
 from train.policies.base import Policy, Transcript, Turn
 from train.policies.errors import PolicyUnavailableError
@@ -342,10 +343,13 @@ class Dataset:
         return ids, attention, loss_mask
 
 
-def build_dataset(config: SFTConfig, tokenizer: Any, exclude_prompts: set[str]) -> Dataset:
+def build_dataset(config: SFTConfig, tokenizer: Any, exclude: set[tuple[str, str]]
+                  ) -> Dataset:
+    """The expert's episodes on ``config.train_tasks`` tasks, minus those whose
+    ``task_identity`` is in ``exclude`` (the held-out tasks)."""
     tasks = [t for t in make_tasks(config.env, config.train_tasks, config.seed,
                                    **config.task_params)
-             if t.prompt not in exclude_prompts]
+             if task_identity(t) not in exclude]
     rng = random.Random(config.seed)
     ids, targets = [], []
     for task in tasks:
@@ -443,11 +447,11 @@ def _train(config: SFTConfig, out: Path, evaluate: Evaluate, log: Log, start: fl
                             **config.task_params)
     test_tasks = make_tasks(config.env, config.test_tasks, TEST_SEED_OFFSET + config.seed,
                             **config.task_params)
-    data = build_dataset(config, tokenizer, {t.prompt for t in (*eval_tasks, *test_tasks)})
+    data = build_dataset(config, tokenizer, {task_identity(t) for t in (*eval_tasks, *test_tasks)})
     if not data.ids:
         raise ValueError(f"{config.env}: none of the {config.train_tasks} training tasks is "
-                         "left once the prompts of the held-out tasks are removed; "
-                         "generate_tasks must vary its prompts with the seed")
+                         "left once the held-out tasks (same prompt and config) are removed; "
+                         "generate_tasks must vary its tasks with the seed")
     log(f"{config.env}: {len(data.ids):,} noisy-expert episodes "
         f"({sum(map(len, data.ids)):,} tokens, {sum(map(sum, data.targets)):,} action "
         f"tokens), model {n_parameters(model):,} parameters, "

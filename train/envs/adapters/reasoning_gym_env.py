@@ -122,6 +122,12 @@ class ReasoningGymEnv(OneToolEnv[_State]):
     name: ClassVar[str] = "reasoning-gym"
     tool: ClassVar[dict[str, Any]] = TOOL_SCHEMA
     snapshot_format: ClassVar[str] = SNAPSHOT_FORMAT
+    tiny_sft: ClassVar[dict[str, Any]] = {
+        "init_from": "calc", "train_tasks": 8_000, "eval_tasks": 100, "test_tasks": 200,
+        "eval_every": 100}
+    """``rtrees policy init``'s recipe: warm-started from the committed calc policy (the
+    same ``calc`` tool and action format), on fewer expert episodes and smaller held-out
+    checks than the default, so a few minutes on 2 cores train it."""
 
     def __init__(self) -> None:
         self._state: _State | None = None
