@@ -15,7 +15,7 @@ from rollout_store.store import open_store
 from train.batches import make_rows
 from train.config import load_config
 from train.credit.contrast import TemplateSummariser, reference
-from train.credit.scores import HINDSIGHT, PLAIN, stored_scores
+from train.credit.scores import HINDSIGHT_TURN, PLAIN, stored_scores
 from train.credit.store_io import credit_trees, credit_trees_full
 from train.scoring import teacher_contexts
 from train.sequences import build_sequences
@@ -40,7 +40,7 @@ def test_factor_scores_and_credit_from_stored_data(tmp_path: Path) -> None:
     con = connect(cfg.store)
     rows = con.sql("SELECT s.kind, s.policy_version = t.policy_version FROM policy_scores s "
                    "JOIN trees t USING (tree_id)").fetchall()
-    assert {k for k, _ in rows} == {PLAIN, HINDSIGHT}
+    assert {k for k, _ in rows} == {PLAIN, HINDSIGHT_TURN}  # the default context (F3)
     assert all(same for _, same in rows)  # scored by the weights that sampled the tree
     stored = _stored_credit(cfg.store)
     assert len(stored) == sum(len(t.nodes) for t in trees)
@@ -49,7 +49,7 @@ def test_factor_scores_and_credit_from_stored_data(tmp_path: Path) -> None:
     s = open_store(cfg.store)
     import pyarrow as pa
 
-    scores = pa.concat_tables([stored_scores(s, ids, k, None) for k in (PLAIN, HINDSIGHT)])
+    scores = pa.concat_tables([stored_scores(s, ids, k, None) for k in (PLAIN, HINDSIGHT_TURN)])
     again = credit_trees(trees, "factor", {}, scores=scores)
     assert set(again.column("method_params_hash").to_pylist()) == {
         h for _, h, _, _ in stored.values()}
@@ -65,6 +65,29 @@ def test_factor_scores_and_credit_from_stored_data(tmp_path: Path) -> None:
     assert spread  # the hindsight gap moved some weights: the check can fail
     m = read_metrics(cfg.store, "fa")
     assert np.isfinite(m["loss"][0][1])
+
+
+def test_the_credit_stage_sets_factors_step_for_the_eta_schedule(tmp_path: Path) -> None:
+    """F5 (issue 47): the trainer records each iteration as factor's ``step``, so the
+    committed params name the eta used; a method without a step is unchanged, and a run
+    that sets the step itself is refused."""
+    import pytest
+
+    from train.config import ConfigError
+    from train.credit_stage import make_credit
+
+    base = {"steps": 1, "progress": False, "store": str(tmp_path / "s"),
+            "out": str(tmp_path / "r")}
+    stage = make_credit(load_config(None, {**base, "credit": "factor"}))
+    later = stage.at_step(25)
+    assert later.pairs["step"] == "25" and later.params.eta_now == pytest.approx(0.35)  # type: ignore[attr-defined]
+    assert later.params.params_hash() != stage.params.params_hash()
+    assert stage.at_step(60).params.token_score_kinds() == {}  # eta 0: no teacher passes
+    grpo = make_credit(load_config(None, {**base, "credit": "grpo"}))
+    assert grpo.at_step(25) is grpo
+    with pytest.raises(ConfigError, match="step"):
+        make_credit(load_config(None, {**base, "credit": "factor",
+                                       "credit_params": {"step": "3"}}))
 
 
 def test_sgcd_dynamic_sampling_and_the_clean_student(tmp_path: Path) -> None:
