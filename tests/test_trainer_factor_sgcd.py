@@ -182,3 +182,35 @@ def test_dynamic_sampling_resamples_or_drops_and_counts_the_budget(tmp_path: Pat
     assert [t.tree_id for t in dropped] == ["mixed"]
     assert ds == {"ds_dropped_trees": 1.0, "ds_extra_trees": 0.0, "ds_extra_rollouts": 2.0,
                   "ds_extra_tool_steps": float(sum(n.tool_calls or 0 for n in flat.nodes))}
+
+
+def test_factor_skips_teacher_passes_of_one_token_actions_without_changing_credit(
+        tmp_path: Path) -> None:
+    """F5: a one-token action's weight is 1 whatever its gap, so the trainer's scoring job
+    skips those nodes for factor (``min_scored_tokens``); on workflow trees (one-token tool
+    calls) the committed credit is the same as with every node scored."""
+    import pyarrow as pa
+
+    from rollout_store.store import Store
+    from train.credit.factor import FactorParams
+    from train.envs import env_class
+    from train.policies import load_policy
+    from train.sampling.collect import collect
+    from train.scoring import score_trees
+
+    policy = load_policy("tiny", "workflow")
+    store = Store(str(tmp_path / "s"), create=True)
+    tasks = env_class("workflow").generate_tasks(2, 0, horizons=[4], mark_optional=True)
+    collect(store, "workflow", policy, "bel", tasks, 4, 0, "wf", progress=False)
+    trees = read_trees(store)
+    kinds = list(dict.fromkeys(FactorParams().token_score_kinds().values()))
+    full = pa.concat_tables([score_trees(trees, policy, k) for k in kinds])
+    lean = pa.concat_tables([score_trees(trees, policy, k, min_tokens=2) for k in kinds])
+    one = sum(1 for t in trees for n in t.nodes if len(n.action_token_ids) == 1)
+    assert one > 0 and lean.num_rows < full.num_rows
+    a = credit_trees(trees, "factor", {}, scores=full)
+    b = credit_trees(trees, "factor", {}, scores=lean)
+    for x, y in zip(a.column("token_values").to_pylist(), b.column("token_values").to_pylist(),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(x or []), np.asarray(y or []), atol=1e-12)
+    assert a.column("value").to_pylist() == b.column("value").to_pylist()

@@ -118,7 +118,8 @@ class CreditStage:
         kinds = stage.params.token_score_kinds()
         if kinds:  # F3, Q3: teacher and student scores under the sampling weights
             scores = pa.concat_tables(dp.gather_list(world, [score_trees(
-                mine, current, kind, policy_ref=current.policy_ref, run_id=self.run_id)
+                mine, current, kind, policy_ref=current.policy_ref, run_id=self.run_id,
+                min_tokens=stage.params.min_scored_tokens)
                 for kind in dict.fromkeys(kinds.values())]))
             commit("scores", scores)
         rows, credit = stage.credit(trees, scores, ref_version)

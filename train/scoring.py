@@ -162,9 +162,12 @@ def teacher_contexts(tree: Tree, kind: str, turns: Mapping[int, Transcript],
 
 def score_trees(trees: Sequence[Tree], policy: Policy, kind: ScoreKind, *,
                 policy_ref: str | None = None, run_id: str | None = None,
-                gold: Mapping[str, str] | None = None) -> pa.Table:
+                gold: Mapping[str, str] | None = None, min_tokens: int = 1) -> pa.Table:
     """``policy_scores`` rows of ``kind`` for every scorable node of ``trees`` (one forward
-    pass per node; module docstring). ``gold`` overrides the gold answer per tree id."""
+    pass per node; module docstring). ``gold`` overrides the gold answer per tree id.
+    ``min_tokens``: token kinds (plain, hindsight, contrast) skip nodes whose stored action
+    has fewer tokens (the trainer passes ``Params.min_scored_tokens``: FACTOR's F5 weight
+    of a one-token action is 1 whatever its gap, so its teacher pass is wasted)."""
     check_kind(kind)
     version = str(policy.policy_version)
     pairs: list[tuple[Transcript, str]] = []
@@ -187,6 +190,8 @@ def score_trees(trees: Sequence[Tree], policy: Policy, kind: ScoreKind, *,
                     keys.append((tree.tree_id, n.node_id))
         else:
             for n, context in teacher_contexts(tree, kind, turns, summarisers):
+                if len(n.action_token_ids) < min_tokens:
+                    continue
                 pairs.append((context, n.action_text or ""))
                 keys.append((tree.tree_id, n.node_id))
     logprobs = policy.score([t for t, _ in pairs], [a for _, a in pairs]) if pairs else []

@@ -208,6 +208,10 @@ class Params:
     token_scorer: ClassVar[str | None] = None
     """The params field naming the policy whose per-token scores the estimator reads
     (factor, sgcd: ``teacher``; kinds by ``token_score_kinds``); None: it reads none."""
+    min_scored_tokens: ClassVar[int] = 1
+    """The trainer scores per-token kinds only for actions of at least this many stored
+    tokens (factor: 2, F5 gives a one-token action weight 1 whatever its gap; sgcd's Q4
+    weight is per token, so 1). Unscored nodes read as uniform, so the credit is the same."""
     step_field: ClassVar[str | None] = None
     """The params field the trainer sets to the training iteration of the trees it credits
     (factor's ``step``, for F5's eta schedule), so the committed params name what was

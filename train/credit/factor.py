@@ -65,6 +65,7 @@ class FactorParams(Params):
 
     token_scorer: ClassVar[str | None] = "teacher"
     step_field: ClassVar[str | None] = "step"
+    min_scored_tokens: ClassVar[int] = 2
 
     std: StdNorm = "unbiased"
     """F_norm of the trajectory advantage z_i (G1); ``"none"`` is the paper's G_i - b_i."""
