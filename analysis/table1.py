@@ -100,6 +100,16 @@ CLAIMS: tuple[tuple[str, str, str, str], ...] = (
      "tree_grpo+random (workflow)", "as the calc claim, at a horizon where credit matters"),
     ("CALIPER on workflow: CALIPER beats GRPO", "caliper+caliper (workflow)",
      "grpo+group (workflow)", "as the calc claim, at a horizon where credit matters"),
+    ("FACTOR on branching workflow trees: FACTOR beats GRPO", "factor+bel (workflow)",
+     "grpo+bel (workflow)", "TD action credit with hindsight token allocation beats "
+     "trajectory-level GRPO (abstract); here on the same BEL trees, a teacher that reads "
+     "the feedback as its next turn and the annealed eta (docs/METHODS.md section 10)"),
+    ("SGCD: the reshaping beats GRPO with the same dynamic sampling", "sgcd+group",
+     "grpo+group (ds)", "SGCD's bounded credit weighting improves on GRPO (abstract); the "
+     "arms differ only in Q2-Q4"),
+    ("SGCD: SGCD beats GRPO at the same tool steps", "sgcd+group", "grpo+group (steps)",
+     "SGCD's dynamic sampling and reshaping beat GRPO given the tool steps they spend "
+     "(abstract; docs/METHODS.md Q1)"),
 )
 DEFAULT_DELTA = 0.02
 """Equivalence margin of studies whose config predates ``Table1Config.delta``."""

@@ -256,3 +256,54 @@ def test_factor_values_equal_a_plain_loop(trees: list[Tree], kappa: float) -> No
         want[v] = value[v] - value[p] + (z[v] if leaf[v] else 0.0) if n[v] > 0 else np.nan
     got = factor(batch, params).node
     np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_eta_schedule_anneals_linearly_and_reaches_uniform_weights() -> None:
+    """issue 47: F5's eta follows the paper's ``eta max(1 - k / 50, 0)`` at the recorded
+    step; at and after ``eta_steps`` the credit is the eta-0 credit and reads no scores."""
+    assert FactorParams().eta_now == pytest.approx(0.7)
+    assert FactorParams(step=25).eta_now == pytest.approx(0.35)
+    assert FactorParams(step=10, eta_steps=20, eta=0.5).eta_now == pytest.approx(0.25)
+    assert FactorParams(step=50).eta_now == 0.0 and FactorParams(step=80).token_score_kinds() == {}
+    assert FactorParams(step=80, eta_schedule="constant").eta_now == pytest.approx(0.7)
+    tree = _tree()
+    student = {1: [-1.0, -1.0], 2: [-1.0, -1.0, -1.0], 3: [-2.0, -2.0], 4: [-1.0, -1.0],
+               5: [-1.0]}
+    teacher = {1: [-0.2, -1.5], 2: [-1.0, 0.0, -1.0], 3: [-2.0, -2.5], 4: [-1.0, -3.0],
+               5: [0.0]}
+    _, batch = _with_scores(tree, teacher, student, HINDSIGHT_LOGPROB)
+    late = factor(batch, FactorParams(step=50))  # type: ignore[arg-type]
+    off = factor(batch, FactorParams(eta=0.0))  # type: ignore[arg-type]
+    np.testing.assert_allclose(late.token, off.token)
+    mid = factor(batch, FactorParams(step=25))  # type: ignore[arg-type]
+    half = factor(batch, FactorParams(eta=0.35, eta_schedule="constant"))  # type: ignore[arg-type]
+    np.testing.assert_allclose(mid.token, half.token)
+    assert not np.allclose(mid.token, off.token)
+    for bad in ({"eta_schedule": "cosine"}, {"context": "inline"}, {"eta_steps": 0},
+                {"step": -1}):
+        with pytest.raises(ValueError):
+            FactorParams(**bad)  # type: ignore[arg-type]
+
+
+def test_teacher_contexts_put_the_feedback_where_each_option_says() -> None:
+    """issue 47: ``turn`` gives the teacher the feedback as one more observation turn (the
+    policy renders it as it renders every tool response); ``template`` keeps the issue-24
+    suffix on the last turn. Both score the same nodes, each under its own kind."""
+    from train.credit.base import HINDSIGHT, HINDSIGHT_KINDS, HINDSIGHT_TURN
+    from train.scoring import FEEDBACK, teacher_contexts
+
+    tree = Tree("t", [
+        Node(0, None, kind="prompt", observation_text="Compute 3+4."),
+        Node(1, 0, action_text="<tool_call>3+4</tool_call>",
+             observation_text="<tool_response>7</tool_response>"),
+        Node(2, 1, action_text="<answer>7</answer>", terminal=True, reward=1.0)], task_id="x")
+    turns = tree.transcripts()
+    new = dict((n.node_id, ctx) for n, ctx in teacher_contexts(tree, HINDSIGHT_TURN, turns))
+    old = dict((n.node_id, ctx) for n, ctx in teacher_contexts(tree, HINDSIGHT, turns))
+    assert set(new) == set(old) == {1}  # the answer tail has no feedback
+    assert new[1] == [("prompt", "Compute 3+4."),
+                      ("observation", "<tool_response>7</tool_response>")]
+    assert old[1] == [("prompt", "Compute 3+4." + FEEDBACK + "<tool_response>7</tool_response>")]
+    assert HINDSIGHT_KINDS == {"turn": HINDSIGHT_TURN, "template": HINDSIGHT}
+    assert FactorParams().token_score_kinds()[HINDSIGHT_LOGPROB] == HINDSIGHT_TURN
+    assert FactorParams(context="template").token_score_kinds()[HINDSIGHT_LOGPROB] == HINDSIGHT

@@ -150,7 +150,7 @@ def test_factor_and_sgcd_score_their_teachers_once_from_the_store(tiny_store: St
     from train.credit.base import node_lists_to_tokens
     from train.credit.contrast import TemplateSummariser, reference
     from train.credit.factor import HINDSIGHT_LOGPROB, STUDENT_LOGPROB, FactorParams, factor
-    from train.credit.scores import HINDSIGHT, PLAIN
+    from train.credit.scores import HINDSIGHT, HINDSIGHT_TURN, PLAIN
 
     store = tiny_store
     spec = f"hf:{committed_checkpoint('calc', 0)}"
@@ -162,8 +162,15 @@ def test_factor_and_sgcd_score_their_teachers_once_from_the_store(tiny_store: St
                              "= $v GROUP BY kind", {"v": version}).fetchall())
     steps = sum(1 for t in trees for n in t.nodes if n.parent_id is not None and n.action_text)
     assert kinds[PLAIN] == steps
-    assert kinds[HINDSIGHT] == sum(1 for t in trees for n in t.nodes if n.parent_id is not None
-                                   and n.action_text and n.observation_text)
+    fed = sum(1 for t in trees for n in t.nodes if n.parent_id is not None
+              and n.action_text and n.observation_text)
+    assert kinds[HINDSIGHT_TURN] == fed and HINDSIGHT not in kinds  # the default context
+    score_and_credit(store, "factor", {"teacher": spec, "context": "template"},
+                     progress=False)  # the issue-24 template, kept under its name
+    con = connect(store)
+    kinds = dict(con.execute("SELECT kind, count(*) FROM policy_scores WHERE policy_version "
+                             "= $v GROUP BY kind", {"v": version}).fetchall())
+    assert kinds[HINDSIGHT] == fed and kinds[PLAIN] == steps
     before = _n_scores(store)
     report = score_and_credit(store, "sgcd", {"teacher": spec}, progress=False)
     assert report.trees_done == 3
@@ -176,7 +183,7 @@ def test_factor_and_sgcd_score_their_teachers_once_from_the_store(tiny_store: St
     # factor's committed credit is the pure estimator on the stored rows
     batch = from_trees(trees)
     extras = {}
-    for name, kind in ((HINDSIGHT_LOGPROB, HINDSIGHT), (STUDENT_LOGPROB, PLAIN)):
+    for name, kind in ((HINDSIGHT_LOGPROB, HINDSIGHT_TURN), (STUDENT_LOGPROB, PLAIN)):
         rows = stored_scores(store, [t.tree_id for t in trees], kind, version)
         got = {(t, int(n)): lp for t, n, lp in zip(*(rows.column(c).to_pylist() for c in (
             "tree_id", "node_id", "token_logprobs")), strict=True)}

@@ -314,3 +314,41 @@ def test_processes_sharing_a_study_directory_merge_their_runs(tmp_path: Path) ->
     other = dataclasses.replace(second, steps=second.steps + 1)
     alone = merged_study(path, other, [run("grpo+group", 1)])
     assert alone["config"]["seeds"] == [1] and len(alone["runs"]) == 1
+
+
+def test_factor_and_sgcd_fair_arms_carry_their_recipes(tmp_path: Path) -> None:
+    """issue 47: GRPO with SGCD's dynamic sampling and GRPO at SGCD's tool steps; FACTOR on
+    BEL workflow trees with its new defaults beside GRPO on the same trees, at one lr, clip
+    and optimizer-step count; the calc FACTOR rows keep the issue-24 recipe."""
+    from analysis.power import study_power
+    from analysis.table1 import CLAIMS
+    from train.studies.table1 import FACTOR_WORKFLOW_CONFIGS, SGCD_CONFIGS, run_config, slug
+
+    config = Table1Config(configs=(*SGCD_CONFIGS, *FACTOR_WORKFLOW_CONFIGS),
+                          workflow_mark_optional=True, epochs=2, minibatches=4)
+    sg = run_config("sgcd+group", 0, config, tmp_path)
+    ds = run_config("grpo+group (ds)", 0, config, tmp_path)
+    steps = run_config("grpo+group (steps)", 0, config, tmp_path)
+    grpo = run_config("grpo+group", 0, config, tmp_path)
+    assert (ds.credit, ds.dynamic_sampling, ds.n_total) == ("grpo", "resample", sg.n_total)
+    assert sg.dynamic_sampling == "resample" and grpo.dynamic_sampling != "resample"
+    assert steps.n_total == round(config.n_total * 1.73) == 14 and steps.credit == "grpo"
+    assert steps.dynamic_sampling == grpo.dynamic_sampling
+    fa = run_config("factor+bel (workflow)", 0, config, tmp_path)
+    gb = run_config("grpo+bel (workflow)", 0, config, tmp_path)
+    assert (fa.sampler, gb.sampler, fa.env, gb.env) == ("bel", "bel", "workflow", "workflow")
+    assert fa.credit_params == {} and fa.aggregation == "action-mean"  # turn, annealed
+    assert fa.task_params == gb.task_params == {"horizons": [18], "mark_optional": True}
+    for f in ("lr", "epochs", "minibatches", "steps", "tasks_per_step", "n_total", "clip_low",
+              "clip_high"):
+        assert getattr(fa, f) == getattr(gb, f), f
+    old = run_config("factor+group", 0, config, tmp_path)
+    assert old.credit_params == {"context": "template", "eta_schedule": "constant"}
+    assert len({slug(c) for c in config.configs}) == len(config.configs)
+    names = {(a, b) for _, a, b, _ in CLAIMS}
+    assert {("sgcd+group", "grpo+group (ds)"), ("sgcd+group", "grpo+group (steps)"),
+            ("factor+bel (workflow)", "grpo+bel (workflow)")} <= names
+    # SGCD vs GRPO (issue 24), vs GRPO with DS, vs GRPO at equal steps, FACTOR on workflow
+    assert study_power("table1", dataclasses.asdict(config)).sizes["claims"] == 4
+    with pytest.raises(ValueError, match="tool_step_ratio"):
+        Table1Config(tool_step_ratio=0.5)

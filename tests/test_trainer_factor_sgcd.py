@@ -15,7 +15,7 @@ from rollout_store.store import open_store
 from train.batches import make_rows
 from train.config import load_config
 from train.credit.contrast import TemplateSummariser, reference
-from train.credit.scores import HINDSIGHT, PLAIN, stored_scores
+from train.credit.scores import HINDSIGHT_TURN, PLAIN, stored_scores
 from train.credit.store_io import credit_trees, credit_trees_full
 from train.scoring import teacher_contexts
 from train.sequences import build_sequences
@@ -40,7 +40,7 @@ def test_factor_scores_and_credit_from_stored_data(tmp_path: Path) -> None:
     con = connect(cfg.store)
     rows = con.sql("SELECT s.kind, s.policy_version = t.policy_version FROM policy_scores s "
                    "JOIN trees t USING (tree_id)").fetchall()
-    assert {k for k, _ in rows} == {PLAIN, HINDSIGHT}
+    assert {k for k, _ in rows} == {PLAIN, HINDSIGHT_TURN}  # the default context (F3)
     assert all(same for _, same in rows)  # scored by the weights that sampled the tree
     stored = _stored_credit(cfg.store)
     assert len(stored) == sum(len(t.nodes) for t in trees)
@@ -49,7 +49,7 @@ def test_factor_scores_and_credit_from_stored_data(tmp_path: Path) -> None:
     s = open_store(cfg.store)
     import pyarrow as pa
 
-    scores = pa.concat_tables([stored_scores(s, ids, k, None) for k in (PLAIN, HINDSIGHT)])
+    scores = pa.concat_tables([stored_scores(s, ids, k, None) for k in (PLAIN, HINDSIGHT_TURN)])
     again = credit_trees(trees, "factor", {}, scores=scores)
     assert set(again.column("method_params_hash").to_pylist()) == {
         h for _, h, _, _ in stored.values()}
@@ -65,6 +65,29 @@ def test_factor_scores_and_credit_from_stored_data(tmp_path: Path) -> None:
     assert spread  # the hindsight gap moved some weights: the check can fail
     m = read_metrics(cfg.store, "fa")
     assert np.isfinite(m["loss"][0][1])
+
+
+def test_the_credit_stage_sets_factors_step_for_the_eta_schedule(tmp_path: Path) -> None:
+    """F5 (issue 47): the trainer records each iteration as factor's ``step``, so the
+    committed params name the eta used; a method without a step is unchanged, and a run
+    that sets the step itself is refused."""
+    import pytest
+
+    from train.config import ConfigError
+    from train.credit_stage import make_credit
+
+    base = {"steps": 1, "progress": False, "store": str(tmp_path / "s"),
+            "out": str(tmp_path / "r")}
+    stage = make_credit(load_config(None, {**base, "credit": "factor"}))
+    later = stage.at_step(25)
+    assert later.pairs["step"] == "25" and later.params.eta_now == pytest.approx(0.35)  # type: ignore[attr-defined]
+    assert later.params.params_hash() != stage.params.params_hash()
+    assert stage.at_step(60).params.token_score_kinds() == {}  # eta 0: no teacher passes
+    grpo = make_credit(load_config(None, {**base, "credit": "grpo"}))
+    assert grpo.at_step(25) is grpo
+    with pytest.raises(ConfigError, match="step"):
+        make_credit(load_config(None, {**base, "credit": "factor",
+                                       "credit_params": {"step": "3"}}))
 
 
 def test_sgcd_dynamic_sampling_and_the_clean_student(tmp_path: Path) -> None:
@@ -159,3 +182,35 @@ def test_dynamic_sampling_resamples_or_drops_and_counts_the_budget(tmp_path: Pat
     assert [t.tree_id for t in dropped] == ["mixed"]
     assert ds == {"ds_dropped_trees": 1.0, "ds_extra_trees": 0.0, "ds_extra_rollouts": 2.0,
                   "ds_extra_tool_steps": float(sum(n.tool_calls or 0 for n in flat.nodes))}
+
+
+def test_factor_skips_teacher_passes_of_one_token_actions_without_changing_credit(
+        tmp_path: Path) -> None:
+    """F5: a one-token action's weight is 1 whatever its gap, so the trainer's scoring job
+    skips those nodes for factor (``min_scored_tokens``); on workflow trees (one-token tool
+    calls) the committed credit is the same as with every node scored."""
+    import pyarrow as pa
+
+    from rollout_store.store import Store
+    from train.credit.factor import FactorParams
+    from train.envs import env_class
+    from train.policies import load_policy
+    from train.sampling.collect import collect
+    from train.scoring import score_trees
+
+    policy = load_policy("tiny", "workflow")
+    store = Store(str(tmp_path / "s"), create=True)
+    tasks = env_class("workflow").generate_tasks(2, 0, horizons=[4], mark_optional=True)
+    collect(store, "workflow", policy, "bel", tasks, 4, 0, "wf", progress=False)
+    trees = read_trees(store)
+    kinds = list(dict.fromkeys(FactorParams().token_score_kinds().values()))
+    full = pa.concat_tables([score_trees(trees, policy, k) for k in kinds])
+    lean = pa.concat_tables([score_trees(trees, policy, k, min_tokens=2) for k in kinds])
+    one = sum(1 for t in trees for n in t.nodes if len(n.action_token_ids) == 1)
+    assert one > 0 and lean.num_rows < full.num_rows
+    a = credit_trees(trees, "factor", {}, scores=full)
+    b = credit_trees(trees, "factor", {}, scores=lean)
+    for x, y in zip(a.column("token_values").to_pylist(), b.column("token_values").to_pylist(),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(x or []), np.asarray(y or []), atol=1e-12)
+    assert a.column("value").to_pylist() == b.column("value").to_pylist()

@@ -11,7 +11,9 @@ what the trainer can give it, as its params type declares (``train.credit.base.P
   trees (reuse) are refused: only the fresh trees are scored;
 * ``token_scorer`` (factor, sgcd; F3, Q3): the trainer scores each fresh tree's tokens
   under the weights that sampled it, so the params must not name a teacher, and reuse is
-  refused for the same reason.
+  refused for the same reason;
+* ``step_field`` (factor's F5 eta schedule): the trainer sets it to each iteration
+  (``CreditStage.at_step``), so the params must not set it.
 
 Per iteration, ``CreditStage.step`` scores what the method reads (DDP: each rank its own
 trees, gathered), hands the score and credit rows to ``commit`` (the trainer's keyed,
@@ -77,6 +79,15 @@ class CreditStage:
     def with_reference(self, reference: HFPolicy | None) -> CreditStage:
         return replace(self, reference=reference)
 
+    def at_step(self, it: int) -> CreditStage:
+        """This stage with the params' ``step_field`` (factor's F5 schedule) set to
+        iteration ``it``; unchanged for a method whose credit does not depend on it."""
+        field = self.params.step_field
+        if field is None:
+            return self
+        pairs = {**self.pairs, field: str(it)}
+        return replace(self, pairs=pairs, params=resolve_method(self.estimator.name, pairs)[1])
+
     def credit(self, trees: Sequence[Tree], scores: pa.Table | None = None,
                ref_version: str | None = None) -> tuple[pa.Table, TokenCredit]:
         """Credit rows (committed) and per-node token credit (trained on) of ``trees``,
@@ -92,10 +103,11 @@ class CreditStage:
         return rows, rows_credit(rows)
 
     def step(self, trees: Sequence[Tree], mine: Sequence[Tree], current: HFPolicy,
-             world: dp.World, commit: Commit) -> TokenCredit:
-        """The iteration's credit: ``trees`` every rank's fresh trees, ``mine`` this rank's
-        (DDP: each rank scores its own), ``current`` the weights that sampled them;
+             world: dp.World, commit: Commit, it: int = 0) -> TokenCredit:
+        """Iteration ``it``'s credit: ``trees`` every rank's fresh trees, ``mine`` this
+        rank's (DDP: each rank scores its own), ``current`` the weights that sampled them;
         ``commit`` queues the score and credit rows (rank 0 writes)."""
+        stage = self.at_step(it)
         scores = ref_version = None
         if self.reference is not None and self.needs_reference:  # T2: gold answer
             ref_version = self.reference.policy_version
@@ -103,13 +115,14 @@ class CreditStage:
                 mine, self.reference, GOLD, policy_ref=self.policy_spec,
                 run_id=self.run_id)]))
             commit("scores", scores)
-        kinds = self.params.token_score_kinds()
+        kinds = stage.params.token_score_kinds()
         if kinds:  # F3, Q3: teacher and student scores under the sampling weights
             scores = pa.concat_tables(dp.gather_list(world, [score_trees(
-                mine, current, kind, policy_ref=current.policy_ref, run_id=self.run_id)
+                mine, current, kind, policy_ref=current.policy_ref, run_id=self.run_id,
+                min_tokens=stage.params.min_scored_tokens)
                 for kind in dict.fromkeys(kinds.values())]))
             commit("scores", scores)
-        rows, credit = self.credit(trees, scores, ref_version)
+        rows, credit = stage.credit(trees, scores, ref_version)
         commit("credit", rows)
         return credit
 
@@ -134,6 +147,9 @@ def make_credit(config: TrainConfig) -> CreditStage:
         if config.reuses_stored:
             raise ConfigError(f"credit {name!r} with reuse: the trainer scores only the fresh "
                               "trees under the frozen reference (T2); use reuse none")
+    if kind.step_field is not None and kind.step_field in config.credit_params:
+        raise ConfigError(f"credit_params: the trainer sets {name}'s {kind.step_field} to "
+                          f"each iteration; drop {kind.step_field}=")
     if kind.token_scorer is not None:
         if kind.token_scorer in config.credit_params:
             raise ConfigError(f"credit_params: {name} in the trainer scores each tree with "

@@ -29,7 +29,7 @@ answer action is the gold answer [R].
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Final
 
@@ -47,6 +47,7 @@ from train.credit.scores import (
     CONTRAST,
     GOLD,
     HINDSIGHT,
+    HINDSIGHT_TURN,
     PLAIN,
     ScoreError,
     ScoreKind,
@@ -64,7 +65,8 @@ from train.credit.store_io import (
 from train.policies.base import Policy, Transcript, Turn
 
 FEEDBACK: Final[str] = "\n\n[feedback of your next step] "
-"""F3: what precedes the feedback appended to the teacher's last context turn [R]."""
+"""F3, context ``template``: what precedes the feedback appended to the teacher's last
+context turn [R]."""
 _TREES_PER_COMMIT = 32
 
 
@@ -105,21 +107,45 @@ def _with_suffix(transcript: Transcript, index: int, suffix: str) -> list[Turn]:
     return turns
 
 
+def template_context(transcript: Transcript, feedback: str) -> list[Turn]:
+    """F3, context ``template`` (kind ``hindsight``): ``feedback`` appended to the last
+    turn of ``transcript`` after ``FEEDBACK``, a text the policy never saw in training."""
+    return _with_suffix(transcript, -1, FEEDBACK + feedback)
+
+
+def turn_context(transcript: Transcript, feedback: str) -> list[Turn]:
+    """F3, context ``turn`` (kind ``hindsight_turn``): ``transcript`` followed by
+    ``feedback`` as one more observation turn, rendered by the policy exactly as it renders
+    the tool response that followed the action (e.g. the tiny policy's
+    ``<|user|>\\n<tool_response>391</tool_response> ``): the feedback is the real next turn
+    in the policy's own chat format, placed before the scored action, where the paper's
+    hindsight context goes [R: the paper's layout is not published]."""
+    return [*transcript, ("observation", feedback)]
+
+
+TEACHER_CONTEXTS: Final[dict[str, Callable[[Transcript, str], list[Turn]]]] = {
+    HINDSIGHT: template_context, HINDSIGHT_TURN: turn_context}
+"""F3: the teacher's scoring context of each hindsight score kind, from the parent's
+transcript and the node's feedback (``train.credit.base.HINDSIGHT_KINDS`` maps a
+``FactorParams.context`` to its kind)."""
+
+
 def teacher_contexts(tree: Tree, kind: str, turns: Mapping[int, Transcript],
                      summarisers: dict[str, Summariser] | None = None
                      ) -> list[tuple[Node, list[Turn]]]:
     """(node, scoring context) of every node scored under ``kind`` (``plain``,
-    ``hindsight`` or ``contrast:...``; module docstring): the parent's transcript, with the
-    feedback (F3) or the contrast reference (Q2) added for the teachers."""
+    a hindsight kind of ``TEACHER_CONTEXTS`` or ``contrast:...``; module docstring): the
+    parent's transcript, with the feedback (F3) or the contrast reference (Q2) added for
+    the teachers."""
     out: list[tuple[Node, list[Turn]]] = []
     steps = [n for n in tree.nodes if n.parent_id is not None and n.action_text]
     if kind == PLAIN:
         return [(n, list(turns[n.parent_id])) for n in steps if n.parent_id is not None]
-    if kind == HINDSIGHT:
+    hindsight = TEACHER_CONTEXTS.get(kind)
+    if hindsight is not None:
         for n in steps:
             if n.parent_id is not None and n.observation_text:
-                out.append((n, _with_suffix(turns[n.parent_id], -1,
-                                            FEEDBACK + n.observation_text)))
+                out.append((n, hindsight(turns[n.parent_id], n.observation_text)))
         return out
     spec = kind[len(CONTRAST):]
     cache = summarisers if summarisers is not None else {}
@@ -136,9 +162,12 @@ def teacher_contexts(tree: Tree, kind: str, turns: Mapping[int, Transcript],
 
 def score_trees(trees: Sequence[Tree], policy: Policy, kind: ScoreKind, *,
                 policy_ref: str | None = None, run_id: str | None = None,
-                gold: Mapping[str, str] | None = None) -> pa.Table:
+                gold: Mapping[str, str] | None = None, min_tokens: int = 1) -> pa.Table:
     """``policy_scores`` rows of ``kind`` for every scorable node of ``trees`` (one forward
-    pass per node; module docstring). ``gold`` overrides the gold answer per tree id."""
+    pass per node; module docstring). ``gold`` overrides the gold answer per tree id.
+    ``min_tokens``: token kinds (plain, hindsight, contrast) skip nodes whose stored action
+    has fewer tokens (the trainer passes ``Params.min_scored_tokens``: FACTOR's F5 weight
+    of a one-token action is 1 whatever its gap, so its teacher pass is wasted)."""
     check_kind(kind)
     version = str(policy.policy_version)
     pairs: list[tuple[Transcript, str]] = []
@@ -161,6 +190,8 @@ def score_trees(trees: Sequence[Tree], policy: Policy, kind: ScoreKind, *,
                     keys.append((tree.tree_id, n.node_id))
         else:
             for n, context in teacher_contexts(tree, kind, turns, summarisers):
+                if len(n.action_token_ids) < min_tokens:
+                    continue
                 pairs.append((context, n.action_text or ""))
                 keys.append((tree.tree_id, n.node_id))
     logprobs = policy.score([t for t, _ in pairs], [a for _, a in pairs]) if pairs else []
@@ -261,5 +292,6 @@ def score_and_credit(store: Store, method: str,
     return compute_credits(store, method, p, run_id=run_id, progress=progress, **kwargs)
 
 
-__all__ = ["FEEDBACK", "ensure_scores", "gold_answer", "score_and_credit", "score_for_credit",
-           "score_trees", "teacher_contexts"]
+__all__ = ["FEEDBACK", "TEACHER_CONTEXTS", "ensure_scores", "gold_answer", "score_and_credit",
+           "score_for_credit", "score_trees", "teacher_contexts", "template_context",
+           "turn_context"]

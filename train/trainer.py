@@ -324,7 +324,7 @@ def _train(config: TrainConfig, resume: bool, held: list[RunLock | Writes]) -> T
             commit("trees", trees)  # as this attempt's retry: KEY@aN, ids ID@aN
         t2 = time.perf_counter()
         # 3. credit, committed (a method's scores first; DDP: each rank its own trees)
-        credit_of = credit.step(trees, mine, current, world, commit)
+        credit_of = credit.step(trees, mine, current, world, commit, it)
         # 4. reuse: stored trees scored under pi_prox, resolved, refreshed, credited
         seqs = [build_sequences(t, current.prompt_ids) for t in trees]
         prox: dict[tuple[str, int], np.ndarray] | None = None

@@ -177,12 +177,23 @@ class Credit:
 
 
 ScoreKind = str
-"""A ``policy_scores`` kind: ``GOLD``, ``ACTION``, ``PLAIN``, ``HINDSIGHT`` or
-``contrast:`` + a summariser spec (``train.credit.scores``)."""
+"""A ``policy_scores`` kind: ``GOLD``, ``ACTION``, ``PLAIN``, ``HINDSIGHT``,
+``HINDSIGHT_TURN`` or ``contrast:`` + a summariser spec (``train.credit.scores``)."""
 GOLD: Final[ScoreKind] = "gold_answer"
 ACTION: Final[ScoreKind] = "action"
 PLAIN: Final[ScoreKind] = "plain"
 HINDSIGHT: Final[ScoreKind] = "hindsight"
+"""F3 teacher, context ``template``: the feedback appended to the last context turn after
+``[feedback of your next step]`` (the scores of the issue-24 runs)."""
+HINDSIGHT_TURN: Final[ScoreKind] = "hindsight_turn"
+"""F3 teacher, context ``turn``: the feedback as the next observation turn of the policy's
+own chat format, right before the scored action (issue 47)."""
+TeacherContext = Literal["turn", "template"]
+"""How F3's teacher sees the feedback (docs/METHODS.md F3): ``turn`` (default) or
+``template``."""
+HINDSIGHT_KINDS: Final[dict[str, ScoreKind]] = {"turn": HINDSIGHT_TURN,
+                                                "template": HINDSIGHT}
+"""F3: the ``policy_scores`` kind of each teacher context (``TeacherContext``)."""
 
 
 class Params:
@@ -197,6 +208,14 @@ class Params:
     token_scorer: ClassVar[str | None] = None
     """The params field naming the policy whose per-token scores the estimator reads
     (factor, sgcd: ``teacher``; kinds by ``token_score_kinds``); None: it reads none."""
+    min_scored_tokens: ClassVar[int] = 1
+    """The trainer scores per-token kinds only for actions of at least this many stored
+    tokens (factor: 2, F5 gives a one-token action weight 1 whatever its gap; sgcd's Q4
+    weight is per token, so 1). Unscored nodes read as uniform, so the credit is the same."""
+    step_field: ClassVar[str | None] = None
+    """The params field the trainer sets to the training iteration of the trees it credits
+    (factor's ``step``, for F5's eta schedule), so the committed params name what was
+    used; None: the credit does not depend on the step."""
     trainer_refusal: ClassVar[str | None] = None
     """Why the trainer cannot train with this estimator (an input it does not produce),
     completing ``credit NAME ...``; None: it can."""

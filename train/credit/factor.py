@@ -14,7 +14,9 @@ Per node ``v`` of depth >= 1 (one action, taken in the state through its parent)
   trajectory to its G1 advantage ``z_i`` (what ``grpo`` gives the leaf);
 * F3-F5: token weights ``w_j = (1 - eta) + eta L softmax_j(sgn(A*) clip(Delta_j, -g, g)
   / tau)`` with ``Delta = teacher - student``; mean 1 over the action, all > 0, and the
-  token advantage is ``w_j A*(v)``.
+  token advantage is ``w_j A*(v)``; ``eta`` is annealed over training steps
+  (``eta_schedule``, the step recorded in the params) and the teacher reads the feedback
+  in the context ``context`` names.
 
 The root holds the prompt, not an action: node value 0 (its agent tokens, if any, 0).
 Nodes with no rewarded trajectory below get NaN (stored as 0), like ``grpo``.
@@ -23,18 +25,19 @@ Nodes with no rewarded trajectory below get NaN (stored as 0), like ``grpo``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
 
 from train.credit.base import (
-    HINDSIGHT,
+    HINDSIGHT_KINDS,
     PLAIN,
     Credit,
     GroupBy,
     Params,
     SingleGroup,
     StdNorm,
+    TeacherContext,
     TreeArrays,
     depth_levels,
     register,
@@ -52,6 +55,8 @@ HINDSIGHT_LOGPROB: str = "hindsight_logprob"
 """(T,) extras input: log pi_T(a_j | s, feedback) per action token (F3 teacher), NaN unscored."""
 STUDENT_LOGPROB: str = "student_logprob"
 """(T,) extras input: log pi(a_j | s) per action token (the student of F3 and Q3)."""
+EtaSchedule = Literal["linear", "constant"]
+"""F5's eta over training steps: ``linear`` (the paper's annealing) or ``constant``."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class FactorParams(Params):
     """Hyperparameters of ``factor`` (F1-F5); F4/F5 defaults are the paper's."""
 
     token_scorer: ClassVar[str | None] = "teacher"
+    step_field: ClassVar[str | None] = "step"
+    min_scored_tokens: ClassVar[int] = 2
 
     std: StdNorm = "unbiased"
     """F_norm of the trajectory advantage z_i (G1); ``"none"`` is the paper's G_i - b_i."""
@@ -72,8 +79,22 @@ class FactorParams(Params):
     """F1 kappa: pseudo-trajectories of the parent's value in a node's value (0: the pure
     Monte Carlo mean of its subtree)."""
     eta: float = 0.7
-    """F5 eta: the share of each action's credit allocated by the likelihood gap (0:
-    uniform, no scores needed)."""
+    """F5 eta at training step 0: the share of each action's credit allocated by the
+    likelihood gap (0: uniform, no scores needed)."""
+    eta_schedule: EtaSchedule = "linear"
+    """F5: ``linear``, the paper's annealing ``eta_k = eta max(1 - k / eta_steps, 0)``
+    at training step ``k = step``; ``constant``: ``eta`` at every step (the issue-24
+    runs)."""
+    eta_steps: int = 50
+    """F5: the step at which the linear schedule reaches 0 (the paper's 50)."""
+    step: int = 0
+    """F5: the training step k of the weights that sampled the trees (the trainer sets it
+    to the iteration, so the committed params name the eta used)."""
+    context: TeacherContext = "turn"
+    """F3: how the teacher sees the feedback: ``turn``, as the next observation turn in the
+    policy's own chat format (score kind ``hindsight_turn``), or ``template``, appended to
+    the last context turn after ``[feedback of your next step]`` (kind ``hindsight``, the
+    issue-24 runs)."""
     gap_clip: float = 3.0
     """F4: |Delta| is clipped to this."""
     tau: float = 1.0
@@ -90,6 +111,11 @@ class FactorParams(Params):
         check_choice("factor", "group", self.group, GroupBy)
         check_nonneg("factor", eps=self.eps, prior_weight=self.prior_weight,
                      gap_clip=self.gap_clip)
+        check_choice("factor", "eta_schedule", self.eta_schedule, EtaSchedule)
+        check_choice("factor", "context", self.context, TeacherContext)
+        if self.eta_steps < 1 or self.step < 0:
+            raise ValueError(f"factor: eta_steps must be >= 1 and step >= 0, got "
+                             f"{self.eta_steps!r} and {self.step!r}")
         if not 0.0 <= self.eta <= 1.0:
             raise ValueError(f"factor: eta is a share in [0, 1], got {self.eta!r}")
         if not (np.isfinite(self.tau) and self.tau > 0):
@@ -98,9 +124,19 @@ class FactorParams(Params):
     def spans_trees(self) -> bool:
         return self.group == "task"
 
+    @property
+    def eta_now(self) -> float:
+        """F5: eta at training step ``step`` under ``eta_schedule``."""
+        if self.eta_schedule == "constant":
+            return self.eta
+        return self.eta * max(1.0 - self.step / self.eta_steps, 0.0)
+
     def token_score_kinds(self) -> dict[str, str]:
-        """F3: the teacher's hindsight and plain log-probabilities (none with ``eta=0``)."""
-        return {HINDSIGHT_LOGPROB: HINDSIGHT, STUDENT_LOGPROB: PLAIN} if self.eta > 0 else {}
+        """F3: the teacher's hindsight log-probabilities (the kind of ``context``) and the
+        student's plain ones; none where ``eta_now`` is 0."""
+        if self.eta_now <= 0:
+            return {}
+        return {HINDSIGHT_LOGPROB: HINDSIGHT_KINDS[self.context], STUDENT_LOGPROB: PLAIN}
 
 
 # ----------------------------------------------------------------- pure helpers
@@ -173,7 +209,7 @@ def token_gap(batch: TreeArrays, teacher_key: str, student_key: str) -> np.ndarr
 def factor(batch: TreeArrays, params: FactorParams) -> Credit:
     """FACTOR credit (F1-F5) for every node and agent token of ``batch``.
 
-    Inputs: leaf rewards; with ``eta > 0`` ``extras["hindsight_logprob"]`` and
+    Inputs: leaf rewards; with ``eta_now > 0`` ``extras["hindsight_logprob"]`` and
     ``extras["student_logprob"]`` (T,) (NaN where a node is unscored: uniform there).
     Returns ``Credit.node`` (N,) = A*(v) (F2) and ``Credit.token`` (T,) = w_j A*(v) on
     agent tokens (F5; mean over a node's agent tokens = its node value), 0 elsewhere.
@@ -181,9 +217,10 @@ def factor(batch: TreeArrays, params: FactorParams) -> Credit:
     node = td_credit(batch, params)
     node_of = batch.token_node[batch.agent_mask]  # (K,)
     a = np.nan_to_num(node)
-    if params.eta > 0.0:
+    eta = params.eta_now
+    if eta > 0.0:
         gap = token_gap(batch, HINDSIGHT_LOGPROB, STUDENT_LOGPROB)
-        w = allocation_weights(node_of, gap, np.sign(a), batch.n_nodes, params.eta,
+        w = allocation_weights(node_of, gap, np.sign(a), batch.n_nodes, eta,
                                params.gap_clip, params.tau)
     else:
         w = np.ones(node_of.size)

@@ -10,9 +10,13 @@ replays environments, on the rollout side; credit only reads, issue 28):
   after its parent's transcript; ``token_logprobs`` per token; nodes of depth >= 2;
 * kind ``plain`` (the student of F3 and Q3): the same for every node of depth >= 1 with
   an action text;
-* kind ``hindsight`` (F3 teacher): the action after its parent's transcript with the
-  feedback that followed it (the node's observation) appended to the last context turn;
-  nodes of depth >= 1 with an action and an observation text;
+* kind ``hindsight`` (F3 teacher, context ``template``): the action after its parent's
+  transcript with the feedback that followed it (the node's observation) appended to the
+  last context turn after ``[feedback of your next step]``; nodes of depth >= 1 with an
+  action and an observation text;
+* kind ``hindsight_turn`` (F3 teacher, context ``turn``): the same nodes, the action after
+  its parent's transcript followed by the feedback as one more observation turn (the
+  policy's own rendering of a tool response);
 * kind ``contrast:<summariser>`` (Q3 teacher): the action after its parent's transcript
   with the tree's contrast reference (Q2, ``train.credit.contrast``) appended to the
   prompt; every node of depth >= 1 with an action, in trees that have a reference.
@@ -32,12 +36,12 @@ import pyarrow as pa
 from rollout_store.reader import connect
 from rollout_store.store import Store
 from rollout_store.tree import Node, Tree
-from train.credit.base import ACTION, GOLD, HINDSIGHT, PLAIN, ScoreKind
+from train.credit.base import ACTION, GOLD, HINDSIGHT, HINDSIGHT_TURN, PLAIN, ScoreKind
 from train.credit.contrast import make_summariser
 
 # The kinds live in train.credit.base, beside ``Params.node_scores`` that names them.
 CONTRAST: Final[str] = "contrast:"
-_TOKEN_KINDS: Final[tuple[str, ...]] = (PLAIN, HINDSIGHT)
+_TOKEN_KINDS: Final[tuple[str, ...]] = (PLAIN, HINDSIGHT, HINDSIGHT_TURN)
 
 
 class ScoreError(RuntimeError):
@@ -142,6 +146,6 @@ def token_score_lists(trees: pa.Table, nodes: pa.Table, scores: pa.Table, kind: 
     return out
 
 
-__all__ = ["ACTION", "CONTRAST", "GOLD", "HINDSIGHT", "PLAIN", "ScoreError", "ScoreKind",
-           "check_kind", "is_answer_tail", "score_extras", "scores_by_node", "stored_scores",
-           "token_score_lists"]
+__all__ = ["ACTION", "CONTRAST", "GOLD", "HINDSIGHT", "HINDSIGHT_TURN", "PLAIN", "ScoreError",
+           "ScoreKind", "check_kind", "is_answer_tail", "score_extras", "scores_by_node",
+           "stored_scores", "token_score_lists"]

@@ -323,7 +323,8 @@ def _credit_batch(trees: pa.Table, nodes: pa.Table, estimator: Estimator[Any], p
         extras.update(score_extras(nodes, scores, *source))
     token_kinds = token_score_kinds(estimator.name, p)
     if token_kinds and scores is not None:
-        _check_student_scores(trees, nodes, scores, estimator.name, p.teacher)
+        _check_student_scores(trees, nodes, scores, estimator.name, p.teacher,
+                              p.min_scored_tokens)
         for name, kind in token_kinds.items():
             extras[name] = token_score_lists(trees, nodes, scores, kind, p.teacher)
     batch = from_tables(trees, nodes, extras)
@@ -348,8 +349,9 @@ def _credit_batch(trees: pa.Table, nodes: pa.Table, estimator: Estimator[Any], p
 
 
 def _check_student_scores(trees: pa.Table, nodes: pa.Table, scores: pa.Table, method: str,
-                          teacher: str | None) -> None:
-    """Refuse trees with steps but no ``plain`` scores of the teacher's (or, teacher None,
+                          teacher: str | None, min_tokens: int = 1) -> None:
+    """Refuse trees with steps (of at least ``min_tokens`` action tokens, the params'
+    ``min_scored_tokens``) but no ``plain`` scores of the teacher's (or, teacher None,
     their own) policy version: their credit would silently lose its token allocation."""
     own = dict(zip(trees.column("tree_id").to_pylist(),
                    trees.column("policy_version").to_pylist(), strict=True))
@@ -358,7 +360,7 @@ def _check_student_scores(trees: pa.Table, nodes: pa.Table, scores: pa.Table, me
         if k == PLAIN and v == (own.get(t) if teacher is None else teacher)}
     steps = pc.and_(pc.is_valid(nodes.column("parent_id")),
                     pc.greater(pc.fill_null(pc.list_value_length(
-                        nodes.column("action_token_ids")), 0), 0))
+                        nodes.column("action_token_ids")), 0), max(min_tokens, 1) - 1))
     need = set(nodes.filter(steps).column("tree_id").to_pylist())
     missing = sorted(need - scored)
     if missing:

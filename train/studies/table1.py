@@ -26,7 +26,21 @@ factor+group (tm)      calc    group       factor with the token-mean loss (not 
                                            credit decides FACTOR's row
 factor+group (eta 0)   calc    group       factor without hindsight token weights
                                            (F5 eta = 0; not run by default)
+grpo+group (ds)        calc    group       grpo with sgcd+group's dynamic sampling (not
+                                           run by default): only the reshaping differs
+grpo+group (steps)     calc    group       grpo with ``round(n_total * tool_step_ratio)``
+                                           rollouts per tree (not run by default): GRPO
+                                           at SGCD's tool steps
 =====================  ======  ==========  ===========
+
+The three calc FACTOR rows keep the issue-24 recipe (``context=template``,
+``eta_schedule=constant``), so their old commands reproduce the old numbers; FACTOR's fair
+test is ``factor+bel (workflow)`` against ``grpo+bel (workflow)`` (``FACTOR_WORKFLOW_CONFIGS``,
+issue 47): the same BEL trees on workflow, whose feedback says whether a step went right,
+FACTOR with the ``turn`` teacher and the annealed eta (its defaults, docs/METHODS.md F3,
+F5), both at the study's one lr, clip, epochs and mini-batches. SGCD's arms
+(``SGCD_CONFIGS``) use the ``template`` contrast reference, the only stand-in for the
+paper's LLM summary that runs offline here.
 
 and, not run by default, on workflow (``WORKFLOW_CONFIGS``): ``grpo+group (workflow)``,
 ``elpo+bel (workflow)``, ``tree_grpo+random (workflow)``, ``caliper+caliper (workflow)``
@@ -112,23 +126,47 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
     "elpo+bel (workflow)": ("workflow", "bel", "elpo"),
     "tree_grpo+random (workflow)": ("workflow", "random", "tree_grpo"),
     "caliper+caliper (workflow)": ("workflow", "caliper", "caliper"),
+    "grpo+group (ds)": ("calc", "group", "grpo"),
+    "grpo+group (steps)": ("calc", "group", "grpo"),
+    "factor+bel (workflow)": ("workflow", "bel", "factor"),
+    "grpo+bel (workflow)": ("workflow", "bel", "grpo"),
 }
 # Configs that share (env, sampler, credit) with another: their directory's suffix.
 SLUG_SUFFIX: dict[str, str] = {"elpo+bel (no ELC)": "-noelc", "factor+group (tm)": "-tm",
-                               "factor+group (eta 0)": "-eta0"}
+                               "factor+group (eta 0)": "-eta0", "grpo+group (ds)": "-ds",
+                               "grpo+group (steps)": "-steps"}
 # The configs a default study runs (factor and sgcd, issue 24, are accepted but their
 # claims and the powered runs belong to the verdicts issue).
 DEFAULT_CONFIGS: tuple[str, ...] = tuple(CONFIGS)[:7]
-WORKFLOW_CONFIGS: tuple[str, ...] = tuple(c for c in CONFIGS if c.endswith("(workflow)"))
+WORKFLOW_CONFIGS: tuple[str, ...] = ("grpo+group (workflow)", "elpo+bel (workflow)",
+                                      "tree_grpo+random (workflow)",
+                                      "caliper+caliper (workflow)")
+"""The workflow rows of the issue-23 studies (ELPO, tree rollouts, CALIPER vs GRPO)."""
+FACTOR_WORKFLOW_CONFIGS: tuple[str, ...] = ("factor+bel (workflow)", "grpo+bel (workflow)")
+"""FACTOR's fair test (issue 47): the same branching trees on marked workflow, GRPO's lr,
+clip and optimizer steps; FACTOR with the ``turn`` teacher and the annealed eta."""
+SGCD_CONFIGS: tuple[str, ...] = ("sgcd+group", "grpo+group (ds)", "grpo+group (steps)",
+                                 "grpo+group")
+"""SGCD's fair arms (issue 47): GRPO with SGCD's dynamic sampling (only the reshaping
+differs) and GRPO at SGCD's tool steps (``tool_step_ratio``)."""
+# The issue-24 FACTOR recipe (the old numbers): the template teacher at a constant eta.
+_FACTOR_24: dict[str, str] = {"context": "template", "eta_schedule": "constant"}
 # TrainConfig fields a config sets beyond (env, sampler, credit): each method's recipe
 # (docs/METHODS.md F6: FACTOR's action-mean loss; Q1: SGCD's dynamic sampling).
 CONFIG_FIELDS: dict[str, dict[str, Any]] = {
-    "factor+group": {"aggregation": "action-mean"},
+    "factor+group": {"aggregation": "action-mean", "credit_params": dict(_FACTOR_24)},
     "sgcd+group": {"dynamic_sampling": "resample"},
     "elpo+bel (no ELC)": {"credit_params": {"eps_elc": "0"}},
-    "factor+group (tm)": {"aggregation": "token-mean"},
-    "factor+group (eta 0)": {"aggregation": "action-mean", "credit_params": {"eta": "0"}},
+    "factor+group (tm)": {"aggregation": "token-mean", "credit_params": dict(_FACTOR_24)},
+    "factor+group (eta 0)": {"aggregation": "action-mean",
+                             "credit_params": {**_FACTOR_24, "eta": "0"}},
+    "grpo+group (ds)": {"dynamic_sampling": "resample"},
+    "factor+bel (workflow)": {"aggregation": "action-mean"},
 }
+# Configs whose TrainConfig field (key) is the study's value of it times a study field
+# (value): GRPO at SGCD's tool steps draws tool_step_ratio times the rollouts per tree.
+CONFIG_SCALED: dict[str, tuple[str, str]] = {"grpo+group (steps)": ("n_total",
+                                                                    "tool_step_ratio")}
 Log = Callable[[str], None]
 RUN_FILE = "table1_run.json"  # beside train/ and store/: the run's status and seconds
 
@@ -175,6 +213,10 @@ class Table1Config:
     """Start policy of the workflow configs (``TrainConfig.policy``: ``tiny`` or
     ``hf:DIR``, e.g. a ``rtrees policy init --env workflow --task-param
     mark_optional=true --out DIR`` checkpoint)."""
+    tool_step_ratio: float = 1.73
+    """``grpo+group (steps)`` samples ``round(n_total * tool_step_ratio)`` rollouts per
+    tree: GRPO at SGCD's tool steps (1.73: the sgcd+group / grpo+group tool steps of the
+    issue-24 study, benchmarks/README.md; each run's tool steps are in the report)."""
     delta: float = 0.02
     """Pre-registered equivalence margin of every claim (docs/METHODS.md V1): a difference
     whose interval lies inside +-delta is called ``equivalent``."""
@@ -207,6 +249,8 @@ class Table1Config:
         if self.heldout_tasks < 1 or self.eval_every < 1:
             raise ValueError("heldout_tasks and eval_every must be >= 1 (the table is "
                              "held-out success)")
+        if not 1.0 <= self.tool_step_ratio <= 8.0:
+            raise ValueError(f"tool_step_ratio must lie in [1, 8], got {self.tool_step_ratio}")
         if self.n_total < 4:
             raise ValueError(f"n_total must be >= 4 for a tree to branch, got {self.n_total}")
 
@@ -247,7 +291,7 @@ def run_config(name: str, seed: int, config: Table1Config, run_dir: Path) -> Any
     from train.config import TrainConfig
 
     env, sampler, credit = CONFIGS[name]
-    return TrainConfig(
+    fields_: dict[str, Any] = dict(
         store=str(run_dir / "store"), out=str(run_dir / "train"),
         run_id=f"table1-{slug(name)}-s{seed}", env=env,
         policy=env_setting(config, env, "policy", "tiny"), sampler=sampler,
@@ -258,6 +302,10 @@ def run_config(name: str, seed: int, config: Table1Config, run_dir: Path) -> Any
         task_params=env_task_params(config, env),
         epochs=config.epochs, minibatches=config.minibatches, lr=config.lr,
         keep_last=1, save_every=config.steps, progress=False, **CONFIG_FIELDS.get(name, {}))
+    if name in CONFIG_SCALED:
+        field, factor = CONFIG_SCALED[name]
+        fields_[field] = round(fields_[field] * getattr(config, factor))
+    return TrainConfig(**fields_)
 
 
 def run_finished(train_dir: Path, steps: int) -> bool:
@@ -373,7 +421,8 @@ SMALL: dict[str, Any] = {"configs": ("grpo+group", "trace+group", "slca+group (s
                          "eval_every": 1}
 
 
-__all__ = ["CONFIGS", "CONFIG_FIELDS", "DEFAULT_CONFIGS", "RUN_FILE", "SLUG_SUFFIX", "SMALL",
+__all__ = ["CONFIGS", "CONFIG_FIELDS", "CONFIG_SCALED", "DEFAULT_CONFIGS",
+           "FACTOR_WORKFLOW_CONFIGS", "RUN_FILE", "SGCD_CONFIGS", "SLUG_SUFFIX", "SMALL",
            "WORKFLOW_CONFIGS", "Table1Config", "merged_study", "run_config", "run_finished",
            "run_one",
            "run_table1_study", "slug"]
