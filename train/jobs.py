@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
