@@ -68,7 +68,7 @@ def ranking(
     from analysis.ranking import RankingError
     from rollout_store import SchemaMismatchError, Store, StoreError
     from train.jobs import JobError, RankingJobConfig, fmt_ci, ranking_job
-    from train.sampling.base import ContinuationError
+    from train.sampling.continuation import ContinuationError
 
     names = tuple(m.strip() for m in methods.split(",") if m.strip())
     try:

@@ -290,7 +290,9 @@ def import_dumps(
     --max-mib are read; a malformed field is one error line naming it, nothing stored."""
     import math
 
-    from rollout_store.importers import DumpImportError, import_atif_files, import_files
+    from rollout_store.import_atif import import_atif_files
+    from rollout_store.import_checks import DumpImportError
+    from rollout_store.importers import import_files
 
     if not (max_mib > 0 and math.isfinite(max_mib)):
         fail(f"--max-mib must be a positive number, got {max_mib}")

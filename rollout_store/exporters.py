@@ -25,7 +25,7 @@ numbers; total list lengths). ``ATIF_SCHEMA`` and ``ADP_SCHEMA`` are JSON Schema
 fields we write, transcribed from the formats' specifications (ATIF RFC 0001 v1.4;
 ADP, arXiv 2510.24702); the tests validate every record against them.
 
-Reading ATIF trajectories back as trees is ``rollout_store.importers.import_atif_files``
+Reading ATIF trajectories back as trees is ``rollout_store.import_atif.import_atif_files``
 (``rtrees import --format atif``), which checks every field's type.
 """
 

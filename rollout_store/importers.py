@@ -48,30 +48,10 @@ writes nothing, and the ``DumpImportError`` names the file and the line (JSONL,
 imports file by file, so files before a bad one stay imported; rerunning after
 the fix skips them.
 
-A third source, ``atif`` (``import_atif_files``; ``rtrees import --format atif``): ATIF
-v1.x trajectory files (``*.json``, or folders of them, e.g. ``rtrees export --format
-atif``), one tree each: the first ``user`` step's message is the root's prompt, each
-``agent`` step one node below the previous, with its text, token ids, logprobs and
-observation; the reward is ``final_metrics.extra.reward``. Every file is read and checked
-before the one commit (keyed by the files' bytes), so a bad file writes nothing.
-
-Hostile input (issue 50 item 5) is refused in one line naming the file and the field,
-never coerced:
-
-* only regular files are read (a symlink is judged by its target): a FIFO, a device
-  (``/dev/zero``), a socket or a directory is refused before a byte is read, and the
-  file is opened non-blocking and checked again after the open;
-* a file holds at most ``MAX_IMPORT_BYTES`` (256 MiB; ``max_bytes`` to change it) and is
-  read with a bounded read;
-* JSON nests at most ``MAX_NESTING`` (64) levels (deeper input, which Python's parser
-  meets with a ``RecursionError``, is one line);
-* typed fields: a number is never a boolean (``true`` is not a reward of 1.0); a token
-  id is an integer in ``[0, MAX_TOKEN_ID]`` (not ``1.9``, ``null``, ``1e400`` or a
-  string); logprobs are finite numbers ``<= 0``; rewards finite numbers; ATIF
-  ``metrics``, ``observation`` and ``extra`` are objects as the ATIF schema
-  (``rollout_store.exporters.ATIF_SCHEMA``) says, messages strings; a step is an
-  integer (a JSON string ``"3"`` is refused). The message says where, e.g.
-  ``steps[3].metrics.completion_token_ids[0]: expected an integer token id, got 1.9``.
+Modules: the ATIF import is ``rollout_store.import_atif`` and the checks every import
+makes of hostile input (regular files of bounded size, bounded nesting, typed fields; the
+error type ``DumpImportError``) are ``rollout_store.import_checks``: their docstrings say
+the rules. This module reads verl and TRL dumps.
 """
 
 from __future__ import annotations
@@ -80,10 +60,8 @@ import hashlib
 import io
 import json
 import math
-import os
 import re
-import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -92,6 +70,17 @@ from typing import Any, Final, Literal, get_args
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollout_store.import_checks import (
+    MAX_IMPORT_BYTES,
+    MAX_NESTING,
+    DumpImportError,
+    Fail,
+    check_value,
+    is_number,
+    jsonable,
+    read_regular_file,
+    shown_json,
+)
 from rollout_store.schema import CREDITS
 from rollout_store.store import CommitReport, Store
 from rollout_store.tree import Node, Tree, TreeBatch
@@ -115,44 +104,6 @@ VERL_KNOWN: Final[frozenset[str]] = frozenset(
 TRL_REQUIRED: Final[tuple[str, ...]] = ("prompt", "completion")
 # Never default reward columns: the step, the advantage, a pandas index column.
 TRL_NOT_REWARDS: Final[frozenset[str]] = frozenset({"step", ADVANTAGE_FIELD})
-
-_HASH_CHUNK: Final[int] = 1 << 20
-# Deepest nesting of lists and objects accepted in one dump row (issue 21: a deeply nested
-# field raised a raw RecursionError). Chat messages need 3 or 4 levels.
-MAX_NESTING: Final[int] = 64
-
-# Largest dump file read (bytes; ``max_bytes`` overrides it): far above one training
-# step's rollouts, low enough that a wrong path (a disk image, /dev/zero behind a link)
-# is refused instead of exhausting memory (issue 50 item 5).
-MAX_IMPORT_BYTES: Final[int] = 256 * 1024 * 1024
-# Token ids are int32 in the store (schema.NODES): a vocabulary index in [0, 2**31).
-MAX_TOKEN_ID: Final[int] = 2**31 - 1
-ATIF_FORMAT: Final[str] = "atif"
-ATIF_SKIPPED: Final[frozenset[str]] = frozenset({"metadata.json", "dataset_info.json"})
-
-# Builds the error for the line or row being read, given the detail.
-_Fail = Callable[[str], "DumpImportError"]
-
-
-class DumpImportError(ValueError):
-    """A dump cannot be imported; the message names the file and the line or row.
-
-    ``path`` is the file (None for an error about the arguments), ``line`` the
-    1-based JSONL line, ``row`` the 0-based Parquet row, ``detail`` the reason.
-    """
-
-    def __init__(self, path: str | None, detail: str, *, line: int | None = None,
-                 row: int | None = None) -> None:
-        self.path = path
-        self.line = line
-        self.row = row
-        self.detail = detail
-        where = [] if path is None else [path]
-        if line is not None:
-            where.append(f"line {line}")
-        if row is not None:
-            where.append(f"row {row}")
-        super().__init__(": ".join([*where, detail]))
 
 
 @dataclass(frozen=True)
@@ -352,63 +303,6 @@ def default_run_id(path: str | Path, fmt: str) -> str:
 
 
 # -------------------------------------------------------------------- readers
-def read_regular_file(path: str | Path, max_bytes: int = MAX_IMPORT_BYTES) -> bytes:
-    """The bytes of ``path``, a regular file (a symlink is judged by its target) of at
-    most ``max_bytes`` bytes; ``DumpImportError`` naming the file otherwise.
-
-    A FIFO, device, socket or directory is refused by ``os.stat`` before it is opened;
-    the open is non-blocking (a FIFO swapped in meanwhile cannot hang it) and the opened
-    file is checked again (``fstat``: still a regular file, the same inode). The read
-    stops after ``max_bytes + 1`` bytes, so a file that grows meanwhile is refused too."""
-    shown = str(path)
-    if max_bytes < 0:
-        raise DumpImportError(None, f"max_bytes must be >= 0, got {max_bytes}")
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise DumpImportError(shown, "no such file") from None
-    except OSError as exc:
-        raise DumpImportError(shown, f"cannot read it ({exc.strerror or exc})") from None
-    _require_regular(shown, path, st.st_mode)
-    limit = (f"over the import limit of {max_bytes} bytes ({max_bytes / 2**20:g} MiB; "
-             "raise max_bytes to import it)")
-    if st.st_size > max_bytes:
-        raise DumpImportError(shown, f"{st.st_size} bytes, {limit}")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise DumpImportError(shown, f"cannot read it ({exc.strerror or exc})") from None
-    try:
-        opened = os.fstat(fd)
-        _require_regular(shown, path, opened.st_mode)
-        if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
-            raise DumpImportError(shown, "replaced while it was opened")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= max_bytes:
-            chunk = os.read(fd, min(_HASH_CHUNK, max_bytes + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > max_bytes:
-            raise DumpImportError(shown, f"grew past {max_bytes} bytes while read, {limit}")
-        return b"".join(chunks)
-    except OSError as exc:
-        raise DumpImportError(shown, f"cannot read it ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
-
-
-def _require_regular(shown: str, path: str | Path, mode: int) -> None:
-    if stat.S_ISREG(mode):
-        return
-    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)"
-            if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
-            else "a block device" if stat.S_ISBLK(mode) else "a socket"
-            if stat.S_ISSOCK(mode) else "not a regular file")
-    link = " (a symlink to it)" if os.path.islink(path) else ""
-    raise DumpImportError(shown, f"not a regular file: {kind}{link}")
 
 
 def read_verl_jsonl(path: Path, max_bytes: int = MAX_IMPORT_BYTES
@@ -451,8 +345,8 @@ def _verl_row(obj: Any, line_no: int, shown: str, name_step: int | None) -> Dump
         if key not in obj:
             raise fail(f"missing required field {key!r}")
     for key, value in obj.items():
-        _check_value(value, key, fail)
-        _check_value(key, "a field name", fail)
+        check_value(value, key, fail)
+        check_value(key, "a field name", fail)
     if "step" in obj:
         step = _as_step(obj["step"], fail)
     elif name_step is not None:
@@ -471,7 +365,7 @@ def _verl_row(obj: Any, line_no: int, shown: str, name_step: int | None) -> Dump
     for key, value in obj.items():
         if key in VERL_KNOWN:
             continue
-        if _is_number(value):
+        if is_number(value):
             if math.isnan(value):
                 missing.append(key)
             elif math.isinf(value):
@@ -479,10 +373,10 @@ def _verl_row(obj: Any, line_no: int, shown: str, name_step: int | None) -> Dump
             else:
                 parts[key] = float(value)
         else:
-            meta[key] = _jsonable(value)
+            meta[key] = jsonable(value)
     if missing:
         meta["missing_reward_parts"] = missing
-    group_meta = {"gts": _jsonable(obj["gts"])} if "gts" in obj else {}
+    group_meta = {"gts": jsonable(obj["gts"])} if "gts" in obj else {}
     return DumpRow(index=line_no, step=step, prompt=prompt, completion=completion,
                    reward=reward, reward_parts=parts, advantage=advantage, meta=meta,
                    group_meta=group_meta, structured_prompt=structured)
@@ -548,7 +442,7 @@ def read_trl_parquet(path: Path, reward_columns: Sequence[str] | None = None,
         step = _as_step(cols["step"][i], fail) if "step" in cols else name_step
         assert step is not None  # checked above
         for c in ("prompt", "completion", *extras):
-            _check_value(cols[c][i], c, fail)
+            check_value(cols[c][i], c, fail)
         prompt, structured = _as_text(cols["prompt"][i], "prompt", fail, chat=True)
         completion, _ = _as_text(cols["completion"][i], "completion", fail, chat=True)
         parts: dict[str, float] = {}
@@ -566,7 +460,7 @@ def read_trl_parquet(path: Path, reward_columns: Sequence[str] | None = None,
         advantage = (_as_advantage(cols[ADVANTAGE_FIELD][i], fail)
                      if ADVANTAGE_FIELD in cols else None)
         meta: dict[str, Any] = {"source_row": i}
-        meta.update({c: _jsonable(cols[c][i]) for c in extras})
+        meta.update({c: jsonable(cols[c][i]) for c in extras})
         if absent:
             meta["missing_reward_parts"] = absent
         rows.append(DumpRow(index=i, step=step, prompt=prompt, completion=completion,
@@ -634,241 +528,12 @@ def task_id_for(prompt: str) -> str:
     return hashlib.sha256(prompt.encode()).hexdigest()[:16]
 
 
-# ----------------------------------------------------------------------- ATIF
-def atif_files(paths: Sequence[str | Path]) -> list[Path]:
-    """The ATIF files named: each file as given, each folder's ``*.json`` (recursively,
-    sorted), leaving out an export's ``metadata.json`` and ``dataset_info.json``."""
-    out: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            out += sorted(f for f in p.rglob("*.json") if f.name not in ATIF_SKIPPED)
-        else:
-            out.append(p)
-    return out
-
-
-def import_atif_files(store: Store, paths: Sequence[str | Path], run_id: str | None = None,
-                      *, max_bytes: int = MAX_IMPORT_BYTES) -> CommitReport:
-    """Read and check every ATIF file of ``paths`` (``atif_files``; each a regular file of
-    at most ``max_bytes``), then append one tree per file in one commit keyed by the run
-    id and the files' bytes (a second import of the same files is a no-op). A bad file
-    raises ``DumpImportError`` naming it and the field, and nothing is written."""
-    files = atif_files(paths)
-    if not files:
-        raise DumpImportError(None, "no ATIF .json files given")
-    run = run_id or "import-atif"
-    digest = hashlib.sha256(run.encode())
-    trees = []
-    for f in files:
-        raw = read_regular_file(f, max_bytes)
-        digest.update(raw)
-        trees.append(atif_tree(parse_json_document(raw, str(f)), str(f), run))
-    try:
-        return store.append_trees(trees, key=f"import:atif:{digest.hexdigest()[:32]}")
-    except TreeValidationError as exc:
-        raise DumpImportError(None, str(exc)) from exc
-
-
-def parse_json_document(raw: bytes, shown: str) -> Any:
-    """``raw`` parsed as one JSON document; ``DumpImportError`` naming ``shown`` for bytes
-    that are not UTF-8 JSON, or that nest more than ``MAX_NESTING`` levels (or hold a lone
-    surrogate: ``_check_value``)."""
-    try:
-        doc = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise DumpImportError(shown, f"not valid JSON ({exc.msg} at line {exc.lineno} "
-                              f"column {exc.colno})") from None
-    except UnicodeDecodeError as exc:
-        raise DumpImportError(shown, f"not UTF-8 text ({exc.reason})") from None
-    except RecursionError:  # Python's parser recurses per level: ~1000 levels
-        raise DumpImportError(shown, f"JSON nested too deeply to read (at most "
-                              f"{MAX_NESTING} levels)") from None
-
-    def fail(detail: str) -> DumpImportError:
-        return DumpImportError(shown, detail)
-
-    _check_value(doc, "the document", fail)
-    return doc
-
-
-def atif_tree(traj: Any, source: str, run_id: str) -> Tree:
-    """One ATIF trajectory as a tree (module docstring), every field it reads checked by
-    type (``DumpImportError`` naming ``source`` and the field's JSON path).
-
-    Read: ``schema_version`` (``ATIF-v1.*``), ``session_id``, ``agent.model_name``,
-    ``extra`` (``prompt_token_ids``, ``task_id``, ``env``), ``final_metrics.extra.reward``
-    and per step ``source``, ``message``, ``metrics`` (``completion_token_ids``,
-    ``logprobs``, one per token when given; ``prompt_token_ids``), ``observation``
-    (``results[].content``) and ``extra.observation_token_ids``. A trajectory without
-    logprobs gets 0.0 per token; without a reward, 0.0 (``meta.reward_missing``)."""
-    def fail(detail: str) -> DumpImportError:
-        return DumpImportError(source, detail)
-
-    if not isinstance(traj, dict):
-        raise fail(f"not an ATIF trajectory: expected a JSON object, got {_type_of(traj)}")
-    version = traj.get("schema_version")
-    if not isinstance(version, str) or not version.startswith("ATIF-v1."):
-        raise fail(f"not an ATIF trajectory: schema_version {_shown(version)}")
-    steps = traj.get("steps")
-    if not isinstance(steps, list):
-        raise fail(f"steps: expected an array, got {_shown(steps)}")
-    extra = _opt_object(traj, "extra", "extra", fail)
-    agent = _opt_object(traj, "agent", "agent", fail)
-    final = _opt_object(traj, "final_metrics", "final_metrics", fail)
-    final_extra = _opt_object(final, "extra", "final_metrics.extra", fail)
-    reward = final_extra.get("reward")
-    if reward is not None:
-        reward = _finite(reward, "final_metrics.extra.reward", fail)
-    session = _opt_str(traj, "session_id", "session_id", fail)
-    model = _opt_str(agent, "model_name", "agent.model_name", fail)
-    task = _opt_str(extra, "task_id", "extra.task_id", fail)
-    env = _opt_str(extra, "env", "extra.env", fail)
-    prompt_ids = _token_ids(extra.get("prompt_token_ids", []), "extra.prompt_token_ids",
-                            fail)
-    prompt: str | None = None
-    nodes: list[Node] = []
-    for i, s in enumerate(steps):
-        where = f"steps[{i}]"
-        if not isinstance(s, dict):
-            raise fail(f"{where}: expected an object, got {_shown(s)}")
-        kind = s.get("source")
-        if kind not in ("system", "user", "agent"):
-            raise fail(f"{where}.source: expected 'system', 'user' or 'agent', got "
-                       f"{_shown(kind)}")
-        message = s.get("message")
-        if not isinstance(message, str):
-            raise fail(f"{where}.message: expected a string, got {_shown(message)}")
-        step_id = s.get("step_id")
-        if step_id is not None and (not _is_number(step_id) or not isinstance(step_id, int)):
-            raise fail(f"{where}.step_id: expected an integer, got {_shown(step_id)}")
-        metrics = _opt_object(s, "metrics", f"{where}.metrics", fail)
-        observation = _opt_object(s, "observation", f"{where}.observation", fail)
-        sx = _opt_object(s, "extra", f"{where}.extra", fail)
-        if kind == "user" and prompt is None:
-            prompt = message
-        if kind != "agent":
-            continue
-        ids = _token_ids(metrics.get("completion_token_ids", []),
-                         f"{where}.metrics.completion_token_ids", fail)
-        _token_ids(metrics.get("prompt_token_ids", []), f"{where}.metrics.prompt_token_ids",
-                   fail)
-        lps = _logprobs(metrics.get("logprobs", []), f"{where}.metrics.logprobs", fail)
-        if lps and len(lps) != len(ids):
-            raise fail(f"{where}.metrics.logprobs: {len(lps)} logprobs for {len(ids)} "
-                       "completion tokens")
-        results = observation.get("results", [])
-        if not isinstance(results, list):
-            raise fail(f"{where}.observation.results: expected an array, got "
-                       f"{_shown(results)}")
-        texts = []
-        for j, r in enumerate(results):
-            at = f"{where}.observation.results[{j}]"
-            if not isinstance(r, dict):
-                raise fail(f"{at}: expected an object, got {_shown(r)}")
-            content = r.get("content", "")
-            if not isinstance(content, str):
-                raise fail(f"{at}.content: expected a string, got {_shown(content)}")
-            texts.append(content)
-        obs_ids = _token_ids(sx.get("observation_token_ids", []),
-                             f"{where}.extra.observation_token_ids", fail)
-        nid = len(nodes) + 1
-        nodes.append(Node(nid, nid - 1, "decision" if nid == 1 else "feedback_response",
-                          action_text=message, action_token_ids=ids,
-                          action_logprobs=lps or [0.0] * len(ids),
-                          observation_text="\n".join(texts), observation_token_ids=obs_ids,
-                          meta={"atif_step_id": step_id}))
-    if not nodes:
-        raise fail("not an ATIF trajectory: no agent step")
-    nodes[-1].terminal = True
-    nodes[-1].reward = reward if reward is not None else 0.0
-    root = Node(0, None, "prompt", observation_text=prompt or "",
-                observation_token_ids=prompt_ids)
-    session_id = session if session is not None else source
-    tid = "atif-" + hashlib.sha256(f"{run_id}\x00{session_id}".encode()).hexdigest()[:16]
-    return Tree(tid, [root, *nodes], run_id=run_id, task_id=task or session_id,
-                env=env or "atif", sampler="import", policy_version=model,
-                meta={"import": "atif", "session_id": session_id, "source": source,
-                      "reward_missing": reward is None})
-
-
-def _opt_object(parent: Mapping[str, Any], key: str, where: str, fail: _Fail
-                ) -> dict[str, Any]:
-    """``parent[key]``, an object, or {} when absent or null."""
-    value = parent.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise fail(f"{where}: expected an object, got {_shown(value)}")
-    return value
-
-
-def _opt_str(parent: Mapping[str, Any], key: str, where: str, fail: _Fail) -> str | None:
-    value = parent.get(key)
-    if value is not None and not isinstance(value, str):
-        raise fail(f"{where}: expected a string, got {_shown(value)}")
-    return value
-
-
-def _token_ids(value: Any, where: str, fail: _Fail) -> list[int]:
-    """A list of token ids: integers (not booleans, floats or strings) in
-    ``[0, MAX_TOKEN_ID]``."""
-    if not isinstance(value, list):
-        raise fail(f"{where}: expected an array of token ids, got {_shown(value)}")
-    for k, t in enumerate(value):
-        if not _is_number(t) or not isinstance(t, int):
-            raise fail(f"{where}[{k}]: expected an integer token id, got {_shown(t)}")
-        if not 0 <= t <= MAX_TOKEN_ID:
-            raise fail(f"{where}[{k}]: token id {t} is outside [0, {MAX_TOKEN_ID}]")
-    return list(value)
-
-
-def _logprobs(value: Any, where: str, fail: _Fail) -> list[float]:
-    """A list of log-probabilities: finite numbers ``<= 0``."""
-    if not isinstance(value, list):
-        raise fail(f"{where}: expected an array of numbers, got {_shown(value)}")
-    out = []
-    for k, v in enumerate(value):
-        lp = _finite(v, f"{where}[{k}]", fail)
-        if lp > 0:
-            raise fail(f"{where}[{k}]: a log-probability must be <= 0, got {_shown(v)}")
-        out.append(lp)
-    return out
-
-
-def _finite(value: Any, where: str, fail: _Fail) -> float:
-    """A finite number (``true`` is not 1.0)."""
-    if not _is_number(value):
-        raise fail(f"{where}: expected a number, got {_shown(value)}")
-    if not math.isfinite(value):
-        raise fail(f"{where}: expected a finite number, got {_shown(value)}")
-    return float(value)
-
-
-def _type_of(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-            type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _shown(value: Any) -> str:
-    """``value`` as its JSON text (strings quoted, floats as written), at most 60
-    characters."""
-    try:
-        text = json.dumps(_jsonable(value) if not isinstance(value, float) else value)
-    except (TypeError, ValueError, RecursionError):
-        text = type(value).__name__
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 # -------------------------------------------------------------------- helpers
 def _shared_group_meta(group: Sequence[DumpRow]) -> dict[str, Any]:
     """``group_meta`` entries on which every row of the group agrees."""
     first = group[0].group_meta
     return {k: v for k, v in first.items()
             if all(k in r.group_meta and r.group_meta[k] == v for r in group[1:])}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _is_numeric_type(t: pa.DataType) -> bool:
@@ -887,13 +552,13 @@ def _pandas_index_columns(schema: pa.Schema) -> set[str]:
     return names
 
 
-def _as_step(value: Any, fail: _Fail) -> int:
+def _as_step(value: Any, fail: Fail) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, float) and value.is_integer():  # a pandas float column: exact
         return int(value)
     # A string ("3") is not a step: it was parsed into one on main (issue 50 item 5).
-    raise fail(f"step must be an integer, got {_shown(value)}")
+    raise fail(f"step must be an integer, got {shown_json(value)}")
 
 
 def _is_text_type(t: pa.DataType) -> bool:
@@ -904,7 +569,7 @@ def _is_text_type(t: pa.DataType) -> bool:
                 and pa.types.is_struct(t.value_type))
 
 
-def _as_text(value: Any, name: str, fail: _Fail, *, chat: bool) -> tuple[str, bool]:
+def _as_text(value: Any, name: str, fail: Fail, *, chat: bool) -> tuple[str, bool]:
     """A prompt or completion as text; with ``chat``, chat messages (a list of objects
     with a string ``role``) are accepted too, as JSON. Anything else is refused."""
     if isinstance(value, str):
@@ -913,63 +578,26 @@ def _as_text(value: Any, name: str, fail: _Fail, *, chat: bool) -> tuple[str, bo
         raise fail(f"{name} is null")
     if chat and isinstance(value, list) and value and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in value):
-        return json.dumps(_jsonable(value), ensure_ascii=False, sort_keys=True), True
-    shown = json.dumps(_jsonable(value))
+        return json.dumps(jsonable(value), ensure_ascii=False, sort_keys=True), True
+    shown = json.dumps(jsonable(value))
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     expected = "text (a string) or chat messages (a list of objects with a 'role')" if chat \
         else "text (a string)"
     raise fail(f"{name} must be {expected}, got {type(value).__name__} {shown}")
 
 
-def _check_value(value: Any, name: str, fail: _Fail) -> None:
-    """Refuse ``value`` (a JSON or Arrow value of field ``name``) if it nests deeper than
-    ``MAX_NESTING`` or holds a string with a lone UTF-16 surrogate (valid JSON, ``"\\ud800"``,
-    but not Unicode text: it could not be stored). Iterative, so any depth is safe."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                bad = item[exc.start]
-                raise fail(f"{name} holds a lone surrogate U+{ord(bad):04X} (not valid "
-                           "Unicode text)") from None
-        elif isinstance(item, dict | list | tuple):
-            if depth >= MAX_NESTING:
-                raise fail(f"{name} is nested more than {MAX_NESTING} levels deep")
-            children = ([*item.keys(), *item.values()] if isinstance(item, dict)
-                        else list(item))
-            stack.extend((child, depth + 1) for child in children)
-
-
-def _as_reward(value: Any, name: str, fail: _Fail) -> float:
-    if not _is_number(value):
-        raise fail(f"{name} must be a number, got {_shown(value)}")
+def _as_reward(value: Any, name: str, fail: Fail) -> float:
+    if not is_number(value):
+        raise fail(f"{name} must be a number, got {shown_json(value)}")
     if not math.isfinite(value):
         raise fail(f"{name} is {value}")
     return float(value)
 
 
-def _as_advantage(value: Any, fail: _Fail) -> float | None:
+def _as_advantage(value: Any, fail: Fail) -> float | None:
     if value is None:
         return None
     return _as_reward(value, ADVANTAGE_FIELD, fail)
-
-
-def _jsonable(value: Any) -> Any:
-    """``value`` as strict JSON data: non-finite floats become null, unknown types text."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    return str(value)
 
 
 def _step_from_name(path: Path) -> int | None:

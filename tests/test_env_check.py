@@ -16,14 +16,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from train.envs.base import StepResult, check_arguments
-from train.envs.check import (
-    CheckReport,
-    CheckResult,
-    check_env,
-    diverging_field,
-    percentile,
-    random_arguments,
-)
+from train.envs.check import CheckReport, CheckResult, check_env
+from train.envs.check_steps import diverging_field, percentile, random_arguments
 from train.sampling import SAMPLERS
 
 PREFIXES = 3  # enough to exercise every path; the CLI's default is 20

@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
-from train.envs import Environment, StepResult, Task, make_env
+from train.envs import Environment, StepResult, Task, fork_pool, fork_worker, make_env
 from train.envs import fork as fork_mod
 from train.envs.fork import ForkEnv, ForkError, make_fork_env, parse_fork
 from train.envs.strategies import (
@@ -239,7 +239,7 @@ def test_fork_path_and_replay_fallback_agree() -> None:
             env.step(a)
             snaps.append(env.snapshot())
         assert env.stats.snapshots == 7 and env.stats.evictions == 5
-        assert len(fork_mod._POOL.pids(env._owner)) == 2
+        assert len(fork_pool.POOL.pids(env._owner)) == 2
         for depth in (5, 6, 2, 0, 4):  # 5 and 6 are still frozen, the rest were evicted
             env.restore(snaps[depth])
             assert [env.step(a) for a in acts[depth:]] == want[depth:]
@@ -291,9 +291,9 @@ def test_a_handle_with_a_wrong_token_replays_and_a_frozen_copy_refuses_it(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(10)
         s.connect(doc["handle"]["path"])
-        fork_mod._send(s, {"op": "fork", "token": "0" * 32, "path": "/tmp/x.sock",
-                           "live_token": "x"})
-        reply = fork_mod._recv(s)
+        fork_worker.send(s, {"op": "fork", "token": "0" * 32, "path": "/tmp/x.sock",
+                             "live_token": "x"})
+        reply = fork_worker.recv(s)
     assert reply == {"ok": False, "type": "PermissionError", "error": "bad token"}
     doc["handle"]["token"] = "f" * 32
     counter.step("add 1")
@@ -409,7 +409,7 @@ def test_no_process_outlives_the_caller() -> None:
 
 
 def test_global_pool_cap_bounds_frozen_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fork_mod.POOL_ENV, "3")
+    monkeypatch.setenv(fork_pool.POOL_ENV, "3")
     a, b = make_fork_env(COUNTER), make_fork_env(COUNTER)
     try:
         for env in (a, b):
@@ -418,13 +418,13 @@ def test_global_pool_cap_bounds_frozen_copies(monkeypatch: pytest.MonkeyPatch) -
             for env in (a, b):
                 env.step(f"add {i}")
                 env.snapshot()
-        held = fork_mod._POOL.pids(a._owner) + fork_mod._POOL.pids(b._owner)
+        held = fork_pool.POOL.pids(a._owner) + fork_pool.POOL.pids(b._owner)
         assert len(held) == 3
         assert a.stats.evictions + b.stats.evictions == 3
     finally:
         a.close()
         b.close()
-    monkeypatch.setenv(fork_mod.POOL_ENV, "0")
+    monkeypatch.setenv(fork_pool.POOL_ENV, "0")
     env = make_fork_env(COUNTER)
     try:
         env.reset(TASK)

@@ -34,10 +34,9 @@ from train.envs.python_tasks import (
     load_task_file,
     parse_number,
 )
-from train.envs.sandbox import (
+from train.envs.sandbox import CellRequest, Sandbox
+from train.envs.sandbox_isolation import (
     WORK_DIR,
-    CellRequest,
-    Sandbox,
     SandboxConfig,
     SandboxUnavailable,
     sandbox_argv,

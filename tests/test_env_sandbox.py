@@ -11,13 +11,8 @@ import pytest
 
 from train.envs.base import escape_tool_text, tool_response
 from train.envs.python_env import PythonEnv, python_call
-from train.envs.sandbox import (
-    BLOCKED_SYSCALLS,
-    CellRequest,
-    Sandbox,
-    SandboxConfig,
-    seccomp_program,
-)
+from train.envs.sandbox import CellRequest, Sandbox
+from train.envs.sandbox_isolation import BLOCKED_SYSCALLS, SandboxConfig, seccomp_program
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap missing")
 

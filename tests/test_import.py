@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rollout_store import Store, connect
+from rollout_store.import_checks import DumpImportError
 from rollout_store.importers import (
-    DumpImportError,
     default_run_id,
     import_file,
     import_files,

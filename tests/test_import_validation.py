@@ -21,14 +21,14 @@ import pytest
 from cli_process import assert_one_line, counts, deep, rtrees
 from typer.testing import CliRunner
 
-from rollout_store.importers import (
+from rollout_store.import_atif import import_atif_files
+from rollout_store.import_checks import (
     MAX_IMPORT_BYTES,
     MAX_NESTING,
     DumpImportError,
-    import_atif_files,
-    import_files,
     read_regular_file,
 )
+from rollout_store.importers import import_files
 from rollout_store.reader import connect, read_trees
 from rollout_store.store import Store
 

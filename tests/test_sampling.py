@@ -738,7 +738,7 @@ def _stochastic_task(seed: int = 3) -> Task:
 
 
 def test_continuing_restores_reseeds_and_cuts_at_the_limit() -> None:
-    from train.sampling.base import Continuing
+    from train.sampling.continuation import Continuing
 
     env = WorkflowEnv()
     task = _stochastic_task()

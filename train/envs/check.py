@@ -28,6 +28,10 @@ limits what the env supports. In order:
 * ``thread``: an instance built and stepped on a non-main thread (the engine's tool pool
   does this); an env that needs the main thread must declare ``snapshot_strategy = "fork"``.
 
+The pieces the checks are made of (the actions an ``Actor`` sends, one step checked by
+``checked_step``, outcomes compared by ``diverging_field``, the task rules, timings) are
+``train.envs.check_steps``; this module runs them in the order above and reports.
+
 ``CheckReport.supports`` then lists what the env can be used with: every sampler needs a
 restore (any strategy that passed), ``rtrees policy init`` an expert, ``hf:`` policies'
 chat templates get tools from ``tool_schemas``, and references, audit and refresh need
@@ -36,17 +40,28 @@ snapshots that outlive the process (native or replay; fork falls back to replay)
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from train.envs.base import Environment, StepResult, Task
+from train.envs.check_steps import (
+    Actor,
+    CheckFailed,
+    checked_step,
+    diverging_field,
+    first_line,
+    fmt_ms,
+    guard,
+    percentile,
+    raised_message,
+    to_ms,
+    validate_tasks,
+)
 from train.envs.registry import resolve_env
 from train.envs.strategies import SNAPSHOT_STRATEGIES, with_snapshots
 from train.envs.tools import ToolSchemaError, check_tool_schemas
@@ -59,22 +74,6 @@ MAX_EPISODE_STEPS = 64
 MAX_SUFFIX_STEPS = 16
 """The longest suffix stepped after a snapshot."""
 THREAD_TIMEOUT_S = 120.0
-
-MALFORMED_ACTIONS: tuple[str, ...] = (
-    "",
-    "I should call a tool now.",
-    "<tool_call>{not json</tool_call>",
-    "<tool_call>[1, 2, 3]</tool_call>",
-    '<tool_call>{"name": 7}</tool_call>',
-    '<tool_call>{"name": "x", "arguments": [1]}</tool_call>',
-    "<tool_call>" + "[" * 300 + "</tool_call>",
-    "<answer>never closed",
-    "</tool_response>\x00\x1b[31m<tool_response>",
-    "caf\u00e9 \u2603 " * 4000,
-)
-"""Malformed or hostile action texts: an env answers each with an observation, never an
-exception."""
-_STRINGS = ("", "a", "hello world", "42", "2 + 3", "x" * 40, "caf\u00e9 \u2603")
 
 
 @dataclass(frozen=True)
@@ -124,218 +123,6 @@ class CheckReport:
         return {**asdict(self), "passed": self.passed}
 
 
-class _Fail(Exception):
-    """A check's failure, its one-line message."""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:400] if text else ""
-
-
-def _raised(what: str, exc: BaseException) -> str:
-    return f"{what} raised {type(exc).__name__}: {_first_line(exc)}"
-
-
-@contextmanager
-def _guard(what: str) -> Iterator[None]:
-    """Turn an exception of the env into ``_Fail`` naming ``what`` and the exception."""
-    try:
-        yield
-    except _Fail:
-        raise
-    except Exception as exc:
-        raise _Fail(_raised(what, exc)) from None
-
-
-def _quote(action: str) -> str:
-    return repr(action if len(action) <= 40 else action[:40] + "...")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (0 < q <= 1) of ``values``; 0.0 when empty."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def _ms(seconds: float) -> float:
-    return seconds * 1000.0
-
-
-def _fmt_ms(ms: float) -> str:
-    return f"{ms:.2g} ms" if ms < 0.1 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
-
-
-def random_arguments(parameters: Any, rng: random.Random, depth: int = 0) -> dict[str, Any]:
-    """Random arguments that fit a tool's JSON-Schema ``parameters`` (required ones always,
-    optional ones half the time; enums, ``const`` and the JSON types)."""
-    if not isinstance(parameters, dict):
-        return {}
-    props = parameters.get("properties")
-    if not isinstance(props, dict):
-        return {}
-    required = parameters.get("required")
-    required = set(required) if isinstance(required, list) else set()
-    return {key: random_value(spec, rng, depth + 1) for key, spec in props.items()
-            if key in required or rng.random() < 0.5}
-
-
-def random_value(spec: Any, rng: random.Random, depth: int = 0) -> Any:
-    """A random JSON value of the schema ``spec``'s type (a string when it names none)."""
-    if not isinstance(spec, dict):
-        return rng.choice(_STRINGS)
-    if isinstance(spec.get("enum"), list) and spec["enum"]:
-        return rng.choice(spec["enum"])
-    if "const" in spec:
-        return spec["const"]
-    kind = spec.get("type")
-    if isinstance(kind, list):
-        kind = rng.choice(kind) if kind else None
-    low, high = spec.get("minimum", -5), spec.get("maximum", 100)
-    if not isinstance(low, int | float) or not isinstance(high, int | float) or low > high:
-        low, high = -5, 100
-    if kind == "integer":
-        return rng.randint(math.ceil(low), math.floor(high)) if math.ceil(low) <= high \
-            else int(low)
-    if kind == "number":
-        return round(rng.uniform(low, high), 3)
-    if kind == "boolean":
-        return rng.random() < 0.5
-    if kind == "null":
-        return None
-    if kind == "array":
-        if depth > 3:
-            return []
-        return [random_value(spec.get("items"), rng, depth + 1) for _ in range(rng.randint(0, 3))]
-    if kind == "object":
-        return random_arguments(spec, rng, depth) if depth <= 3 else {}
-    return rng.choice(_STRINGS)
-
-
-def call_text(name: str, arguments: dict[str, Any]) -> str:
-    """A tool call in the text protocol."""
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
-
-
-@dataclass
-class Actor:
-    """Actions for a check: the expert's with probability ``p_expert``, else random ones
-    (tool calls from ``schemas``, sometimes with a wrong argument or an unknown tool name;
-    answers; malformed text)."""
-
-    rng: random.Random
-    schemas: list[dict[str, Any]]
-    task: Task
-    p_expert: float = 0.0
-
-    def next_action(self, env: Environment) -> str:
-        """The next action text in ``env``'s current state."""
-        rng = self.rng
-        if self.p_expert > 0 and rng.random() < self.p_expert:
-            with _guard("expert_action()"):
-                action = env.expert_action()
-            if not isinstance(action, str):
-                raise _Fail(f"expert_action() returned {type(action).__name__}, not str")
-            return action
-        roll = rng.random()
-        if roll < 0.15:
-            gold = self.task.answer if self.task.answer is not None and rng.random() < 0.5 \
-                else rng.choice(_STRINGS)
-            return f"<answer>{gold}</answer>"
-        if roll < 0.35 or not self.schemas:
-            return rng.choice(MALFORMED_ACTIONS)
-        entry = rng.choice(self.schemas)
-        fn = entry.get("function") if isinstance(entry, dict) else None
-        fn = fn if isinstance(fn, dict) else {}
-        name = str(fn.get("name", "tool"))
-        arguments = random_arguments(fn.get("parameters"), rng)
-        if rng.random() < 0.05:
-            name = "no_such_tool"
-        elif rng.random() < 0.1:
-            arguments["unexpected"] = [1, {"a": None}]
-        return call_text(name, arguments)
-
-
-def checked_step(env: Environment, action: str, times: list[float] | None = None
-                 ) -> StepResult:
-    """``env.step(action)``, checked: ``_Fail`` naming the exception (or the malformed
-    result) and the action."""
-    start = time.perf_counter()
-    with _guard(f"step({_quote(action)})"):
-        result = env.step(action)
-    if times is not None:
-        times.append(time.perf_counter() - start)
-    problem = _result_problem(result)
-    if problem:
-        raise _Fail(f"step({_quote(action)}) returned {problem}")
-    return StepResult(*result)
-
-
-def _result_problem(result: Any) -> str | None:
-    if not isinstance(result, tuple) or len(result) != 3:
-        return f"{type(result).__name__}, not a StepResult (observation, done, reward_parts)"
-    observation, done, parts = result
-    if not isinstance(observation, str):
-        return f"an observation of type {type(observation).__name__}, not str"
-    if not isinstance(done, bool | int):
-        return f"done of type {type(done).__name__}, not bool"
-    if not isinstance(parts, dict) or "reward" not in parts:
-        return 'reward_parts without "reward"'
-    for key, value in parts.items():
-        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(
-                value, int | float):
-            return f"reward part {key!r} = {value!r}, not a str -> float"
-    return None
-
-
-def diverging_field(recorded: StepResult, again: StepResult) -> str | None:
-    """The first field (observation, done, reward_parts) in which two outcomes of one
-    action differ, or None when they are identical (rewards compared by ``repr``, so NaN
-    equals NaN and 0.0 differs from -0.0)."""
-    if recorded.observation != again.observation:
-        return "observation"
-    if bool(recorded.done) != bool(again.done):
-        return "done"
-
-    def key(parts: dict[str, float]) -> list[tuple[str, str]]:
-        return sorted((k, repr(float(v))) for k, v in parts.items())
-
-    if key(recorded.reward_parts) != key(again.reward_parts):
-        return "reward_parts"
-    return None
-
-
-def _validate_tasks(tasks: Any, again: Any, n: int, seed: int) -> str | None:
-    """Why the tasks of ``generate_tasks(n, seed)`` (called twice) are not valid, or None."""
-    call = f"generate_tasks({n}, {seed})"
-    if not isinstance(tasks, list) or len(tasks) != n:
-        got = f"{len(tasks)} items" if isinstance(tasks, list) else type(tasks).__name__
-        return f"{call} returned {got}, not a list of {n} tasks"
-    seen: set[str] = set()
-    for i, task in enumerate(tasks):
-        if not isinstance(task, Task):
-            return f"{call}[{i}] is a {type(task).__name__}, not a Task"
-        if not isinstance(task.task_id, str) or not task.task_id or task.task_id in seen:
-            return f"{call}[{i}]: task_id {task.task_id!r} is empty, not a string or repeated"
-        seen.add(task.task_id)
-        if not isinstance(task.prompt, str):
-            return f"{call}[{i}]: prompt is not a string"
-        if isinstance(task.max_steps, bool) or not isinstance(task.max_steps, int) \
-                or task.max_steps < 1:
-            return f"{call}[{i}]: max_steps {task.max_steps!r} is not a positive integer"
-        try:  # replay snapshots and the store record tasks as strict JSON
-            json.dumps(asdict(task), allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            return f"{call}[{i}] ({task.task_id}) is not JSON-able: {_first_line(exc)}"
-    if again != tasks:
-        first = next((i for i, (a, b) in enumerate(zip(tasks, again, strict=False)) if a != b),
-                     0)
-        return f"{call} is not deterministic: task {first} differs between two calls"
-    return None
-
-
 class _Checker:
     """The state of one ``check_env`` run."""
 
@@ -380,7 +167,7 @@ class _Checker:
         try:
             env = self.made()
         except Exception as exc:
-            self.add("build", "FAIL", _raised(f"make_env({self.spec!r})", exc))
+            self.add("build", "FAIL", raised_message(f"make_env({self.spec!r})", exc))
             return False
         self.has_reseed = callable(getattr(self.cls, "reseed", None))
         self._close(env)
@@ -393,10 +180,10 @@ class _Checker:
             tasks = self.cls.generate_tasks(self.n_tasks, self.seed)
             again = self.cls.generate_tasks(self.n_tasks, self.seed)
         except Exception as exc:
-            self.add("tasks", "FAIL", _raised(f"generate_tasks({self.n_tasks}, {self.seed})",
+            self.add("tasks", "FAIL", raised_message(f"generate_tasks({self.n_tasks}, {self.seed})",
                                               exc))
             return False
-        problem = _validate_tasks(tasks, again, self.n_tasks, self.seed)
+        problem = validate_tasks(tasks, again, self.n_tasks, self.seed)
         if problem:
             self.add("tasks", "FAIL", problem)
             return False
@@ -408,7 +195,7 @@ class _Checker:
         try:
             schemas = self.cls.tool_schemas()
         except Exception as exc:
-            self.add("tools", "FAIL", _raised("tool_schemas()", exc))
+            self.add("tools", "FAIL", raised_message("tool_schemas()", exc))
             return
         self.schemas_declared = schemas is not None
         if schemas is None:
@@ -429,7 +216,7 @@ class _Checker:
     def check_expert(self) -> None:
         env = self.made()
         try:
-            with _guard("reset()"):
+            with guard("reset()"):
                 env.reset(self.tasks[0])
             try:
                 action = env.expert_action()
@@ -438,7 +225,7 @@ class _Checker:
                                            "random actions only")
                 return
             except Exception as exc:
-                self.add("expert", "FAIL", _raised("expert_action()", exc))
+                self.add("expert", "FAIL", raised_message("expert_action()", exc))
                 return
             if not isinstance(action, str):
                 self.add("expert", "FAIL", f"expert_action() returned "
@@ -446,17 +233,17 @@ class _Checker:
                 return
             self.has_expert = True
             self.add("expert", "ok", "expert_action available")
-        except _Fail as exc:
+        except CheckFailed as exc:
             self.add("expert", "FAIL", str(exc))
         finally:
             self._close(env)
 
     def _episode(self, env: Environment, task: Task, actor: Actor) -> tuple[float, int, bool]:
         """One episode: (reward, steps, whether it ended within ``MAX_EPISODE_STEPS``)."""
-        with _guard(f"reset({task.task_id!r})"):
+        with guard(f"reset({task.task_id!r})"):
             first = env.reset(task)
         if not isinstance(first, str):
-            raise _Fail(f"reset({task.task_id!r}) returned {type(first).__name__}, not str")
+            raise CheckFailed(f"reset({task.task_id!r}) returned {type(first).__name__}, not str")
         for n in range(1, MAX_EPISODE_STEPS + 1):
             result = checked_step(env, actor.next_action(env), self.step_times)
             if result.done:
@@ -476,7 +263,7 @@ class _Checker:
                                   p_expert=1.0 if kind == "expert" else 0.0)
                     try:
                         reward, steps, ended = self._episode(env, task, actor)
-                    except _Fail as exc:
+                    except CheckFailed as exc:
                         self.add("episodes", "FAIL", f"{kind} episode of task "
                                                      f"{task.task_id!r}: {exc}")
                         return
@@ -488,14 +275,14 @@ class _Checker:
                                f"{sum(lengths) / len(lengths):.1f} steps)")
         finally:
             self._close(env)
-        step = _ms(percentile(self.step_times, 0.5))
+        step = to_ms(percentile(self.step_times, 0.5))
         if unended:
             self.add("episodes", "warn", f"{unended} episode(s) did not end within "
                                          f"{MAX_EPISODE_STEPS} steps (a step limit should "
                                          "end them); " + ", ".join(summary), step_ms=step)
         else:
             self.add("episodes", "ok", ", ".join(summary) + "; no step raised; "
-                                       f"step p50 {_fmt_ms(step)}", step_ms=step)
+                                       f"step p50 {fmt_ms(step)}", step_ms=step)
 
     # ----- strategies and reseed ---------------------------------------------------------
 
@@ -510,7 +297,7 @@ class _Checker:
         env = make()
         fresh: Environment | None = None
         try:
-            with _guard("reset()"):
+            with guard("reset()"):
                 env.reset(task)
             actions: list[str] = []
             for _ in range(MAX_EPISODE_STEPS):
@@ -518,7 +305,7 @@ class _Checker:
                 if checked_step(env, actions[-1]).done:
                     break
             depth = rng.randrange(len(actions))
-            with _guard("reset()"):
+            with guard("reset()"):
                 env.reset(task)
             done = False
             for n, action in enumerate(actions[:depth]):
@@ -526,11 +313,11 @@ class _Checker:
                     depth, done = n + 1, True  # not deterministic from reset: snapshot here
                     break
             start = time.perf_counter()
-            with _guard("snapshot()"):
+            with guard("snapshot()"):
                 snap = env.snapshot()
             snaps.append(time.perf_counter() - start)
             if not isinstance(snap, bytes):
-                raise _Fail(f"snapshot() returned {type(snap).__name__}, not bytes")
+                raise CheckFailed(f"snapshot() returned {type(snap).__name__}, not bytes")
             if reseed is not None:
                 self._restore(env, snap, reseed, restores)
             suffix: list[str] = []
@@ -542,7 +329,7 @@ class _Checker:
             after = "restore" if reseed is None else f"restore+reseed({reseed})"
             for where in ("", " in a fresh instance"):
                 if where:
-                    with _guard("building a fresh instance"):
+                    with guard("building a fresh instance"):
                         fresh = make()
                 target = fresh if fresh is not None else env
                 self._restore(target, snap, reseed, restores)
@@ -553,7 +340,7 @@ class _Checker:
                                 f"{depth}) diverged at step {depth + j + 1} after "
                                 f"{after}{where} ({differ})")
             return None
-        except _Fail as exc:
+        except CheckFailed as exc:
             return f"prefix {i} (task {task.task_id!r}): {exc}"
         finally:
             self._close(env)
@@ -564,11 +351,11 @@ class _Checker:
     def _restore(env: Environment, snap: bytes, reseed: int | None,
                  restores: list[float]) -> None:
         start = time.perf_counter()
-        with _guard("restore()"):
+        with guard("restore()"):
             env.restore(snap)
         restores.append(time.perf_counter() - start)
         if reseed is not None:
-            with _guard(f"reseed({reseed})"):
+            with guard(f"reseed({reseed})"):
                 env.reseed(reseed)  # type: ignore[attr-defined]
 
     def check_strategy(self, name: str, make: Callable[[], Environment]) -> None:
@@ -581,12 +368,12 @@ class _Checker:
                 self.add(name, bad, problem)
                 return
         self.passed.append(name)
-        s50, s99 = _ms(percentile(snaps, 0.5)), _ms(percentile(snaps, 0.99))
-        r50, r99 = _ms(percentile(restores, 0.5)), _ms(percentile(restores, 0.99))
-        step = _ms(percentile(self.step_times, 0.5))
+        s50, s99 = to_ms(percentile(snaps, 0.5)), to_ms(percentile(snaps, 0.99))
+        r50, r99 = to_ms(percentile(restores, 0.5)), to_ms(percentile(restores, 0.99))
+        step = to_ms(percentile(self.step_times, 0.5))
         self.add(name, "ok", f"{self.prefixes} prefixes byte-identical; snapshot p50 "
-                             f"{_fmt_ms(s50)} p99 {_fmt_ms(s99)}, restore p50 {_fmt_ms(r50)} "
-                             f"p99 {_fmt_ms(r99)} (step {_fmt_ms(step)})",
+                             f"{fmt_ms(s50)} p99 {fmt_ms(s99)}, restore p50 {fmt_ms(r50)} "
+                             f"p99 {fmt_ms(r99)} (step {fmt_ms(step)})",
                  snapshot_p50_ms=s50, snapshot_p99_ms=s99, restore_p50_ms=r50,
                  restore_p99_ms=r99, step_ms=step)
 
@@ -607,7 +394,7 @@ class _Checker:
             import train.envs.fork  # noqa: F401  # registers "fork" where the platform can
         except Exception as exc:
             out["fork"] = f"train.envs.fork does not import ({type(exc).__name__}: " \
-                          f"{_first_line(exc)})"
+                          f"{first_line(exc)})"
         else:
             out["fork"] = (lambda: with_snapshots(self.raw(), "fork")) \
                 if "fork" in SNAPSHOT_STRATEGIES else "not registered on this platform"
@@ -666,16 +453,16 @@ class _Checker:
         try:  # on this thread first: a failure here is no threading problem
             work()
         except Exception as exc:
-            why = str(exc) if isinstance(exc, _Fail) else _raised("building and stepping it",
-                                                                  exc)
+            why = str(exc) if isinstance(exc, CheckFailed) else raised_message(
+                "building and stepping it", exc)
             self.add("thread", "skip", f"not tried: fails on the main thread too ({why})")
             return
         pool = ThreadPoolExecutor(1, thread_name_prefix="env-check")
         try:
             steps = pool.submit(work).result(timeout=THREAD_TIMEOUT_S)
         except Exception as exc:
-            why = str(exc) if isinstance(exc, _Fail) else _raised("building and stepping it",
-                                                                  exc)
+            why = str(exc) if isinstance(exc, CheckFailed) else raised_message(
+                "building and stepping it", exc)
             if self.declared == "fork":
                 self.add("thread", "ok", f"needs the main thread ({why}); snapshot_strategy "
                                          "'fork' runs it on a worker process's main thread")
@@ -741,6 +528,4 @@ def check_env(spec: str, *, prefixes: int = 20, seed: int = 0, tasks: int = 3,
     return run.report
 
 
-__all__ = ["MALFORMED_ACTIONS", "Actor", "CheckReport", "CheckResult", "Status", "check_env",
-           "checked_step", "diverging_field", "percentile", "random_arguments",
-           "random_value"]
+__all__ = ["CheckReport", "CheckResult", "Status", "check_env"]

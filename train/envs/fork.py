@@ -7,7 +7,7 @@ environment that must run on a main thread (its constructor installs a signal ha
 on one thread only works from the engine's tool-pool threads, because its worker builds and
 steps it on the worker's own main thread.
 
-Processes. ``ForkEnv`` starts one *supervisor* per instance (``python -m train.envs.fork``,
+Processes. ``ForkEnv`` starts one *supervisor* per instance (``python -m train.envs.fork_worker``,
 a new session and process group, never a fork of the caller: it holds torch threads). The
 supervisor imports the environment class (``resolve_env(spec)``), is the subreaper of its
 group (Linux ``PR_SET_CHILD_SUBREAPER``: it reaps every orphaned descendant), and forks
@@ -29,14 +29,10 @@ the *live worker*, which builds the environment on its main thread and serves re
   replay snapshot is accepted too. Restoring the handle the worker is still at (no step
   since) does nothing (``noop_restores``).
 
-Wire. Unix stream sockets in a private directory (``tempfile.mkdtemp``: mode 700, one
-per caller process, a subdirectory per instance); every message is a 4-byte big-endian
-length and canonical JSON, at most ``MAX_MESSAGE`` bytes. Every process (live or frozen)
-has its own random 128-bit token, sent with every request and compared in constant time;
-a request with another token is refused and its connection closed. Nothing received is
-executed: requests name one of the operations ``hello``, ``reset``, ``step``, ``reseed``,
-``expert_action``, ``snapshot``, ``close``, ``exit`` (live) or ``fork``, ``ping``,
-``exit`` (frozen), whose arguments are strings, numbers and the task's fields.
+Modules. The supervisor, the live worker and the frozen copies, and the length-prefixed
+JSON they speak, are ``train.envs.fork_worker`` (its docstring: tokens, the operations a
+request may name); the caller process's pool of frozen copies is ``train.envs.fork_pool``;
+this module is the caller's side: ``ForkEnv`` and the snapshot format.
 
 Bounds. Frozen processes are held in an LRU pool: at most ``pool_size`` per instance and
 ``RTREES_FORK_POOL`` (default 64) in the caller process in all; an evicted copy exits and
@@ -69,29 +65,23 @@ import atexit
 import contextlib
 import dataclasses
 import hashlib
-import hmac
 import json
 import os
 import secrets
-import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
-import traceback
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, NoReturn
+from typing import Any
 
 from train.envs.base import Environment, StepResult, Task
-from train.envs.sandbox_worker import reap_children  # stdlib only, import-safe
+from train.envs.fork_pool import POOL, Frozen, pool_cap, stop_frozen
+from train.envs.fork_worker import canonical, recv, send
 from train.envs.strategies import (
     SNAPSHOT_STRATEGIES,
     ReplayDivergenceError,
@@ -102,13 +92,8 @@ from train.envs.strategies import (
 FORK = "fork"
 SUPPORTED = os.name == "posix" and hasattr(os, "fork") and hasattr(socket, "AF_UNIX")
 """Whether this platform can run the strategy (it is registered only where it can)."""
-POOL_ENV = "RTREES_FORK_POOL"
-DEFAULT_POOL = 64
 TIMEOUT_ENV = "RTREES_FORK_TIMEOUT"
 DEFAULT_TIMEOUT = 120.0
-MAX_MESSAGE = 64 << 20
-"""The largest message (bytes of JSON) either side accepts."""
-_HEADER = struct.Struct(">I")
 _SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS
 _REMOTE_ERRORS: dict[str, type[Exception]] = {
     e.__name__: e for e in (ValueError, TypeError, KeyError, IndexError, RuntimeError,
@@ -127,311 +112,6 @@ class _Dead(Exception):
 class _Hung(Exception):
     """The peer did not answer within the timeout."""
 
-
-def _one_line(text: str, limit: int = 300) -> str:
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[:limit] + "..."
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=True).encode("ascii")
-
-
-# ----- wire -----------------------------------------------------------------------------
-
-def _send(sock: socket.socket, obj: Any) -> None:
-    data = _canonical(obj)
-    if len(data) > MAX_MESSAGE:
-        raise ValueError(f"message of {len(data)} bytes is over {MAX_MESSAGE}")
-    sock.sendall(_HEADER.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise EOFError("connection closed")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _recv(sock: socket.socket) -> Any:
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if n > MAX_MESSAGE:
-        raise ValueError(f"message of {n} bytes is over {MAX_MESSAGE}")
-    return json.loads(_recv_exact(sock, n))
-
-
-def _listen(path: str) -> socket.socket:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
-    os.chmod(path, 0o600)
-    sock.listen(8)
-    return sock
-
-
-# ----- the processes of a group (supervisor, live worker, frozen copies) ----------------
-
-def _exit_now(code: int = 0) -> NoReturn:
-    """Leave a forked process without atexit handlers or finalizers (they belong to the
-    process it was copied from)."""
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
-
-
-def _child(fn: Callable[[], None]) -> NoReturn:
-    try:
-        fn()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            traceback.print_exc()
-        _exit_now(1)
-    _exit_now(0)
-
-
-_CHILDREN: set[int] = set()
-"""The copies this worker process forked and has not reaped yet (each process its own)."""
-
-
-def _spawn_copy(fn: Callable[[], None], close: list[socket.socket]) -> int:
-    """Fork: the child (closing ``close``) runs ``fn`` and exits; its pid. One fork, no
-    wait: the parent reaps it later (``_reap_copies``), or the supervisor does once the
-    parent is gone (it is the group's subreaper)."""
-    pid = os.fork()
-    if pid == 0:
-        _CHILDREN.clear()
-        for s in close:
-            s.close()
-        _child(fn)
-    _CHILDREN.add(pid)
-    return pid
-
-
-def _reap_copies() -> None:
-    """Reap the copies this process forked that have exited (by pid: an environment's own
-    child processes are not touched)."""
-    for pid in list(_CHILDREN):
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done = pid
-        if done:
-            _CHILDREN.discard(pid)
-
-
-def _reply_error(conn: socket.socket, exc: BaseException) -> None:
-    _send(conn, {"ok": False, "type": type(exc).__name__, "error": _one_line(str(exc))})
-
-
-def _authentic(req: Any, token: str) -> bool:
-    return (isinstance(req, dict) and isinstance(req.get("token"), str)
-            and hmac.compare_digest(req["token"].encode(), token.encode()))
-
-
-def _wait_readable(fds: list[Any], lifeline: int, timeout: float | None = None) -> list[Any]:
-    """``select`` on ``fds`` and the lifeline; exits the process when the caller died."""
-    ready, _, _ = select.select([*fds, lifeline], [], [], timeout)
-    if lifeline in ready:
-        _exit_now(0)
-    return ready
-
-
-def _serve_live(listener: socket.socket, path: str, token: str, lifeline: int,
-                spec: str, fallback: str, config: dict[str, Any], accept_timeout: float
-                ) -> None:
-    """A new live worker (forked by the supervisor): accept the caller's one connection
-    (the first whose request carries ``token``), then serve it (``_serve_conn``)."""
-    while True:
-        if not _wait_readable([listener], lifeline, accept_timeout):
-            return  # nobody came: the caller gave up
-        conn, _ = listener.accept()
-        try:
-            req = _recv(conn)
-        except (EOFError, OSError, ValueError):
-            conn.close()
-            continue
-        if _authentic(req, token):
-            break
-        with contextlib.suppress(OSError):
-            _reply_error(conn, PermissionError("bad token"))
-        conn.close()
-    listener.close()
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-    _serve_conn(conn, req, token, lifeline, None, spec, fallback, config, accept_timeout)
-
-
-def _serve_conn(conn: socket.socket, req: dict[str, Any], token: str, lifeline: int,
-                env: Environment | None, spec: str, fallback: str, config: dict[str, Any],
-                accept_timeout: float) -> None:
-    """The live worker's loop: answer ``req`` and every later request on ``conn`` (building
-    ``env`` on ``hello`` if there is none yet) until the caller closes the connection or
-    says ``close``/``exit``."""
-    from train.envs.registry import EnvSpecError, resolve_env
-
-    conn.settimeout(None)  # waits between requests are select's, on the lifeline too
-    while True:
-        op = req.get("op")
-        try:
-            if op == "hello":
-                if env is None:
-                    try:
-                        cls = resolve_env(spec)
-                    except EnvSpecError:
-                        cls = resolve_env(fallback)
-                    env = cls(**config)
-                value: Any = {"pid": os.getpid(), "has_reseed": callable(getattr(
-                    env, "reseed", None))}
-            elif env is None:
-                raise RuntimeError("the worker has no environment yet (say hello first)")
-            elif op == "reset":
-                value = env.reset(Task(**req["task"]))
-            elif op == "step":
-                r = env.step(str(req["action"]))
-                value = [r.observation, bool(r.done),
-                         {str(k): float(v) for k, v in r.reward_parts.items()}]
-            elif op == "reseed":
-                env.reseed(int(req["key"]))  # type: ignore[attr-defined]
-                value = None
-            elif op == "expert_action":
-                value = env.expert_action()
-            elif op == "snapshot":
-                value = _freeze(env, conn, str(req["path"]), str(req["frozen_token"]),
-                                lifeline, spec, fallback, config, accept_timeout)
-            elif op == "close":
-                env.close()
-                _send(conn, {"ok": True, "value": None})
-                return
-            elif op == "exit":
-                _send(conn, {"ok": True, "value": None})
-                return
-            else:
-                raise ValueError(f"unknown request {op!r}")
-        except Exception as exc:
-            _reply_error(conn, exc)
-        else:
-            _send(conn, {"ok": True, "value": value})
-        try:
-            _wait_readable([conn], lifeline)
-            req = _recv(conn)
-        except (EOFError, OSError, ValueError):
-            return  # the caller closed the connection: this worker is done
-        if not _authentic(req, token):
-            _reply_error(conn, PermissionError("bad token"))
-            return
-
-
-def _freeze(env: Environment, conn: socket.socket, path: str, token: str, lifeline: int,
-            spec: str, fallback: str, config: dict[str, Any], accept_timeout: float) -> int:
-    """Fork a frozen copy of this worker, waiting on ``path``; its pid."""
-    _reap_copies()  # copies evicted since the last snapshot
-    listener = _listen(path)
-    try:
-        return _spawn_copy(partial(_serve_frozen, listener, path, token, lifeline, env, spec,
-                                   fallback, config, accept_timeout), [conn])
-    finally:
-        listener.close()
-
-
-def _serve_frozen(listener: socket.socket, path: str, token: str, lifeline: int,
-                  env: Environment, spec: str, fallback: str, config: dict[str, Any],
-                  accept_timeout: float) -> None:
-    """A frozen copy: ``fork`` forks a new live worker from this state, which takes over
-    the request's connection and answers it as a ``hello``; ``exit`` ends the copy."""
-    while True:
-        ready = _wait_readable([listener], lifeline, 2.0)
-        _reap_copies()  # live workers forked from this copy that have exited since
-        if not ready:
-            continue
-        conn, _ = listener.accept()
-        conn.settimeout(accept_timeout)
-        try:
-            req = _recv(conn)
-            if not _authentic(req, token):
-                _reply_error(conn, PermissionError("bad token"))
-            elif req.get("op") == "fork":
-                live = str(req["live_token"])
-                _spawn_copy(partial(_serve_conn, conn, {"op": "hello", "token": live}, live,
-                                    lifeline, env, spec, fallback, config, accept_timeout),
-                            [listener])
-            elif req.get("op") == "ping":
-                _send(conn, {"ok": True, "value": os.getpid()})
-            elif req.get("op") == "exit":
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                _send(conn, {"ok": True, "value": None})
-                return
-            else:
-                _reply_error(conn, ValueError(f"unknown request {req.get('op')!r}"))
-        except (EOFError, OSError, ValueError, KeyError):
-            pass
-        finally:
-            conn.close()
-
-
-def _set_subreaper() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-
-
-def _supervise(ctl: socket.socket, lifeline: int) -> None:
-    """The supervisor: reap the group, spawn live workers on request; when the caller goes
-    away (its connection or the lifeline closes) or says ``close``, kill the whole group."""
-    from train.envs.registry import EnvSpecError, resolve_env
-
-    _set_subreaper()
-    while True:
-        fds: list[Any] = [ctl, lifeline]
-        ready, _, _ = select.select(fds, [], [], 0.5)
-        reap_children()
-        if lifeline in ready:
-            break
-        if ctl not in ready:
-            continue
-        try:
-            req = _recv(ctl)
-        except (EOFError, OSError, ValueError):
-            break
-        if not isinstance(req, dict) or req.get("op") != "spawn":
-            break  # "close", or nonsense: either way the group ends
-        try:
-            spec, fallback = str(req["spec"]), str(req["fallback"])
-            try:
-                resolve_env(spec)  # imported once here, so that every worker forks it ready
-            except EnvSpecError:
-                resolve_env(fallback)
-            path, token, config = str(req["path"]), str(req["token"]), dict(req["config"])
-            timeout = float(req["timeout"])
-            listener = _listen(path)
-            try:
-                pid = _spawn_copy(partial(_serve_live, listener, path, token, lifeline, spec,
-                                          fallback, config, timeout), [ctl])
-            finally:
-                listener.close()
-        except Exception as exc:
-            _reply_error(ctl, exc)
-        else:
-            _send(ctl, {"ok": True, "value": pid})
-    os.killpg(0, signal.SIGKILL)
-
-
-def _main(argv: list[str]) -> None:
-    if len(argv) != 3 or argv[0] != "--supervisor":
-        raise SystemExit("usage: python -m train.envs.fork --supervisor CONTROL_FD LIFELINE_FD "
-                         "(started by ForkEnv, not by hand)")
-    ctl = socket.socket(fileno=int(argv[1]))
-    _supervise(ctl, int(argv[2]))
 
 
 # ----- the caller's side ----------------------------------------------------------------
@@ -460,87 +140,6 @@ def _process_globals() -> tuple[int, str]:
             _GLOBALS.update(pid=os.getpid(), lifeline=(r, w), root=root)
         return _GLOBALS["lifeline"][0], _GLOBALS["root"]
 
-
-def pool_cap() -> int:
-    """The most frozen copies this process holds in all (``RTREES_FORK_POOL``, default 64)."""
-    raw = os.environ.get(POOL_ENV, "")
-    try:
-        cap = int(raw) if raw else DEFAULT_POOL
-    except ValueError:
-        raise ValueError(f"{POOL_ENV}={raw!r}: a number of frozen processes >= 0") from None
-    if cap < 0:
-        raise ValueError(f"{POOL_ENV}={raw!r}: a number of frozen processes >= 0")
-    return cap
-
-
-@dataclass
-class _Frozen:
-    hid: str
-    path: str
-    token: str
-    pid: int
-    owner: str
-
-
-class _FrozenPool:
-    """Every frozen copy of this process, least recently used first (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[str, _Frozen] = OrderedDict()
-
-    def add(self, entry: _Frozen, owner_cap: int, global_cap: int) -> list[_Frozen]:
-        """Hold ``entry``; the entries evicted to keep both caps (the caller stops them)."""
-        with self._lock:
-            self._entries[entry.hid] = entry
-            evicted = []
-            mine = [e for e in self._entries.values() if e.owner == entry.owner]
-            for e in mine[:max(0, len(mine) - owner_cap)]:
-                evicted.append(self._entries.pop(e.hid))
-            while len(self._entries) > global_cap:
-                evicted.append(self._entries.popitem(last=False)[1])
-            return evicted
-
-    def take(self, owner: str, hid: str, token: str) -> _Frozen | None:
-        with self._lock:
-            e = self._entries.get(hid)
-            if e is None or e.owner != owner or not hmac.compare_digest(e.token, token):
-                return None
-            self._entries.move_to_end(hid)
-            return e
-
-    def discard(self, hid: str) -> None:
-        with self._lock:
-            self._entries.pop(hid, None)
-
-    def drop_owner(self, owner: str) -> list[_Frozen]:
-        with self._lock:
-            gone = [e for e in self._entries.values() if e.owner == owner]
-            for e in gone:
-                del self._entries[e.hid]
-            return gone
-
-    def pids(self, owner: str) -> list[int]:
-        with self._lock:
-            return [e.pid for e in self._entries.values() if e.owner == owner]
-
-
-_POOL = _FrozenPool()
-
-
-def _stop_frozen(e: _Frozen, timeout: float) -> None:
-    """Ask an evicted copy to exit; kill it when it accepts but does not answer."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(e.path)
-            _send(s, {"op": "exit", "token": e.token})
-            _recv(s)
-    except (FileNotFoundError, ConnectionRefusedError):
-        return  # already gone
-    except (OSError, EOFError, ValueError):
-        with contextlib.suppress(OSError):
-            os.kill(e.pid, signal.SIGKILL)
 
 
 @dataclass
@@ -582,7 +181,7 @@ class _Group:
                 proc.wait(10)
 
     def kill(self) -> None:
-        _POOL.drop_owner(self.owner)
+        POOL.drop_owner(self.owner)
         self.stop_supervisor()
         shutil.rmtree(self.directory, ignore_errors=True)
 
@@ -614,7 +213,7 @@ class ForkEnv(Environment):
         self.spec = spec or _class_path(env_class)
         self.config = dict(config or {})
         try:
-            fingerprint = _canonical([self.spec, self.config])
+            fingerprint = canonical([self.spec, self.config])
         except (TypeError, ValueError) as exc:
             raise TypeError(f"{self.spec}: a fork env's config must be JSON ({exc})") from None
         self._fingerprint = hashlib.sha256(fingerprint).hexdigest()[:16]
@@ -662,7 +261,7 @@ class ForkEnv(Environment):
         frozen copies in its pool."""
         out = [self._group.proc.pid] if self._group.proc is not None else []
         out += [self.worker_pid] if self.worker_pid is not None else []
-        return out + _POOL.pids(self._owner)
+        return out + POOL.pids(self._owner)
 
     # ----- the episode -------------------------------------------------------------------
 
@@ -697,15 +296,15 @@ class ForkEnv(Environment):
         if min(owner_cap, global_cap) > 0:
             pid = int(self._call("snapshot", path=path, frozen_token=token))
             self.stats.snapshots += 1
-            evicted = _POOL.add(_Frozen(hid, path, token, pid, self._owner),
+            evicted = POOL.add(Frozen(hid, path, token, pid, self._owner),
                                 owner_cap, global_cap)
             for e in evicted:
-                _stop_frozen(e, min(self.timeout, 5.0))
+                stop_frozen(e, min(self.timeout, 5.0))
             self.stats.evictions += len(evicted)
             self._at = hid
         replay = {"strategy": "replay", "task": dataclasses.asdict(self._task),
                   "log": self._log}
-        return _canonical({"strategy": FORK, "replay": replay, "handle": {
+        return canonical({"strategy": FORK, "replay": replay, "handle": {
             "id": hid, "path": path, "token": token, "env": self._fingerprint}})
 
     def restore(self, state: bytes) -> None:
@@ -716,14 +315,14 @@ class ForkEnv(Environment):
             if handle["id"] == self._at and self._conn is not None and task == self._task:
                 self.stats.noop_restores += 1
                 return
-            entry = (_POOL.take(self._owner, handle["id"], handle["token"])
+            entry = (POOL.take(self._owner, handle["id"], handle["token"])
                      if handle["env"] == self._fingerprint else None)
             if entry is not None:
                 if self._fork_from(entry):
                     self._task, self._log, self._at = task, [list(e) for e in log], entry.hid
                     self.stats.fork_restores += 1
                     return
-                _POOL.discard(entry.hid)
+                POOL.discard(entry.hid)
         self._replay_to(task, log)
         self.stats.replay_restores += 1
 
@@ -750,8 +349,8 @@ class ForkEnv(Environment):
              ) -> Any:
         sock.settimeout(self.timeout if timeout is None else timeout)
         try:
-            _send(sock, msg)
-            reply = _recv(sock)
+            send(sock, msg)
+            reply = recv(sock)
         except TimeoutError:
             raise _Hung from None
         except (EOFError, OSError, ValueError):
@@ -767,14 +366,14 @@ class ForkEnv(Environment):
 
     def _start_supervisor(self) -> None:
         self._group.stop_supervisor()
-        _POOL.drop_owner(self._owner)  # the old group's copies died with it
+        POOL.drop_owner(self._owner)  # the old group's copies died with it
         self._at = None
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         environ = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         try:
             self._group.proc = subprocess.Popen(
-                [sys.executable, "-m", "train.envs.fork", "--supervisor",
+                [sys.executable, "-m", "train.envs.fork_worker", "--supervisor",
                  str(theirs.fileno()), str(self._lifeline)],
                 pass_fds=(theirs.fileno(), self._lifeline), start_new_session=True,
                 stdin=subprocess.DEVNULL, env=environ)
@@ -932,7 +531,7 @@ class ForkEnv(Environment):
                                    f"{self.timeout:g} s while replaying task "
                                    f"{task.task_id!r}; it was killed") from None
 
-    def _fork_from(self, entry: _Frozen) -> bool:
+    def _fork_from(self, entry: Frozen) -> bool:
         """Make a fork of the frozen copy ``entry`` the live worker (it answers on the
         connection that asked for it); False when the copy is gone (the caller replays)."""
         token = secrets.token_hex(16)
@@ -967,7 +566,7 @@ def parse_fork(state: bytes) -> tuple[Task, list[list[Any]], dict[str, str] | No
     if not (isinstance(handle, dict) and set(handle) == {"id", "path", "token", "env"}
             and all(isinstance(v, str) for v in handle.values())):
         raise ValueError("not a fork snapshot: malformed handle")
-    task, log = parse_replay(_canonical(doc.get("replay")))
+    task, log = parse_replay(canonical(doc.get("replay")))
     return task, log, handle
 
 
@@ -999,9 +598,6 @@ def fork_env(env: Environment) -> Environment:
 if SUPPORTED:
     SNAPSHOT_STRATEGIES[FORK] = fork_env
 
-__all__ = ["DEFAULT_POOL", "DEFAULT_TIMEOUT", "FORK", "POOL_ENV", "SUPPORTED", "TIMEOUT_ENV",
-           "ForkEnv", "ForkError", "ForkStats", "fork_env", "make_fork_env", "parse_fork",
-           "pool_cap"]
+__all__ = ["DEFAULT_TIMEOUT", "FORK", "SUPPORTED", "TIMEOUT_ENV", "ForkEnv", "ForkError",
+           "ForkStats", "fork_env", "make_fork_env", "parse_fork"]
 
-if __name__ == "__main__":
-    _main(sys.argv[1:])

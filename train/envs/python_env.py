@@ -96,9 +96,9 @@ from train.envs.sandbox import (
     CellResult,
     RunOutcome,
     Sandbox,
-    SandboxConfig,
     sandbox_mode,
 )
+from train.envs.sandbox_isolation import SandboxConfig
 
 TOOL_NAME = "python"
 TOOL_SCHEMA: dict[str, Any] = {

@@ -2,8 +2,8 @@
 
 ``make_sampler(name, **params)`` builds one by name (``SAMPLERS``); each
 sampler's budget rules are in its module docstring, the shared rollout engine,
-node model and the one continuation primitive (``Continuing``, ``mix_seed``) in
-``train.sampling.base``, the engine that batches every tree at once in
+node model and ``mix_seed`` in ``train.sampling.base``, the one continuation primitive
+(``Continuing``) in ``train.sampling.continuation``, the engine that batches every tree at once in
 ``train.sampling.engine``, the collection job in
 ``train.sampling.collect``, the Mean@k references in ``train.sampling.references``
 and the DSC refresh protocol in ``train.sampling.refresh``.
@@ -25,9 +25,9 @@ from typing import Any
 
 _WHERE = {
     "registry": ("SAMPLERS", "make_sampler"),
-    "base": ("SAMPLER_NAMES", "Budget", "BudgetError", "ContinuationError", "Continuing",
-             "NodeStart", "Sampler", "SamplerConfig", "SamplerName", "TreeBuilder",
-             "action_segments", "head_entropy", "mix_seed"),
+    "base": ("SAMPLER_NAMES", "Budget", "BudgetError", "Sampler", "SamplerConfig",
+             "SamplerName", "TreeBuilder", "action_segments", "head_entropy", "mix_seed"),
+    "continuation": ("ContinuationError", "Continuing", "NodeStart"),
     "bel": ("BelConfig", "BelSampler", "entropy_gap"),
     "caliper": ("CaliperConfig", "CaliperSampler", "CaliperState", "caliper_extras"),
     "entropy": ("EntropyConfig", "EntropySampler"),

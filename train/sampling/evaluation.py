@@ -3,7 +3,7 @@
 The one evaluation of the house (the trainer's held-out metrics and ``evaluations`` rows,
 ``heldout_rows``; ``rtrees policy init``'s success report, ``success_report``, which the
 tiny policy's SFT receives as its held-out check): each task gets one episode from
-``reset``, continued by the continuation primitive (``train.sampling.base.Continuing``)
+``reset``, continued by the continuation primitive (``train.sampling.continuation.Continuing``)
 under the one step limit, ``Task.max_steps`` (an episode cut there ends with reward 0),
 and the one success rule, final reward >= ``success_threshold`` (the trainer passes its
 sampler's, ``SamplerConfig.success_threshold``). Every episode is a program of
@@ -27,7 +27,8 @@ from rollout_store.schema import EVALUATIONS
 from rollout_store.store import now_utc
 from train.envs import Environment, Task, env_class, make_env
 from train.policies.base import Policy, Rows, SampleConfig
-from train.sampling.base import Continuing, mix_seed
+from train.sampling.base import mix_seed
+from train.sampling.continuation import Continuing
 from train.sampling.engine import DEFAULT_MAX_ROWS, Decode, Engine, Request, Work
 
 GREEDY_TOP_P = 1e-9

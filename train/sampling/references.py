@@ -71,21 +71,21 @@ from rollout_store.schema import MC_REFERENCES
 from rollout_store.store import Store, now_utc
 from train.envs import Environment, make_env
 from train.policies.base import Policy, Rows, SampleConfig, Turn
-from train.sampling.base import (
+from train.sampling.base import mix_seed
+from train.sampling.collect import PolicySpec, progress_bar, resolve_policy
+from train.sampling.continuation import (
     DEFAULT_MAX_STEPS,
     ContinuationError,
     Continuing,
     NodeStart,
     load_starts,
-    mix_seed,
 )
-from train.sampling.collect import PolicySpec, progress_bar, resolve_policy
 from train.sampling.engine import Decode, Engine, Request, Work
 
 if TYPE_CHECKING:
     import duckdb
 
-Start = NodeStart  # the name this module used before the primitive moved to base.py
+Start = NodeStart  # the name this module used before the primitive moved out of it
 
 
 _MASK62 = (1 << 62) - 1

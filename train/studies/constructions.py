@@ -134,7 +134,7 @@ def workflow_policy(tasks: list[Task], config: ConstructionConfig
 def exact_children(store: Store, mus: dict[str, TabularPolicy]) -> pa.Table:
     """(tree_id, node_id, exact): V_mu of the state after each child of a branching node
     (the reward of a leaf child), from the child's stored snapshot."""
-    from train.sampling.base import load_starts
+    from train.sampling.continuation import load_starts
 
     con = connect(store)
     kids = con.sql("""

@@ -112,7 +112,7 @@ def tabular_policy(tasks: list[Task], config: ExactCreditConfig
 
 def exact_advantages(store: Store, mus: dict[str, TabularPolicy]) -> pa.Table:
     """(tree_id, node_id, advantage) of every non-root node (X1, module docstring)."""
-    from train.sampling.base import load_starts
+    from train.sampling.continuation import load_starts
 
     con = connect(store)
     nodes = con.sql("""

@@ -48,7 +48,7 @@ from train.envs.workflow_model import ACTION_TEXTS, ObsKey, State, Tool, Workflo
 from train.envs.workflow_policy import TabularPolicy
 from train.policies.base import Policy, Turn
 from train.reuse.score import score_actions
-from train.sampling.base import NodeStart
+from train.sampling.continuation import NodeStart
 from train.sequences import build_sequences
 from train.studies.workflow_study import observable_keys
 

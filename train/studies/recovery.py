@@ -296,8 +296,8 @@ def _calc_rows(config: RecoveryConfig, rows: dict[str, list[Any]], out: Path,
     from rollout_store import Store, connect
     from train.envs import make_env
     from train.policies import load_policy
-    from train.sampling.base import NodeStart, load_starts
     from train.sampling.collect import collect
+    from train.sampling.continuation import NodeStart, load_starts
     from train.sampling.references import ReferenceConfig, run_references
 
     policy = load_policy(config.calc_policy, "calc")

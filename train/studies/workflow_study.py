@@ -57,7 +57,7 @@ from train.envs.base import Task
 from train.envs.workflow import DEFAULT_HORIZONS, WorkflowEnv
 from train.envs.workflow_model import ACTION_TEXTS, ObsKey, State, WorkflowModel
 from train.envs.workflow_policy import TabularPolicy
-from train.sampling.base import Continuing
+from train.sampling.continuation import Continuing
 from train.studies.sensitivity import occupancy
 
 UpdateKind = Literal["ordinary", "branch_selective"]
