@@ -9,8 +9,7 @@ stored credits against Mean@K references is ``ranking_audit`` (references are sa
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rollout_store.lazy import lazy_face
 
 _WHERE = {
     "analysis.ranking": ("RankingConfig", "RankingError", "RankingResult", "ranking_audit"),
@@ -19,14 +18,4 @@ _WHERE = {
     "analysis.tree_plot": ("draw_tree",),
     "analysis.viewer": ("ViewerData", "ViewerServer", "serve", "start"),
 }
-_MODULE_OF = {name: mod for mod, names in _WHERE.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    mod = _MODULE_OF.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'analysis' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
-
-
-__all__ = sorted(_MODULE_OF)
+__getattr__, __all__ = lazy_face("analysis", _WHERE)

@@ -14,8 +14,7 @@ this one.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rollout_store.lazy import lazy_face
 
 _WHERE = {
     "train.config": ("ConfigError", "TrainConfig", "load_config"),
@@ -30,14 +29,4 @@ _WHERE = {
     "train.jobs": ("JobError", "RankingJobConfig", "RankingJobResult", "ranking_job"),
     "train.integrations.trl": ("TreeLoggerCallback",),
 }
-_MODULE_OF = {name: mod for mod, names in _WHERE.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    mod = _MODULE_OF.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'train' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
-
-
-__all__ = sorted(_MODULE_OF)
+__getattr__, __all__ = lazy_face("train", _WHERE)

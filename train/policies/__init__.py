@@ -44,6 +44,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollout_store.lazy import lazy_face
 from train.policies.errors import INSTALL_HINT, PolicyRefError, PolicyUnavailableError
 
 if TYPE_CHECKING:
@@ -223,16 +224,7 @@ _WHERE = {
     "train.policies.hf": ("HFPolicy",),
     "train.policies.tiny": ("find_checkpoint", "load_tiny_policy"),
 }
-_MODULE_OF = {name: mod for mod, names in _WHERE.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    mod = _MODULE_OF.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'train.policies' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(mod), name)
+__getattr__, _ = lazy_face("train.policies", _WHERE)
 
 
 __all__ = ["INSTALL_HINT", "SPECS", "HFPolicy", "Policy", "PolicyRefError",

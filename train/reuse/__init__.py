@@ -17,31 +17,20 @@ that defines it), so importing ``train.reuse.params`` pulls in no torch, store o
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rollout_store.lazy import lazy_face
 
 _WHERE = {
-    "params": ("CALIB_FRAC", "GATE_FIELDS", "REUSE_MODES", "ReuseError", "ReuseMode",
+    ".params": ("CALIB_FRAC", "GATE_FIELDS", "REUSE_MODES", "ReuseError", "ReuseMode",
                "ReuseParams"),
-    "select": ("SKIP_REASONS", "Selection", "check_reuse", "in_calib_split", "policy_step",
+    ".select": ("SKIP_REASONS", "Selection", "check_reuse", "in_calib_split", "policy_step",
                "reuse_filter", "select_stored", "split_hash", "tree_problem"),
-    "resolve": ("DECISIONS", "RULES", "Comparison", "Decision", "Resolution", "Rule",
+    ".resolve": ("DECISIONS", "RULES", "Comparison", "Decision", "Resolution", "Rule",
                 "dsc_extras", "get_rule", "resolve_tree", "tool_steps", "with_returns"),
-    "score": ("score_actions",),
-    "calibrate": ("calibrate_gate", "gate_params"),
-    "refresh": ("Refreshed", "engine_for", "has_snapshot", "refresh_routes", "refresh_trees"),
-    "runfiles": ("log_line", "read_record", "write_params"),
-    "stage": ("ReuseStage", "StoredBatch", "StoredStep", "interp_prox", "m2po_mask",
+    ".score": ("score_actions",),
+    ".calibrate": ("calibrate_gate", "gate_params"),
+    ".refresh": ("Refreshed", "engine_for", "has_snapshot", "refresh_routes", "refresh_trees"),
+    ".runfiles": ("log_line", "read_record", "write_params"),
+    ".stage": ("ReuseStage", "StoredBatch", "StoredStep", "interp_prox", "m2po_mask",
               "make_reuse", "rename_method", "resolve_stored"),
 }
-_MODULE_OF = {name: mod for mod, names in _WHERE.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    mod = _MODULE_OF.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'train.reuse' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"train.reuse.{mod}"), name)
-
-
-__all__ = sorted(_MODULE_OF)
+__getattr__, __all__ = lazy_face("train.reuse", _WHERE)

@@ -20,31 +20,20 @@ one place that says which module defines each public name.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from rollout_store.lazy import lazy_face
 
 _WHERE = {
-    "registry": ("SAMPLERS", "make_sampler"),
-    "base": ("SAMPLER_NAMES", "Budget", "BudgetError", "Sampler", "SamplerConfig",
+    ".registry": ("SAMPLERS", "make_sampler"),
+    ".base": ("SAMPLER_NAMES", "Budget", "BudgetError", "Sampler", "SamplerConfig",
              "SamplerName", "TreeBuilder", "action_segments", "head_entropy", "mix_seed"),
-    "continuation": ("ContinuationError", "Continuing", "NodeStart"),
-    "bel": ("BelConfig", "BelSampler", "entropy_gap"),
-    "caliper": ("CaliperConfig", "CaliperSampler", "CaliperState", "caliper_extras"),
-    "entropy": ("EntropyConfig", "EntropySampler"),
-    "group": ("GroupSampler",),
-    "random_branch": ("RandomBranchConfig", "RandomBranchSampler"),
-    "rooted": ("RootedConfig", "RootedSampler"),
-    "collect": ("CollectReport", "collect"),
-    "references": ("ReferenceConfig", "ReferenceReport", "collect_references"),
+    ".continuation": ("ContinuationError", "Continuing", "NodeStart"),
+    ".bel": ("BelConfig", "BelSampler", "entropy_gap"),
+    ".caliper": ("CaliperConfig", "CaliperSampler", "CaliperState", "caliper_extras"),
+    ".entropy": ("EntropyConfig", "EntropySampler"),
+    ".group": ("GroupSampler",),
+    ".random_branch": ("RandomBranchConfig", "RandomBranchSampler"),
+    ".rooted": ("RootedConfig", "RootedSampler"),
+    ".collect": ("CollectReport", "collect"),
+    ".references": ("ReferenceConfig", "ReferenceReport", "collect_references"),
 }
-_MODULE_OF = {name: mod for mod, names in _WHERE.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    mod = _MODULE_OF.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'train.sampling' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"train.sampling.{mod}"), name)
-
-
-__all__ = sorted(_MODULE_OF)
+__getattr__, __all__ = lazy_face("train.sampling", _WHERE)

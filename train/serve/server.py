@@ -50,7 +50,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -446,6 +446,13 @@ def serve_upstream(upstream: str, *, upstream_key: str | None = None,
     endpoint = _ProxyEndpoint(upstream, upstream_key, model,
                               Path(record) if record is not None else None, timeout_s)
 
+    server = LoopbackServer(_route(api_key, endpoint), port=port, limits=limits)
+    return ServeHandle(server.url("/v1"), api_key, model or "", server, None, endpoint)
+
+
+def _route(api_key: str, endpoint: Endpoint) -> Callable[[str, str], Endpoint]:
+    """The server's one route: ``/v1`` with the owner's key answers from ``endpoint``."""
+
     def route(path: str, given: str) -> Endpoint:
         if path != "/v1":
             raise KeyError(path)
@@ -453,8 +460,7 @@ def serve_upstream(upstream: str, *, upstream_key: str | None = None,
             raise Unauthorized(path)
         return endpoint
 
-    server = LoopbackServer(route, port=port, limits=limits)
-    return ServeHandle(server.url("/v1"), api_key, model or "", server, None, endpoint)
+    return route
 
 
 def _key(key: str | None) -> str:
@@ -482,14 +488,7 @@ def serve(policy: Policy, *, model: str = "policy", key: str | None = None, port
                                Path(record) if record is not None else None, limits,
                                token_text)
 
-    def route(path: str, given: str) -> Endpoint:
-        if path != "/v1":
-            raise KeyError(path)
-        if not same_key(given, api_key):
-            raise Unauthorized(path)
-        return endpoint
-
-    server = LoopbackServer(route, port=port, limits=limits)
+    server = LoopbackServer(_route(api_key, endpoint), port=port, limits=limits)
     return ServeHandle(server.url("/v1"), api_key, model, server, batcher, endpoint)
 
 
