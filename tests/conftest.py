@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -33,3 +35,19 @@ def pytest_report_header() -> str:
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
     return Store(tmp_path / "store", create=True)
+
+
+@pytest.fixture(scope="module")
+def driver() -> Iterator[Any]:
+    """A headless Chromium (``tests/test_viewer_browser.py``'s), one per test module; the
+    test skips, saying why, where none is installed."""
+    from test_viewer_browser import browser, make_driver
+
+    found = browser()
+    if isinstance(found, str):
+        pytest.skip(found)
+    d = make_driver(found)
+    try:
+        yield d
+    finally:
+        d.quit()

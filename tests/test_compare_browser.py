@@ -13,28 +13,14 @@ docs/guides/compare.md (``docs/guides/compare-*.png``).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import compare_store
-import pytest
 from test_viewer_browser import browser, make_driver
 
 ROOT = Path(__file__).resolve().parents[1]
 EVIL = "</script><script>window.__pwned=1</script><img src=x onerror=window.__pwned=2>"
-
-
-@pytest.fixture(scope="module")
-def driver() -> Iterator[Any]:
-    found = browser()
-    if isinstance(found, str):
-        pytest.skip(found)
-    d = make_driver(found)
-    try:
-        yield d
-    finally:
-        d.quit()
 
 
 def _stores(tmp: Path) -> tuple[Path, Path]:

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import viewer_store  # tests/viewer_store.py
 from viewer_store import ACTION_2, CREDIT
 
@@ -58,18 +56,6 @@ def make_driver(found: tuple[str, str]) -> Any:
                 "--window-size=1500,900", "--no-first-run", "--disable-extensions"):
         options.add_argument(arg)
     return webdriver.Chrome(options=options, service=Service(found[1]))
-
-
-@pytest.fixture(scope="module")
-def driver() -> Iterator[Any]:
-    found = browser()
-    if isinstance(found, str):
-        pytest.skip(found)
-    d = make_driver(found)
-    try:
-        yield d
-    finally:
-        d.quit()
 
 
 def drive(d: Any, url: str, shot: Path) -> dict[str, Any]:
