@@ -8,8 +8,9 @@ every entry point:
 * **text is parsed** as the field's type: ``int`` (``int("3")``), ``float``
   (``float("1e-3")``), ``bool`` (``true/false/1/0/yes/no``, any case), ``str`` as is,
   ``Literal`` one of its values, ``tuple[T, ...]`` as ``a,b,c`` (each part a ``T``),
-  ``dict`` as ``k=v,k2=v2``; ``none`` or ``null`` (any case) is ``None`` where the field
-  allows ``None``;
+  ``dict`` as ``k=v,k2=v2`` or as a JSON object (text starting with ``{``, for values
+  that are themselves lists or tables); ``none`` or ``null`` (any case) is ``None`` where
+  the field allows ``None``;
 * **typed values must have the field's type**: a TOML ``steps = 2.5`` or
   ``progress = 2`` or ``store = 5`` is refused; an ``int`` is accepted for a ``float``
   field, a ``bool`` is never an ``int`` and an ``int`` never a ``bool``; lists (TOML arrays,
@@ -20,8 +21,10 @@ every entry point:
 
 Settings without a dataclass (an environment's task options, ``TrainConfig.task_params``,
 whose names and types the env's ``generate_tasks`` checks) go through ``literal_value``:
-text that reads as an integer, a finite float or a bool word becomes one, ``a,b,c`` becomes a
-tuple of such values, anything else stays text; typed values pass unchanged.
+text starting with ``{`` or ``[`` is JSON (an object or a list: e.g. reasoning-gym's
+``dataset_config={"products": {"max_terms": 2}}``; JSON never runs code), text that reads as
+an integer, a finite float or a bool word becomes one, ``a,b,c`` becomes a tuple of such
+values, anything else stays text; typed values pass unchanged.
 
 Errors are ``CoerceError`` (a ``ValueError``) with a one-line message naming the field and
 the value. ``check_types(obj)`` applies the typed-value rules to a constructed dataclass (its
@@ -32,6 +35,7 @@ rule of integer sizes (``MINIMA`` / ``MAXIMA`` mappings of field names).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import types
@@ -144,6 +148,11 @@ def coerce_value(value: Any, hint: Any, name: str, text: bool = True) -> Any:
     if origin is dict or hint is dict:
         if isinstance(value, Mapping):
             return dict(value)
+        if parse and value.lstrip().startswith("{"):
+            found = json_text(value, name)
+            if not isinstance(found, dict):
+                raise CoerceError(f"{name}: expected a JSON object, got {value!r}")
+            return found
         if parse:  # "k=v,k2=v2"
             table: dict[str, str] = {}
             for pair in filter(None, (p.strip() for p in value.split(","))):
@@ -195,6 +204,19 @@ def check_bounds(obj: Any, minima: Mapping[str, int], maxima: Mapping[str, int])
                     raise CoerceError(f"{name} must be <= {bound}, got {value}")
 
 
+def json_text(text: str, name: str = "") -> Any:
+    """``text`` parsed as JSON (``json.loads``: data only, no code), with non-finite numbers
+    refused; a ``CoerceError`` naming ``name`` for text that is not JSON."""
+    def refuse(word: str) -> Any:
+        raise CoerceError(f"{name}: {word} is not a finite number")
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except json.JSONDecodeError as exc:
+        raise CoerceError(f"{name}: {text!r} is not valid JSON ({exc.msg} at character "
+                          f"{exc.pos})") from None
+
+
 def literal_value(value: Any, name: str = "") -> Any:
     """An untyped setting's value (module docstring): ``"12,18"`` -> ``(12, 18)``,
     ``"3"`` -> ``3``, ``"0.5"`` -> ``0.5``, ``"true"`` -> ``True``, ``"x"`` -> ``"x"``.
@@ -206,6 +228,8 @@ def literal_value(value: Any, name: str = "") -> Any:
             return tuple(literal_value(v, name) for v in value)
         return value
     text = value.strip()
+    if text[:1] in ("{", "["):
+        return json_text(text, name)
     if "," in text:
         return tuple(literal_value(part, name) for part in text.split(",") if part.strip())
     low = text.lower()
@@ -225,4 +249,4 @@ def literal_value(value: Any, name: str = "") -> Any:
 
 
 __all__ = ["CoerceError", "check_bounds", "check_types", "coerce_fields", "coerce_value",
-           "literal_value"]
+           "json_text", "literal_value"]

@@ -1,10 +1,11 @@
 """The credit audit on environments nobody here wrote (``rtrees study third-party-audit``,
 issue 47 item 4): the data.
 
-One environment per run (``env``: any spec, e.g. ``gym-frozenlake`` or ``reasoning-gym``),
+One environment per run (``env``: any spec, e.g. ``gym-blackjack`` or ``reasoning-gym``),
 one policy (``policy``), the same BEL trees for every estimator:
 
-1. ``n_tasks`` tasks of the env's own generator (seed ``seed``) and one ``bel`` tree per
+1. ``n_tasks`` tasks of the env's own generator (seed ``seed``, options ``task_params``,
+   e.g. reasoning-gym's ``datasets`` and ``dataset_config``) and one ``bel`` tree per
    task with ``n_total`` rollouts (``train.sampling.collect.collect``, run id
    ``third-party-<seed>``) into ``out/store``;
 2. credit by every estimator of ``methods`` (``train.scoring.score_and_credit``, default
@@ -32,7 +33,7 @@ declares them. The report, one verdict per estimator (its paired difference to
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,10 @@ class ThirdPartyAuditConfig:
     """Rollouts behind each Mean@k reference."""
     seed: int = 0
     """Seeds the tasks, the sampling, the references and the bootstrap."""
+    task_params: dict[str, Any] = field(default_factory=dict)
+    """Options of the env's ``generate_tasks`` (on the command line a JSON object:
+    ``--param 'task_params={"datasets": ["products"]}'``); the policy should have been
+    trained on the same mix (``rtrees policy init --task-param``)."""
     methods: tuple[str, ...] = METHODS
     baseline: str = "grpo"
     """Each other estimator's claim is its paired difference to this one."""
@@ -111,7 +116,7 @@ def run_third_party_study(out_dir: str | Path, config: ThirdPartyAuditConfig | N
     say = log or (lambda line: None)
     start = time.perf_counter()
     cls = env_class(config.env)
-    tasks = cls.generate_tasks(config.n_tasks, config.seed)
+    tasks = cls.generate_tasks(config.n_tasks, config.seed, **config.task_params)
     store = Store(out / "store", create=True)
     policy = load_policy(config.policy, config.env)
     report = collect(store, config.env, policy, "bel", tasks, n_total=config.n_total,

@@ -58,7 +58,8 @@ blackjack deck draw different outcomes. The scripted expert (``expert_action``, 
 strategies, the games with a transition table ``P``) plays the policy of value iteration
 on ``P`` that maximises the discounted chance of success (discount ``EXPERT_DISCOUNT``, so
 the shortest path among the surest): the BFS shortest path on deterministic maps, the
-best-odds move on slippery ones. It does not model Taxi's fickle passenger.
+best-odds move on slippery ones. It does not model Taxi's fickle passenger. Blackjack has
+no table: its expert is the textbook basic strategy (``blackjack_basic_strategy``).
 """
 
 from __future__ import annotations
@@ -144,17 +145,40 @@ def _blackjack_view(u: Any, obs: Any) -> str:
     return f"Your cards sum to {total}{ace}; the dealer shows {shown}."
 
 
+def blackjack_basic_strategy(obs: Any) -> int:
+    """Hit (1) or stick (0) by the textbook basic strategy for a dealer who stands on soft
+    17 (gymnasium's dealer draws below 17, an ace counting 11 when it fits), without
+    doubling or splitting, which the game lacks. ``obs`` is gym's observation (player sum,
+    dealer's shown card with an ace as 1, usable ace):
+
+    * hard totals: hit at 11 or less; at 12 stick against a dealer 4-6; at 13-16 stick
+      against 2-6; stick at 17 or more;
+    * soft totals (a usable ace): hit at 17 or less; at 18 stick against 2-8; stick at 19
+      or more.
+    """
+    total, dealer, usable_ace = (int(v) for v in obs)
+    weak = 2 <= dealer <= 6  # dealer 1 is an ace
+    if usable_ace:
+        stick = total >= 19 or (total == 18 and 2 <= dealer <= 8)
+    else:
+        stick = total >= 17 or (13 <= total <= 16 and weak) or (total == 12 and
+                                                                  4 <= dealer <= 6)
+    return 0 if stick else 1
+
+
 @dataclass(frozen=True)
 class Game:
     """One toy-text game: its action names (index = gym's action), whether it renders
-    ANSI text, how a terminating step's raw reward maps to [0, 1], and its state in
-    words (``view(env.unwrapped, observation)``)."""
+    ANSI text, how a terminating step's raw reward maps to [0, 1], its state in words
+    (``view(env.unwrapped, observation)``), and, for a game without a transition table
+    to plan on, a fixed expert (``expert(observation)``, an action index)."""
 
     name: str
     actions: tuple[str, ...]
     ansi: bool
     outcome: Callable[[float], float]
     view: Callable[[Any, Any], str]
+    expert: Callable[[Any], int] | None = None
 
 
 GAMES: dict[str, Game] = {g.name: g for g in (
@@ -165,7 +189,7 @@ GAMES: dict[str, Game] = {g.name: g for g in (
     Game("CliffWalking", ("UP", "RIGHT", "DOWN", "LEFT"), True,
          lambda r: 1.0, _cliff_view),
     Game("Blackjack", ("STICK", "HIT"), False,
-         lambda r: (min(r, 1.0) + 1.0) / 2.0, _blackjack_view),
+         lambda r: (min(r, 1.0) + 1.0) / 2.0, _blackjack_view, blackjack_basic_strategy),
 )}
 """The supported games by name; gymnasium's ids of a game are found through the class
 its registry entry point names (``game_of``)."""
@@ -499,17 +523,20 @@ class GymTextEnv(OneToolEnv[_State]):
     # -- expert ------------------------------------------------------------
 
     def expert_action(self) -> str:
-        """The value-iteration expert's move (module docstring); ``NotImplementedError``
-        for a game without a transition table (Blackjack)."""
+        """The value-iteration expert's move (module docstring); for a game without a
+        transition table, its fixed expert (Blackjack: ``blackjack_basic_strategy``)."""
         s = self._require()
         if s.done:
             raise RuntimeError(f"{type(self).__name__}.expert_action: the episode is over")
         gym_id, kwargs, _ = _task_config(s.task)
+        game = self._game
+        assert game is not None
         plan = _plan(gym_id, json.dumps(kwargs, sort_keys=True))
-        if plan is None:
+        if plan is not None:
+            return act_text(game.actions[plan[int(self._env.unwrapped.s)]])
+        if game.expert is None:  # pragma: no cover - every game has one or the other
             raise NotImplementedError(f"{gym_id} has no transition table: no scripted expert")
-        assert self._game is not None
-        return act_text(self._game.actions[plan[int(self._env.unwrapped.s)]])
+        return act_text(game.actions[game.expert(self._obs)])
 
     # -- tasks -------------------------------------------------------------
 
@@ -648,8 +675,16 @@ class BlackjackEnv(GymTextEnv):
 
     name: ClassVar[str] = "gym-blackjack"
     PLAYS: ClassVar[tuple[str, ...]] = ("Blackjack",)
+    tiny_sft: ClassVar[dict[str, Any]] = {
+        "init_from": "calc", "train_tasks": 4_000, "eval_tasks": 100, "test_tasks": 200,
+        "eval_every": 50}
+    """``rtrees policy init``'s recipe: the basic-strategy expert
+    (``blackjack_basic_strategy``) on short episodes (one to three moves, about 120
+    tokens), warm-started from the committed calc policy, which already writes a tool
+    call's JSON. Success is a win (reward 1), about 43% for the expert itself, so the
+    stopping band is reached by a policy that plays about as well as the expert."""
 
 
-__all__ = ["GAMES", "BlackjackEnv", "CliffWalkingEnv", "FrozenLakeEnv", "Game",
+__all__ = ["GAMES", "BlackjackEnv", "blackjack_basic_strategy", "CliffWalkingEnv", "FrozenLakeEnv", "Game",
            "GymTextEnv", "TaxiEnv", "ToyTextEnv", "act_text", "game_of", "installed_id",
            "tool_schema"]
