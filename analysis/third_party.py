@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,9 @@ def command(config: dict[str, Any]) -> str:
               f"--param n_tasks={config['n_tasks']}",
               f"--param methods={','.join(config['methods'])}"]
     params += [f"--param {k}={config[k]}" for k, v in defaults.items() if config.get(k) != v]
+    if config.get("task_params"):  # a JSON object, quoted for a POSIX shell
+        text = json.dumps(config["task_params"], sort_keys=True)
+        params.append("--param " + shlex.quote(f"task_params={text}"))
     return f"rtrees study {KIND} --out DIR " + " ".join(params)
 
 

@@ -22,6 +22,14 @@ def test_literal_value_rules() -> None:
     assert literal_value([6, 9]) == (6, 9)
     with pytest.raises(CoerceError, match="finite"):
         literal_value("nan", "x")
+    # JSON objects and lists, for options that are themselves tables (reasoning-gym's
+    # dataset_config); JSON is data, never code
+    assert literal_value('{"products": {"max_terms": 2}}') == {"products": {"max_terms": 2}}
+    assert literal_value("[1, 2]") == [1, 2]
+    with pytest.raises(CoerceError, match="not valid JSON"):
+        literal_value("{oops", "dataset_config")
+    with pytest.raises(CoerceError, match="finite"):
+        literal_value('{"a": NaN}', "dataset_config")
 
 
 def test_workflow_horizons_reach_both_splits() -> None:

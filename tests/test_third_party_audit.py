@@ -84,6 +84,13 @@ def test_the_reproducing_command_carries_every_setting_off_its_default() -> None
     rebuilt = study_config("third-party-audit", params)
     assert rebuilt.k == 16 and rebuilt.seed == 3 and rebuilt.methods == ("grpo", "elpo")
     assert rebuilt.env == "reasoning-gym" and rebuilt.n_tasks == 12
+    # task options travel as one shell-quoted JSON object
+    import shlex
+
+    mix = {"datasets": ["products"], "dataset_config": {"products": {"max_terms": 2}}}
+    words = shlex.split(command({**config, "task_params": mix}))
+    params = dict(w.split("=", 1) for w in words[words.index("--out") + 2:] if w != "--param")
+    assert study_config("third-party-audit", params).task_params == mix
 
 
 def test_bad_settings_are_refused_in_one_line() -> None:

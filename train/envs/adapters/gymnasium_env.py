@@ -153,13 +153,13 @@ def blackjack_basic_strategy(obs: Any) -> int:
 
     * hard totals: hit at 11 or less; at 12 stick against a dealer 4-6; at 13-16 stick
       against 2-6; stick at 17 or more;
-    * soft totals (a usable ace): hit at 17 or less; at 18 stick against 2-8; stick at 19
-      or more.
+    * soft totals (a usable ace): hit at 17 or less; at 18 stick unless the dealer shows
+      9 or 10 (against an ace too: the stand-on-soft-17 chart); stick at 19 or more.
     """
     total, dealer, usable_ace = (int(v) for v in obs)
     weak = 2 <= dealer <= 6  # dealer 1 is an ace
     if usable_ace:
-        stick = total >= 19 or (total == 18 and 2 <= dealer <= 8)
+        stick = total >= 19 or (total == 18 and dealer not in (9, 10))
     else:
         stick = total >= 17 or (13 <= total <= 16 and weak) or (total == 12 and
                                                                   4 <= dealer <= 6)
