@@ -685,6 +685,6 @@ class BlackjackEnv(GymTextEnv):
     stopping band is reached by a policy that plays about as well as the expert."""
 
 
-__all__ = ["GAMES", "BlackjackEnv", "blackjack_basic_strategy", "CliffWalkingEnv", "FrozenLakeEnv", "Game",
-           "GymTextEnv", "TaxiEnv", "ToyTextEnv", "act_text", "game_of", "installed_id",
-           "tool_schema"]
+__all__ = ["GAMES", "BlackjackEnv", "CliffWalkingEnv", "FrozenLakeEnv", "Game", "GymTextEnv",
+           "TaxiEnv", "ToyTextEnv", "act_text", "blackjack_basic_strategy", "game_of",
+           "installed_id", "tool_schema"]
