@@ -679,10 +679,11 @@ class BlackjackEnv(GymTextEnv):
         "init_from": "calc", "train_tasks": 4_000, "eval_tasks": 100, "test_tasks": 200,
         "eval_every": 50}
     """``rtrees policy init``'s recipe: the basic-strategy expert
-    (``blackjack_basic_strategy``) on short episodes (one to three moves, about 120
-    tokens), warm-started from the committed calc policy, which already writes a tool
-    call's JSON. Success is a win (reward 1), about 43% for the expert itself, so the
-    stopping band is reached by a policy that plays about as well as the expert."""
+    (``blackjack_basic_strategy``, 44.6% wins over 2,000 hands) on short episodes (one to
+    three moves, about 570 tokens of the tiny tokenizer), warm-started from the committed
+    calc policy, which already writes a tool call's JSON. Success is a win (reward 1).
+    Measured (seed 0, one core beside two other jobs): 4,000 episodes built in 12 s, the
+    band reached after 350 steps (565 s), 37.0% held-out wins on 200 hands."""
 
 
 __all__ = ["GAMES", "BlackjackEnv", "CliffWalkingEnv", "FrozenLakeEnv", "Game", "GymTextEnv",
