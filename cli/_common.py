@@ -51,6 +51,19 @@ def parse_params(items: list[str] | None, option: str = "--param") -> dict[str, 
         fail(str(exc))
 
 
+def parse_task_params(items: list[str] | None, code: int = 1) -> dict[str, Any]:
+    """Repeated ``--task-param KEY=VALUE`` options as the env generator's options: each
+    value read by ``train.coerce.literal_value`` (``12,18`` a tuple, ``true`` a bool, text
+    starting with ``{`` or ``[`` JSON); a malformed one is a one-line error (exit ``code``)."""
+    from train.coerce import CoerceError, literal_value
+
+    try:
+        return {k: literal_value(v, f"--task-param {k}")
+                for k, v in parse_params(items, "--task-param").items()}
+    except CoerceError as exc:
+        fail(str(exc), code)
+
+
 def split_params(items: list[str] | None, option: str = "--param") -> dict[str, str]:
     """``parse_params`` raising ``ParamError`` instead of exiting (for library-style callers)."""
     out: dict[str, str] = {}

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from cli._common import console, fail, parse_params, require
+from cli._common import console, fail, parse_params, parse_task_params, require
 
 
 def default_run_id(env: str, sampler: str, policy: str, n_total: int) -> str:
@@ -52,6 +52,10 @@ def collect_command(
     commit_trees: Annotated[int, typer.Option(help="Trees per commit.")] = 16,
     param: Annotated[list[str] | None, typer.Option(
         "--param", help="Sampler option KEY=VALUE (repeatable), e.g. b_max=4.")] = None,
+    task_param: Annotated[list[str] | None, typer.Option(
+        "--task-param", help="KEY=VALUE option of the env's task generator (repeatable), "
+                             "e.g. workflow horizons=18; a table or list as JSON. Not with "
+                             "a task file, whose tasks carry their own configs.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     ray: Annotated[str | None, typer.Option(
         "--ray", help="Collect on Ray (the ray extra): auto (a running cluster, else a new "
@@ -65,6 +69,7 @@ def collect_command(
     from train.sampling.collect import collect
 
     params = parse_params(param)
+    task_params = parse_task_params(task_param)
     require((env is None) != (agent is None), "give exactly one of --env and --agent")
     spec: str = env if env is not None else f"agent:{agent}"
     counted = isinstance(tasks, int)
@@ -76,13 +81,16 @@ def collect_command(
         env_cls = env_class(spec)
     except ValueError as exc:  # EnvSpecError: unknown name, module that does not import
         fail(f"--{'env' if agent is None else 'agent'}: {exc}")
+    require(counted or not task_params,
+            "--task-param sets how tasks are generated: it cannot apply to a task file")
     if not counted:
         try:
             from_file = read_task_file(str(tasks), spec)
         except ValueError as exc:
             fail(f"--tasks: a count or a JSONL task file: {exc}")
     try:
-        generated = env_cls.generate_tasks(n_tasks, seed) if counted else from_file
+        generated = (env_cls.generate_tasks(n_tasks, seed, **task_params) if counted
+                     else from_file)
         s = Store(store, create=True)
         report = collect(s, spec, policy, sampler, generated, n_total, seed,
                          run_id or default_run_id(spec, sampler, policy, n_total),

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from cli._common import fail, parse_params, require
+from cli._common import fail, parse_task_params, require
 
 policy_app = typer.Typer(help="Train the embedded tiny policy; inspect policies.",
                          no_args_is_help=True)
@@ -63,13 +63,7 @@ def init(
     require(minutes is None or minutes > 0, f"--minutes must be positive, got {minutes}")
     extra: dict[str, Any] = {}
     if task_param:
-        from train.coerce import CoerceError, literal_value
-
-        try:
-            extra["task_params"] = {k: literal_value(v, f"--task-param {k}") for k, v in
-                                    parse_params(task_param, "--task-param").items()}
-        except CoerceError as exc:
-            fail(str(exc), 2)
+        extra["task_params"] = parse_task_params(task_param, 2)
     try:
         result = init_policy(env, seed=seed, out=out, minutes=minutes, force=force,
                              log=console.print, evaluate=success_report, **extra)

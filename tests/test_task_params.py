@@ -3,6 +3,7 @@ item 3): workflow horizons set from the command line, a bad option a one-line er
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,30 @@ def test_cli_bad_task_param_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nope" in err[0] and "Traceback" not in err[0]
     assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_collect_task_params_reach_the_generator(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``rtrees collect --task-param`` sets the generator's options (workflow horizon 6 trees
+    are stored as such); a bad one or one beside a task file is one line, no store made."""
+    from rollout_store import Store
+
+    app_args = ["collect", "--env", "workflow", "--policy", "tabular", "--sampler", "group",
+                "--tasks", "2", "--n-total", "2", "--no-progress"]
+    with pytest.raises(SystemExit) as info:
+        app([*app_args, "--store", str(tmp_path / "s"), "--task-param", "horizons=6"])
+    assert info.value.code == 0
+    trees = Store(tmp_path / "s").delta_table("trees").to_pyarrow_table()
+    configs = [json.loads(c) for c in trees.column("env_config").to_pylist()]
+    assert len(configs) == 2 and all(c["task"]["horizon"] == 6 for c in configs), configs
+    for extra, word in ((["--task-param", "nope=1"], "nope"),
+                        (["--task-param", "horizons={bad"], "not valid JSON"),
+                        (["--tasks", str(tmp_path / "t.jsonl"), "--task-param", "horizons=6"],
+                         "task file")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            app([*app_args, "--store", str(tmp_path / "bad"), *extra])
+        assert info.value.code != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and word in err[0], err
+        assert not (tmp_path / "bad").exists()
