@@ -31,6 +31,8 @@ def test_literal_value_rules() -> None:
         literal_value("{oops", "dataset_config")
     with pytest.raises(CoerceError, match="finite"):
         literal_value('{"a": NaN}', "dataset_config")
+    with pytest.raises(CoerceError, match="finite"):
+        literal_value('{"a": 1e999}', "dataset_config")
 
 
 def test_workflow_horizons_reach_both_splits() -> None:

@@ -210,8 +210,12 @@ def json_text(text: str, name: str = "") -> Any:
     def refuse(word: str) -> Any:
         raise CoerceError(f"{name}: {word} is not a finite number")
 
+    def finite(word: str) -> float:  # 1e999 parses as inf
+        number = float(word)
+        return number if math.isfinite(number) else refuse(word)
+
     try:
-        return json.loads(text, parse_constant=refuse)
+        return json.loads(text, parse_constant=refuse, parse_float=finite)
     except json.JSONDecodeError as exc:
         raise CoerceError(f"{name}: {text!r} is not valid JSON ({exc.msg} at character "
                           f"{exc.pos})") from None
